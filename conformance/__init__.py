@@ -1,0 +1,1 @@
+"""The conformance suite: Backend protocol, harness, Hypothesis state machine, CLI, bug zoo."""

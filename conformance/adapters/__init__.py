@@ -1,0 +1,1 @@
+"""Adapters that put real engines' caches behind the Backend protocol."""

@@ -1,0 +1,54 @@
+"""The Backend protocol: what an engine's cache (or an adapter around it) implements.
+
+The calls mirror a radix prefix cache's own API (SGLang's `RadixCache` is the
+model), plus a slot allocator, a logical clock and `snapshot()`. Node handles
+are plain ints that also appear as `NodeView.id` in snapshots.
+
+A factory is any callable `factory(config: CacheConfig) -> Backend` with a
+`capabilities: Capabilities` attribute; `kvcert certify MODULE:FACTORY` takes one.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional, Protocol, Sequence, runtime_checkable
+
+from kvcert.spec.types import CacheConfig, Capabilities, InsertOut, MatchOut, Snapshot
+
+__all__ = ["Backend", "Factory", "InsertOut", "MatchOut", "capabilities_of"]
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """A device-tier radix KV cache under test (SPEC.md §4)."""
+
+    def set_clock(self, now: int) -> None:
+        """Logical time of the next operation; replaces any wall clock (SPEC.md §3)."""
+
+    def alloc(self, n: int) -> tuple[int, ...]:
+        """Take `n` free slots (whole pages); raise `PoolExhausted` if there are fewer."""
+
+    def free(self, slots: Sequence[int]) -> None:
+        """Return slots the caller owns to the pool."""
+
+    def match_prefix(self, namespace: Optional[str], tokens: Sequence[int]) -> MatchOut: ...
+
+    def insert(self, namespace: Optional[str], tokens: Sequence[int], slots: Sequence[int], priority: int = 0) -> InsertOut: ...
+
+    def inc_lock_ref(self, node: int) -> None: ...
+
+    def dec_lock_ref(self, node: int) -> None: ...
+
+    def evict(self, n: int) -> int:
+        """Free at least min(n, evictable) tokens; return how many were freed."""
+
+    def snapshot(self) -> Snapshot: ...
+
+
+Factory = Callable[[CacheConfig], Backend]
+
+
+def capabilities_of(factory: object) -> Capabilities:
+    caps = getattr(factory, "capabilities", None)
+    if not isinstance(caps, Capabilities):
+        raise TypeError(f"{factory!r} has no `capabilities: Capabilities` attribute")
+    return caps

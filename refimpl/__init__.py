@@ -1,0 +1,5 @@
+"""The reference model: the plainest radix KV cache that satisfies the spec."""
+
+from kvcert.refimpl.cache import RefCache, SlotPool, factory
+
+__all__ = ["RefCache", "SlotPool", "factory"]

@@ -1,0 +1,156 @@
+"""Operation contracts: relations over (snapshot before, arguments, result, snapshot after).
+
+Where backends may legitimately differ (SPEC.md §6: tie-breaks, slot choice,
+leaf overshoot) these functions accept every allowed outcome and, for
+eviction, return a witness so the harness can steer the oracle to the same one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping, Optional, Sequence
+
+from kvcert.spec.pages import min_rank_ids, overshoot_ok, page_floor
+from kvcert.spec.types import Namespace, Snapshot, Tokens
+
+Path = tuple[Namespace, Tokens]
+"""A node named by where it ends: (namespace, every token from the root)."""
+
+
+def node_paths(s: Snapshot) -> dict[int, Path]:
+    """Every non-root node's end path, computed once top-down."""
+    kids = s.children()
+    nodes = s.by_id()
+    out: dict[int, Path] = {}
+    stack: list[tuple[int, Path]] = [(c, (nodes[c].namespace, nodes[c].key)) for c in kids.get(s.root, [])]
+    while stack:
+        nid, path = stack.pop()
+        out[nid] = path
+        for c in kids.get(nid, []):
+            stack.append((c, (path[0], path[1] + nodes[c].key)))
+    return out
+
+
+def shape(s: Snapshot) -> dict[Path, tuple[int, int]]:
+    """The backend-independent tree: end path -> (edge length, lock_ref)."""
+    nodes = s.by_id()
+    return {p: (len(nodes[i].key), nodes[i].lock_ref) for i, p in node_paths(s).items()}
+
+
+def token_slots(s: Snapshot) -> dict[Path, int]:
+    """Every cached token, named by its prefix path, to the slot holding its KV."""
+    nodes = s.by_id()
+    out: dict[Path, int] = {}
+    for nid, (ns, path) in node_paths(s).items():
+        node = nodes[nid]
+        start = len(path) - len(node.key)
+        for i, slot in enumerate(node.slots):
+            out[(ns, path[: start + i + 1])] = slot
+    return out
+
+
+def cached_prefix_len(s: Snapshot, namespace: Namespace, tokens: Sequence[int], slots: Optional[Mapping[Path, int]] = None) -> int:
+    """The exact answer to match_prefix: the longest cached page-aligned prefix in `namespace`."""
+    cached = token_slots(s) if slots is None else slots
+    toks = tuple(tokens)
+    n = 0
+    while n < len(toks) and (namespace, toks[: n + 1]) in cached:
+        n += 1
+    return page_floor(n, s.page_size)
+
+
+def prefix_slots(s: Snapshot, namespace: Namespace, tokens: Sequence[int], length: int) -> tuple[int, ...]:
+    """The slots a match of `length` tokens must return, read off the tree."""
+    cached = token_slots(s)
+    toks = tuple(tokens)
+    return tuple(cached[(namespace, toks[: i + 1])] for i in range(length))
+
+
+def slot_changes(before: Snapshot, after: Snapshot) -> list[str]:
+    """INV-SLOT-3: a token cached before and after an operation keeps its slot."""
+    a = token_slots(after)
+    return [
+        f"{path[1][-4:]}@{len(path[1]) - 1} moved from slot {slot} to {a[path]}"
+        for path, slot in token_slots(before).items()
+        if path in a and a[path] != slot
+    ]
+
+
+# --------------------------------------------------------------------------- eviction
+
+
+@dataclass(frozen=True)
+class EvictNode:
+    """What eviction may look at: structure, size, lock, and the policy rank."""
+
+    id: int
+    parent: Optional[int]
+    size: int
+    locked: bool
+    rank: tuple[int, ...]
+
+
+def eviction_witness(nodes: Mapping[int, EvictNode], root: int, asked: int, removed: frozenset[int]) -> Optional[list[int]]:
+    """An eviction order that removes exactly `removed`, or None if none is legal.
+
+    Legal (SPEC.md §4.5): repeatedly remove an unlocked leaf of minimal rank
+    (ties free) while fewer than `asked` tokens are freed; whole nodes only.
+    Searches over tie choices only, so it is fast when ties are rare.
+    """
+    kids: dict[int, set[int]] = {i: set() for i in nodes}
+    for n in nodes.values():
+        if n.parent is not None and n.parent in kids:
+            kids[n.parent].add(n.id)
+    dead: set[frozenset[int]] = set()
+
+    def search(gone: frozenset[int], freed: int) -> Optional[list[int]]:
+        if gone in dead:
+            return None
+        leaves = [
+            (n.rank, n.id)
+            for n in nodes.values()
+            if n.id != root and n.id not in gone and not n.locked and not (kids[n.id] - gone)
+        ]
+        if freed >= asked or not leaves:
+            return [] if gone == removed else None
+        for pick in min_rank_ids(leaves):
+            if pick in removed:
+                rest = search(gone | {pick}, freed + nodes[pick].size)
+                if rest is not None:
+                    return [pick, *rest]
+        dead.add(gone)
+        return None
+
+    if not removed <= set(nodes) - {root}:
+        return None
+    return search(frozenset(), 0)
+
+
+def eviction_bounds(before: Snapshot, after: Snapshot, asked: int, reported: int) -> list[tuple[str, str]]:
+    """INV-EVICT-1/2/3/5 from two snapshots alone; returns (inv, message) pairs."""
+    out: list[tuple[str, str]] = []
+    paths_b, paths_a = node_paths(before), node_paths(after)
+    kept = set(paths_a.values())
+    nodes = before.by_id()
+    gone = {i for i, p in paths_b.items() if p not in kept}
+    appeared = set(paths_a.values()) - set(paths_b.values())
+    if appeared:
+        out.append(("INV-EVICT-3", f"eviction created nodes {sorted(appeared)[:3]}"))
+    freed_tokens = sum(len(nodes[i].key) for i in gone)
+    for i in gone:
+        if nodes[i].lock_ref > 0:
+            out.append(("INV-EVICT-3", f"locked node {i} (lock_ref {nodes[i].lock_ref}) was evicted"))
+    kids = before.children()
+    for i in gone:
+        alive = [c for c in kids.get(i, []) if c not in gone]
+        if alive:
+            out.append(("INV-EVICT-3", f"node {i} evicted while its child {alive[0]} stays"))
+    free_delta = len(after.free_slots) - len(before.free_slots)
+    if not reported == freed_tokens == free_delta:
+        out.append(("INV-EVICT-5", f"reported {reported}, tree lost {freed_tokens}, free list grew {free_delta}"))
+    if freed_tokens < min(asked, before.evictable_size):
+        out.append(("INV-EVICT-1", f"asked {asked}, evictable {before.evictable_size}, freed only {freed_tokens}"))
+    tops = [i for i in gone if nodes[i].parent not in gone]
+    if gone and not any(overshoot_ok(freed_tokens, asked, len(nodes[i].key)) for i in tops):
+        out.append(("INV-EVICT-2", f"asked {asked}, freed {freed_tokens}: went on past the node that sufficed"))
+    return out

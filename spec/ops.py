@@ -1,0 +1,119 @@
+"""The operation vocabulary as data.
+
+One `Op` type serves the Hypothesis rules, saved counterexamples and replay.
+Handles are indices: `Lock(handle=k)` means "the node returned by the k-th
+handle-producing operation of this trace" (an `Insert` or a `Match`), so a
+trace names nodes without knowing any backend's ids.
+
+Fields are deliberately loose (`tokens` may hold a string, `n` a float): bad
+input must be expressible, and the backend, not the trace type, rejects it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, fields
+from typing import Any, Optional, Union
+
+from kvcert.spec.types import CacheConfig
+
+TRACE_FORMAT = "kvcert-trace/1"
+
+
+@dataclass(frozen=True)
+class Insert:
+    """A request finished computing `tokens`: allocate slots, insert, free the duplicates."""
+
+    namespace: Optional[str]
+    tokens: tuple[Any, ...]
+    priority: int = 0
+    value_len: Optional[int] = None
+    """Slots to allocate; None means len(tokens). A different value is bad input."""
+
+
+@dataclass(frozen=True)
+class Match:
+    """Look up the longest cached prefix of `tokens` (page-aligned)."""
+
+    namespace: Optional[str]
+    tokens: tuple[Any, ...]
+
+
+@dataclass(frozen=True)
+class Lock:
+    """inc_lock_ref on the node behind handle `handle`."""
+
+    handle: int
+
+
+@dataclass(frozen=True)
+class Unlock:
+    """dec_lock_ref on the node behind handle `handle`."""
+
+    handle: int
+
+
+@dataclass(frozen=True)
+class Evict:
+    """Ask the cache to free at least `n` tokens of unlocked KV."""
+
+    n: Any
+
+
+Op = Union[Insert, Match, Lock, Unlock, Evict]
+OP_TYPES: dict[str, type] = {t.__name__: t for t in (Insert, Match, Lock, Unlock, Evict)}
+HANDLE_PRODUCERS = (Insert, Match)
+
+
+def op_to_json(op: Op) -> dict[str, Any]:
+    body = asdict(op)
+    if "tokens" in body:
+        body["tokens"] = list(body["tokens"])
+    return {"op": type(op).__name__, **body}
+
+
+def op_from_json(obj: dict[str, Any]) -> Op:
+    kind = obj.get("op")
+    if kind not in OP_TYPES:
+        raise ValueError(f"unknown op {kind!r}")
+    cls = OP_TYPES[kind]
+    names = {f.name for f in fields(cls)}
+    args = {k: v for k, v in obj.items() if k in names}
+    if "tokens" in args:
+        args["tokens"] = tuple(args["tokens"])
+    op: Op = cls(**args)
+    return op
+
+
+@dataclass(frozen=True)
+class Trace:
+    """A replayable run: which backend, under which config, doing what."""
+
+    config: CacheConfig
+    ops: tuple[Op, ...]
+    target: str = "kvcert.refimpl:RefCache"
+    note: str = ""
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {
+                "format": TRACE_FORMAT,
+                "target": self.target,
+                "config": asdict(self.config),
+                "note": self.note,
+                "ops": [op_to_json(op) for op in self.ops],
+            },
+            indent=1,
+        )
+
+    @staticmethod
+    def from_json(text: str) -> "Trace":
+        obj = json.loads(text)
+        if obj.get("format") != TRACE_FORMAT:
+            raise ValueError(f"not a {TRACE_FORMAT} file")
+        return Trace(
+            config=CacheConfig(**obj["config"]),
+            ops=tuple(op_from_json(o) for o in obj["ops"]),
+            target=obj.get("target", "kvcert.refimpl:RefCache"),
+            note=obj.get("note", ""),
+        )

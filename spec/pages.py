@@ -1,0 +1,128 @@
+"""Pure functions every radix cache needs, with contracts CrossHair verifies.
+
+The contracts are PEP 316 docstrings (`pre:` / `post:`); `crosshair check
+spec/pages.py` searches for inputs that break them (CI runs it on a fixed
+budget). Keep these functions tiny and total: they are the vocabulary the
+rest of the spec is written in.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+# Policy-metadata positions inside a rank tuple are spelled out in SPEC.md §4.5.
+RANKED_POLICIES = ("lru", "lfu", "fifo", "mru", "priority")
+
+
+def page_floor(n: int, page_size: int) -> int:
+    """The largest multiple of `page_size` that is not above `n`.
+
+    pre: n >= 0
+    pre: page_size >= 1
+    post: __return__ % page_size == 0
+    post: 0 <= n - __return__ < page_size
+    """
+    return n - n % page_size
+
+
+def is_aligned(n: int, page_size: int) -> bool:
+    """True when a length of `n` tokens is whole pages.
+
+    pre: page_size >= 1
+    post: __return__ == (n >= 0 and n % page_size == 0)
+    """
+    return n >= 0 and n % page_size == 0
+
+
+def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix of two token sequences.
+
+    post: 0 <= __return__ <= min(len(a), len(b))
+    post: list(a[:__return__]) == list(b[:__return__])
+    post: __return__ == min(len(a), len(b)) or a[__return__] != b[__return__]
+    """
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def match_len(a: Sequence[int], b: Sequence[int], page_size: int) -> int:
+    """Common prefix of `a` and `b` in whole pages: what a radix edge can share.
+
+    pre: page_size >= 1
+    post: __return__ % page_size == 0
+    post: list(a[:__return__]) == list(b[:__return__])
+    post: __return__ + page_size > common_prefix_len(a, b)
+    """
+    return page_floor(common_prefix_len(a, b), page_size)
+
+
+def split_key(key: tuple[int, ...], at: int, page_size: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Split an edge key at a page boundary into (prefix, suffix).
+
+    pre: page_size >= 1
+    pre: len(key) % page_size == 0
+    pre: 0 < at < len(key)
+    pre: at % page_size == 0
+    post: __return__[0] + __return__[1] == key
+    post: len(__return__[0]) % page_size == 0 and len(__return__[1]) % page_size == 0
+    post: len(__return__[0]) > 0 and len(__return__[1]) > 0
+    """
+    return key[:at], key[at:]
+
+
+def first_page(key: Sequence[int], page_size: int) -> tuple[int, ...]:
+    """The child-selector of an edge: its first page of tokens.
+
+    pre: page_size >= 1
+    pre: len(key) >= page_size
+    post: len(__return__) == page_size
+    post: list(__return__) == list(key[:page_size])
+    """
+    return tuple(key[:page_size])
+
+
+def policy_rank(policy: str, last_access: int, hit_count: int, creation: int, priority: int) -> tuple[int, ...]:
+    """Eviction rank of a leaf under `policy`: the smallest rank goes first.
+
+    Mirrors SGLang's `evict_policy.py` with a logical clock in place of
+    `time.monotonic()`.
+
+    pre: policy in RANKED_POLICIES
+    post: len(__return__) >= 1
+    """
+    if policy == "lru":
+        return (last_access,)
+    if policy == "lfu":
+        return (hit_count, last_access)
+    if policy == "fifo":
+        return (creation,)
+    if policy == "mru":
+        return (-last_access,)
+    return (priority, last_access)
+
+
+def min_rank_ids(candidates: Sequence[tuple[tuple[int, ...], int]]) -> list[int]:
+    """Ids of the candidates whose rank is smallest: the legal next victims.
+
+    post: (len(__return__) == 0) == (len(candidates) == 0)
+    post: all(any(c[1] == i for c in candidates) for i in __return__)
+    post: all(all(c[0] <= d[0] for d in candidates) for c in candidates if c[1] in __return__)
+    """
+    if not candidates:
+        return []
+    best = min(rank for rank, _ in candidates)
+    return [node_id for rank, node_id in candidates if rank == best]
+
+
+def overshoot_ok(freed: int, asked: int, last_node_size: int) -> bool:
+    """Eviction may pass `asked` only by the node that crossed it.
+
+    True when stopping before the last evicted node would have freed too little.
+
+    pre: freed >= 0 and last_node_size >= 0 and last_node_size <= freed
+    post: __return__ == (freed - last_node_size < asked or freed == 0)
+    """
+    return freed == 0 or freed - last_node_size < asked

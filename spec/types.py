@@ -1,0 +1,177 @@
+"""Observable state, errors and capabilities shared by every layer.
+
+Everything a checker needs is a plain value here: a backend is judged only by
+the `Snapshot` it exposes and the results it returns, never by its internals.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+Namespace = Optional[str]
+"""A cache namespace (LoRA id, cache salt). `None` is the default namespace."""
+
+Tokens = tuple[int, ...]
+
+POLICIES: tuple[str, ...] = ("lru", "lfu", "fifo", "mru", "priority")
+"""Eviction policies the spec defines (SPEC.md §4.5)."""
+
+
+# --------------------------------------------------------------------------- errors
+
+
+class KVCertError(Exception):
+    """Root of every error a conforming backend raises on purpose."""
+
+
+class BadInput(KVCertError, ValueError):
+    """The call was malformed; a conforming backend changes nothing (INV-ERR-1)."""
+
+
+class UnalignedKey(BadInput):
+    """An inserted key's length is not a multiple of the page size."""
+
+
+class LengthMismatch(BadInput):
+    """An insert supplied a different number of slots than tokens."""
+
+
+class InvalidToken(BadInput):
+    """A token id is negative or not an integer."""
+
+
+class InvalidCount(BadInput):
+    """An eviction or allocation count is negative or not an integer."""
+
+
+class StaleHandle(BadInput):
+    """A node handle was never issued, or its node has left the tree."""
+
+
+class LockUnderflow(BadInput):
+    """dec_lock_ref on a handle that holds no lock of its own."""
+
+
+class SlotNotOwned(BadInput):
+    """A slot passed to free/insert is not the caller's (free already, or the tree's)."""
+
+
+class PoolExhausted(KVCertError):
+    """The slot pool has fewer free slots than asked for; nothing was allocated."""
+
+
+# --------------------------------------------------------------------------- snapshot
+
+
+@dataclass(frozen=True)
+class NodeView:
+    """One radix-tree node as a backend exposes it.
+
+    `key` holds only this node's own tokens (the edge from its parent);
+    `slots[i]` is the device KV slot of `key[i]`.
+    """
+
+    id: int
+    parent: Optional[int]
+    namespace: Namespace
+    key: Tokens
+    slots: tuple[int, ...]
+    lock_ref: int
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """Everything observable about a device-tier cache between two operations."""
+
+    page_size: int
+    capacity: int
+    """Number of usable device slots (tokens)."""
+    slot_limit: int
+    """Exclusive upper bound on slot ids (an engine may reserve slot 0)."""
+    root: int
+    nodes: tuple[NodeView, ...]
+    """All nodes, root included (root: parent None, empty key)."""
+    free_slots: tuple[int, ...]
+    """Free device slots, sorted."""
+    evictable_size: int
+    """The backend's own counter: tokens in unlocked nodes."""
+    protected_size: int
+    """The backend's own counter: tokens in locked nodes."""
+
+    def by_id(self) -> dict[int, NodeView]:
+        return {n.id: n for n in self.nodes}
+
+    def children(self) -> dict[int, list[int]]:
+        out: dict[int, list[int]] = {n.id: [] for n in self.nodes}
+        for n in self.nodes:
+            if n.parent is not None and n.parent in out:
+                out[n.parent].append(n.id)
+        return out
+
+    def path_of(self, node_id: int) -> tuple[Namespace, Tokens]:
+        """(namespace, all tokens from the root to the end of `node_id`)."""
+        nodes = self.by_id()
+        parts: list[Tokens] = []
+        ns: Namespace = None
+        cur: Optional[int] = node_id
+        seen = 0
+        while cur is not None and cur != self.root:
+            node = nodes[cur]
+            parts.append(node.key)
+            ns = node.namespace
+            cur = node.parent
+            seen += 1
+            if seen > len(nodes):
+                raise ValueError("cycle in parent links")
+        return ns, tuple(t for part in reversed(parts) for t in part)
+
+
+# --------------------------------------------------------------------------- results
+
+
+@dataclass(frozen=True)
+class MatchOut:
+    """match_prefix's answer: matched length, its slots, the node where it ends."""
+
+    length: int
+    slots: tuple[int, ...]
+    node: int
+
+
+@dataclass(frozen=True)
+class InsertOut:
+    """insert's answer: how much of the key was already cached, and the node where it ends.
+
+    The tree owns `slots[prefix_len:]` afterwards; `slots[:prefix_len]` are
+    duplicates and stay the caller's to free (SGLang's `RadixCache` contract).
+    """
+
+    prefix_len: int
+    node: int
+
+
+# --------------------------------------------------------------------------- config
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """What the suite asks a factory to build."""
+
+    page_size: int = 1
+    policy: str = "lru"
+    capacity: int = 64
+    """Usable device slots; a multiple of page_size."""
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend declares it supports; the suite runs only what applies."""
+
+    name: str
+    page_sizes: tuple[int, ...] = (1,)
+    policies: tuple[str, ...] = ("lru",)
+    namespaces: bool = True
+    strict_input: bool = False
+    """True: bad input raises a `BadInput` subclass and changes nothing."""
+    notes: tuple[str, ...] = field(default_factory=tuple)
