@@ -9,7 +9,7 @@ callback so the harness can steer this model to a backend's legal choice.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from kvcert.spec import pages
 from kvcert.spec.types import (
@@ -32,56 +32,52 @@ from kvcert.spec.types import (
     UnalignedKey,
 )
 
-FREE, LENT, TREE = "free", "lent", "tree"
-
-
 class SlotPool:
-    """A fixed pool of device slots, each FREE, LENT to a caller, or owned by the TREE.
+    """A fixed pool of device slots: a free list, and the slots lent to callers.
 
-    Pages are handed out lowest first, so runs are reproducible.
+    Slots the tree owns are simply in neither. Pages are handed out lowest
+    first, so runs are reproducible.
     """
 
     def __init__(self, capacity: int, page_size: int) -> None:
         self.page_size = page_size
         self.capacity = capacity
-        self.state = {slot: FREE for slot in range(capacity)}
+        self.free_list: list[int] = list(range(capacity))
+        self.lent: set[int] = set()
 
     def free_slots(self) -> tuple[int, ...]:
-        return tuple(s for s, st in self.state.items() if st == FREE)
+        return tuple(sorted(self.free_list))
 
     def alloc(self, n: int) -> tuple[int, ...]:
         _check_count(n)
         if n % self.page_size:
             raise UnalignedKey(f"alloc of {n} slots is not whole pages of {self.page_size}")
-        free = self.free_slots()
-        if n > len(free):
-            raise PoolExhausted(f"asked for {n} slots, {len(free)} free")
-        taken = free[:n]
-        for s in taken:
-            self.state[s] = LENT
+        if n > len(self.free_list):
+            raise PoolExhausted(f"asked for {n} slots, {len(self.free_list)} free")
+        self.free_list.sort()
+        taken = tuple(self.free_list[:n])
+        del self.free_list[:n]
+        self.lent.update(taken)
         return taken
 
-    def _require(self, slots: Iterable[int], want: str, action: str) -> list[int]:
-        slots = list(slots)
-        for s in slots:
-            if self.state.get(s) != want or slots.count(s) > 1:
-                raise SlotNotOwned(f"cannot {action} slot {s}: it is {self.state.get(s, 'unknown')}")
-        return slots
+    def require_lent(self, slots: Sequence[int], action: str) -> None:
+        if len(set(slots)) != len(slots) or not self.lent.issuperset(slots):
+            raise SlotNotOwned(f"cannot {action} slots {tuple(slots)[:8]}: not all lent to the caller")
 
-    def give_back(self, slots: Iterable[int]) -> None:
+    def give_back(self, slots: Sequence[int]) -> None:
         """A caller frees slots it was lent."""
-        for s in self._require(slots, LENT, "free"):
-            self.state[s] = FREE
+        self.require_lent(slots, "free")
+        self.lent.difference_update(slots)
+        self.free_list.extend(slots)
 
-    def adopt(self, slots: Iterable[int]) -> None:
+    def adopt(self, slots: Sequence[int]) -> None:
         """The tree takes ownership of lent slots."""
-        for s in self._require(slots, LENT, "adopt"):
-            self.state[s] = TREE
+        self.require_lent(slots, "adopt")
+        self.lent.difference_update(slots)
 
-    def release(self, slots: Iterable[int]) -> None:
+    def release(self, slots: Sequence[int]) -> None:
         """The tree drops slots it owned (eviction)."""
-        for s in self._require(slots, TREE, "release"):
-            self.state[s] = FREE
+        self.free_list.extend(slots)
 
 
 @dataclass(eq=False)
@@ -224,7 +220,7 @@ class RefCache:
             raise LengthMismatch(f"{len(key)} tokens but {len(slots)} slots")
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise InvalidCount(f"priority must be an int, got {priority!r}")
-        self.pool._require(slots, LENT, "insert")
+        self.pool.require_lent(slots, "insert")
 
         def hit(node: Node) -> None:
             node.hit_count += 1

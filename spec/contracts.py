@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence
 
-from kvcert.spec.pages import min_rank_ids, overshoot_ok, page_floor
+from kvcert.spec.pages import min_rank_ids, overshoot_ok
 from kvcert.spec.types import Namespace, Snapshot, Tokens
 
 Path = tuple[Namespace, Tokens]
@@ -37,42 +37,47 @@ def shape(s: Snapshot) -> dict[Path, tuple[int, int]]:
     return {p: (len(nodes[i].key), nodes[i].lock_ref) for i, p in node_paths(s).items()}
 
 
-def token_slots(s: Snapshot) -> dict[Path, int]:
-    """Every cached token, named by its prefix path, to the slot holding its KV."""
+def page_slots(s: Snapshot) -> dict[Path, tuple[int, ...]]:
+    """Every cached page, named by the path up to its last token, to the slots holding its KV.
+
+    Pages, not tokens, are the unit: with page_size > 1 two cached pages may
+    share leading tokens yet hold different slots.
+    """
     nodes = s.by_id()
-    out: dict[Path, int] = {}
+    ps = s.page_size
+    out: dict[Path, tuple[int, ...]] = {}
     for nid, (ns, path) in node_paths(s).items():
         node = nodes[nid]
         start = len(path) - len(node.key)
-        for i, slot in enumerate(node.slots):
-            out[(ns, path[: start + i + 1])] = slot
+        for i in range(0, len(node.key), ps):
+            out[(ns, path[: start + i + ps])] = tuple(node.slots[i : i + ps])
     return out
 
 
-def cached_prefix_len(s: Snapshot, namespace: Namespace, tokens: Sequence[int], slots: Optional[Mapping[Path, int]] = None) -> int:
+def cached_prefix_len(s: Snapshot, namespace: Namespace, tokens: Sequence[int]) -> int:
     """The exact answer to match_prefix: the longest cached page-aligned prefix in `namespace`."""
-    cached = token_slots(s) if slots is None else slots
+    cached = page_slots(s)
     toks = tuple(tokens)
-    n = 0
-    while n < len(toks) and (namespace, toks[: n + 1]) in cached:
-        n += 1
-    return page_floor(n, s.page_size)
+    n, ps = 0, s.page_size
+    while n + ps <= len(toks) and (namespace, toks[: n + ps]) in cached:
+        n += ps
+    return n
 
 
 def prefix_slots(s: Snapshot, namespace: Namespace, tokens: Sequence[int], length: int) -> tuple[int, ...]:
     """The slots a match of `length` tokens must return, read off the tree."""
-    cached = token_slots(s)
+    cached = page_slots(s)
     toks = tuple(tokens)
-    return tuple(cached[(namespace, toks[: i + 1])] for i in range(length))
+    return tuple(x for end in range(s.page_size, length + 1, s.page_size) for x in cached[(namespace, toks[:end])])
 
 
 def slot_changes(before: Snapshot, after: Snapshot) -> list[str]:
-    """INV-SLOT-3: a token cached before and after an operation keeps its slot."""
-    a = token_slots(after)
+    """INV-SLOT-3: a page cached before and after an operation keeps its slots."""
+    a = page_slots(after)
     return [
-        f"{path[1][-4:]}@{len(path[1]) - 1} moved from slot {slot} to {a[path]}"
-        for path, slot in token_slots(before).items()
-        if path in a and a[path] != slot
+        f"page ending {path[1][-4:]}@{len(path[1])} moved from slots {slots} to {a[path]}"
+        for path, slots in page_slots(before).items()
+        if path in a and a[path] != slots
     ]
 
 

@@ -1,0 +1,206 @@
+"""Import shims that let SGLang's real mem_cache modules load on a CPU-only machine.
+
+SGLang 0.5.23 imports `triton` and (through `transformers` and its multimodal
+configs) `torchvision` on the path to `mem_cache`. Neither works here: triton
+has no CPU wheel and the PyPI torchvision is a CUDA build ("operator
+torchvision::nms does not exist"). SGLang ships its own triton stub for
+platforms without one (`sglang/_platform_stubs.py`), but only installs it on
+Apple Silicon, so we load that file directly (without running
+`sglang/__init__`) and build the same stub. torchvision gets a stub too, with a
+real `InterpolationMode` enum because transformers reads
+`InterpolationMode.NEAREST_EXACT` at import time once `find_spec` sees it.
+
+Everything here is idempotent and only touches `sys.modules` / `sys.meta_path`
+for names that are not importable for real. See /work/shared/SGLANG_ON_CPU.md.
+"""
+
+from __future__ import annotations
+
+import enum
+import importlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import sys
+import types
+import warnings
+from pathlib import Path
+from typing import Any
+
+SGLANG_VERSION = "0.5.23"
+INSTALL_HINT = "install the pinned set with `scripts/install_sglang.sh` (see requirements/sglang.txt)"
+
+_STUBS_NAME = "_kvcert_sglang_platform_stubs"
+
+
+class InterpolationMode(enum.Enum):
+    """torchvision.transforms.InterpolationMode, member for member (transformers maps PIL modes onto it)."""
+
+    NEAREST = "nearest"
+    NEAREST_EXACT = "nearest-exact"
+    BILINEAR = "bilinear"
+    BICUBIC = "bicubic"
+    BOX = "box"
+    HAMMING = "hamming"
+    LANCZOS = "lanczos"
+
+
+def _sglang_dir() -> Path:
+    spec = importlib.util.find_spec("sglang")
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError(f"sglang=={SGLANG_VERSION} is not installed; {INSTALL_HINT}")
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def _platform_stubs() -> types.ModuleType:
+    """sglang/_platform_stubs.py loaded from file, so `sglang/__init__` does not run before the stubs exist."""
+    mod = sys.modules.get(_STUBS_NAME)
+    if mod is not None:
+        return mod
+    path = _sglang_dir() / "_platform_stubs.py"
+    spec = importlib.util.spec_from_file_location(_STUBS_NAME, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load {path}")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[_STUBS_NAME] = mod  # dataclasses look the module up while it executes
+    spec.loader.exec_module(mod)
+    return mod
+
+
+class _PrefixFinder(importlib.abc.Loader):
+    """Meta-path finder and loader that answer every `PREFIX.*` import with a stub module."""
+
+    def __init__(self, prefix: str, make: Any) -> None:
+        self.prefix, self.make = prefix, make
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
+        if fullname != self.prefix and not fullname.startswith(self.prefix + "."):
+            return None
+        return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
+
+    def create_module(self, spec: Any) -> types.ModuleType:
+        mod = sys.modules.get(spec.name) or self.make(spec.name)
+        mod.__spec__, mod.__loader__ = spec, self
+        return mod
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        parent, _, child = module.__name__.rpartition(".")
+        if parent in sys.modules:
+            setattr(sys.modules[parent], child, module)
+
+
+def _install_finder(prefix: str, make: Any) -> None:
+    if not any(isinstance(f, _PrefixFinder) and f.prefix == prefix for f in sys.meta_path):
+        sys.meta_path.insert(0, _PrefixFinder(prefix, make))
+
+
+def _stub_triton(stubs: types.ModuleType) -> None:
+    """The triton stub `install_platform_stubs()` builds on macOS, minus its torch.mps patches."""
+    if "triton" in sys.modules or importlib.util.find_spec("triton") is not None:
+        return
+    make = stubs._make_mock
+    _install_finder("triton", make)
+    triton = make("triton")
+    triton.__version__ = "3.0.0"
+    triton.cdiv, triton.next_power_of_2, triton.Config = stubs._cdiv, stubs._next_power_of_2, stubs._Config
+
+    class constexpr:
+        def __init__(self, value: Any = None) -> None:
+            self.value = value
+
+    class JITFunction:
+        pass
+
+    def classes(*names: str, base: type = stubs._StubBase) -> dict[str, type]:
+        return {n: type(n, (base,), {}) for n in names}
+
+    attrs: dict[str, dict[str, Any]] = {
+        "triton.language": {"constexpr": constexpr},
+        "triton.language.extra": {},
+        "triton.language.extra.libdevice": {},
+        "triton.runtime": {},
+        "triton.runtime.jit": {"JITFunction": JITFunction, **classes("KernelInterface")},
+        "triton.runtime.cache": {"triton_key": stubs._triton_key},
+        "triton.runtime.autotuner": classes("OutOfResources", "PTXASError", base=Exception),
+        "triton.runtime.driver": {},
+        "triton.compiler": classes("CompiledKernel"),
+        "triton.compiler.compiler": {"triton_key": stubs._triton_key, **classes("ASTSource")},
+        "triton.testing": {},
+        "triton.tools": {},
+        "triton.tools.tensor_descriptor": {},
+        "triton.backends": {},
+        "triton.backends.compiler": classes("GPUTarget"),
+    }
+    for name, members in attrs.items():  # parents come first in the table
+        mod = make(name)
+        for key, value in members.items():
+            setattr(mod, key, value)
+        parent, _, child = name.rpartition(".")
+        setattr(sys.modules[parent], child, mod)
+
+
+def _stub_torchvision(stubs: types.ModuleType) -> None:
+    """A torchvision that imports: mock modules plus the real InterpolationMode enum."""
+    if "torchvision" in sys.modules:
+        return
+    try:
+        import torchvision  # noqa: F401  (a working CPU torchvision needs no stub)
+
+        return
+    except Exception:
+        for name in [m for m in sys.modules if m == "torchvision" or m.startswith("torchvision.")]:
+            del sys.modules[name]
+    _install_finder("torchvision", stubs._make_mock)
+    tv = stubs._make_mock("torchvision")
+    tv.__version__ = "0.0.0+kvcert.stub"
+    for name in ("torchvision.transforms", "torchvision.transforms.functional"):
+        mod = stubs._make_mock(name)
+        mod.InterpolationMode = InterpolationMode
+        parent, _, child = name.rpartition(".")
+        setattr(sys.modules[parent], child, mod)
+
+
+def install_shims() -> None:
+    """Stub triton and torchvision where they are missing or broken; safe to call repeatedly."""
+    stubs = _platform_stubs()
+    _stub_triton(stubs)
+    _stub_torchvision(stubs)
+
+
+def import_sglang() -> types.SimpleNamespace:
+    """Install the shims and import the SGLang classes the adapter drives.
+
+    Raises ImportError with an install hint when sglang (or one of its pinned
+    hard imports) is missing.
+    """
+    try:
+        install_shims()
+        with warnings.catch_warnings():
+            # Import-time noise that says nothing about the CPU radix cache: requests misses chardet /
+            # charset_normalizer, and SGLang's AWQ/GGUF modules announce they need a GPU.
+            warnings.filterwarnings("ignore", message=".*character detection dependency.*")
+            warnings.filterwarnings("ignore", message="Only CUDA.*", category=UserWarning)
+            from sglang.srt.mem_cache import radix_cache
+            from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
+            from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams
+            from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+            from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+            from sglang.version import __version__
+    except ImportError as exc:
+        raise ImportError(f"cannot import sglang's mem_cache ({exc}); {INSTALL_HINT}") from exc
+    if __version__ != SGLANG_VERSION:
+        warnings.warn(f"kvcert's SGLang adapter targets {SGLANG_VERSION}, found {__version__}", stacklevel=2)
+    return types.SimpleNamespace(
+        version=__version__,
+        radix_cache=radix_cache,
+        RadixCache=radix_cache.RadixCache,
+        RadixKey=radix_cache.RadixKey,
+        TreeNode=radix_cache.TreeNode,
+        CacheInitParams=CacheInitParams,
+        MatchPrefixParams=MatchPrefixParams,
+        InsertParams=InsertParams,
+        EvictParams=EvictParams,
+        MHATokenToKVPool=MHATokenToKVPool,
+        TokenToKVPoolAllocator=TokenToKVPoolAllocator,
+        PagedTokenToKVPoolAllocator=PagedTokenToKVPoolAllocator,
+    )

@@ -1,0 +1,295 @@
+"""SGLang's real device-tier `RadixCache` (0.5.23) behind kvcert's Backend protocol.
+
+    kvcert certify kvcert.conformance.adapters.sglang_radix:factory
+
+The adapter only translates: real `MHATokenToKVPool` + `TokenToKVPoolAllocator`
+(page 1) or `PagedTokenToKVPoolAllocator` (page > 1) on CPU, a real
+`RadixCache`, and no input checking (`strict_input=False`): the suite judges
+SGLang, not this file.
+
+Determinism. SGLang stamps nodes with `time.monotonic()` and numbers them from
+the process-wide `TreeNode.counter`. While (and only while) a call into SGLang
+runs, the adapter swaps the `time` global of `sglang.srt.mem_cache.radix_cache`
+for its logical clock (`monotonic()` and `perf_counter()` return the value of
+the last `set_clock`, so every stamp within one op is equal) and
+`TreeNode.counter` for its own id counter; both are restored afterwards. Node
+ids are therefore 0 (root), 1, 2, ... per adapter, whatever else ran in the
+process. The cache's `evictable_leaves` set, whose order (TreeNodes hash by
+address) decides ties between equal-rank leaves, becomes insertion-ordered.
+Not thread-safe: one call into SGLang at a time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time as _real_time
+from array import array
+from collections.abc import Iterator, Sequence
+from dataclasses import replace
+from typing import Any, Optional
+
+import torch
+from kvcert.conformance.adapters._sglang_env import SGLANG_VERSION, import_sglang
+from kvcert.spec.types import (
+    POLICIES,
+    CacheConfig,
+    Capabilities,
+    InsertOut,
+    MatchOut,
+    NodeView,
+    PoolExhausted,
+    Snapshot,
+    StaleHandle,
+)
+
+__all__ = ["SGLangRadixBackend", "factory", "factory_need_sort"]
+
+SG = import_sglang()
+"""SGLang's classes; importing this module fails here, with an install hint, when sglang is missing."""
+
+
+class _LogicalTime:
+    """Stands in for the `time` module inside radix_cache: clocks read the logical time."""
+
+    def __init__(self, now: float) -> None:
+        self.now = now
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def __getattr__(self, name: str) -> Any:  # sleep, time, ...: the real thing
+        return getattr(_real_time, name)
+
+
+class _OrderedSet:
+    """Insertion-ordered stand-in for `RadixCache.evictable_leaves`.
+
+    SGLang keeps the evictable leaves in a `set` of TreeNodes, which hash by
+    address, and `evict` heapifies them in set order: leaves of equal rank
+    then leave in an order that changes from run to run. Insertion order is
+    one of the orders a set could produce, and the same on every run.
+    """
+
+    def __init__(self) -> None:
+        self._items: dict[Any, None] = {}
+
+    def add(self, item: Any) -> None:
+        self._items[item] = None
+
+    def remove(self, item: Any) -> None:
+        del self._items[item]
+
+    def discard(self, item: Any) -> None:
+        self._items.pop(item, None)
+
+    def clear(self) -> None:
+        self._items.clear()
+
+    def __contains__(self, item: object) -> bool:
+        return item in self._items
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(list(self._items))
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+class SGLangRadixBackend:
+    """One `RadixCache` over real CPU pools; node handles are `TreeNode.id`."""
+
+    def __init__(self, config: CacheConfig, need_sort: bool = False) -> None:
+        self.sg = SG
+        self.config = config
+        self.page_size = config.page_size
+        self._now = 0
+        self._next_node_id = 0
+        self._nodes: dict[int, Any] = {}
+        """Every TreeNode the adapter has handed out or seen in the tree, by id."""
+        kv = self.sg.MHATokenToKVPool(
+            size=config.capacity,
+            page_size=config.page_size,
+            dtype=torch.float32,
+            head_num=1,
+            head_dim=8,
+            layer_num=1,
+            device="cpu",
+            enable_memory_saver=False,
+            enable_alt_stream=False,
+        )
+        if config.page_size == 1:
+            self.allocator = self.sg.TokenToKVPoolAllocator(
+                config.capacity, dtype=torch.float32, device="cpu", kvcache=kv, need_sort=need_sort
+            )
+        else:
+            self.allocator = self.sg.PagedTokenToKVPoolAllocator(
+                config.capacity, config.page_size, dtype=torch.float32, device="cpu", kvcache=kv, need_sort=need_sort
+            )
+        params = self.sg.CacheInitParams(
+            disable=False,
+            req_to_token_pool=None,  # only the request-level helpers (cache_finished_req, ...) read it
+            token_to_kv_pool_allocator=self.allocator,
+            page_size=config.page_size,
+            eviction_policy=config.policy,
+        )
+        with self._in_sglang():
+            self.cache = self.sg.RadixCache(params)
+        assert not self.cache.evictable_leaves
+        self.cache.evictable_leaves = _OrderedSet()
+        self._remember(self.cache.root_node)
+
+    # ------------------------------------------------------------------ plumbing
+
+    @contextlib.contextmanager
+    def _in_sglang(self) -> Iterator[None]:
+        """Run SGLang code on this adapter's logical clock and node-id counter."""
+        mod, node_cls = self.sg.radix_cache, self.sg.TreeNode
+        saved_time, saved_counter = mod.time, node_cls.counter
+        mod.time, node_cls.counter = _LogicalTime(self._now), self._next_node_id
+        try:
+            yield
+        finally:
+            self._next_node_id = node_cls.counter
+            mod.time, node_cls.counter = saved_time, saved_counter
+
+    def _remember(self, node: Any) -> int:
+        self._nodes[node.id] = node
+        return int(node.id)
+
+    def _node(self, node_id: int) -> Any:
+        node = self._nodes.get(node_id)
+        if node is None:
+            self._walk()  # a handle read off a snapshot
+            node = self._nodes.get(node_id)
+        if node is None:
+            raise StaleHandle(f"no TreeNode with id {node_id!r} was ever seen")
+        return node
+
+    def _key(self, namespace: Optional[str], tokens: Sequence[int]) -> Any:
+        return self.sg.RadixKey(array("q", tokens), extra_key=namespace)
+
+    def _walk(self) -> list[tuple[Any, Optional[Any]]]:
+        """(node, parent) for every node reachable from the root, parents first."""
+        out: list[tuple[Any, Optional[Any]]] = []
+        stack: list[tuple[Any, Optional[Any]]] = [(self.cache.root_node, None)]
+        while stack:
+            node, parent = stack.pop()
+            self._remember(node)
+            out.append((node, parent))
+            stack.extend((child, node) for child in reversed(list(node.children.values())))
+        return out
+
+    # ------------------------------------------------------------------ protocol
+
+    def set_clock(self, now: int) -> None:
+        self._now = now
+
+    def alloc(self, n: int) -> tuple[int, ...]:
+        out = self.allocator.alloc(n)
+        if out is None:
+            raise PoolExhausted(f"SGLang allocator returned None for {n} slots")
+        return tuple(int(x) for x in out.tolist())
+
+    def free(self, slots: Sequence[int]) -> None:
+        self.allocator.free(torch.tensor(list(slots), dtype=torch.int64))
+
+    def match_prefix(self, namespace: Optional[str], tokens: Sequence[int]) -> MatchOut:
+        with self._in_sglang():
+            res = self.cache.match_prefix(self.sg.MatchPrefixParams(key=self._key(namespace, tokens)))
+            # What BasePrefixCache.prefix_device_indices does for a request.
+            slots = self.cache.path_device_indices(res.last_device_node)[: res.device_prefix_len]
+        return MatchOut(
+            length=int(res.device_prefix_len),
+            slots=tuple(int(x) for x in slots.tolist()),
+            node=self._remember(res.last_device_node),
+        )
+
+    def insert(
+        self, namespace: Optional[str], tokens: Sequence[int], slots: Sequence[int], priority: int = 0
+    ) -> InsertOut:
+        params = self.sg.InsertParams(
+            key=self._key(namespace, tokens),
+            value=torch.tensor(list(slots), dtype=torch.int64),
+            priority=priority,
+        )
+        with self._in_sglang():
+            res = self.cache.insert(params)
+        return InsertOut(prefix_len=int(res.prefix_len), node=self._remember(res.last_device_node))
+
+    def inc_lock_ref(self, node: int) -> None:
+        target = self._node(node)
+        with self._in_sglang():
+            self.cache.inc_lock_ref(target)
+
+    def dec_lock_ref(self, node: int) -> None:
+        target = self._node(node)
+        with self._in_sglang():
+            self.cache.dec_lock_ref(target)
+
+    def evict(self, n: int) -> int:
+        with self._in_sglang():
+            res = self.cache.evict(self.sg.EvictParams(num_tokens=n))
+        return int(res.num_tokens_evicted)
+
+    def snapshot(self) -> Snapshot:
+        ps = self.page_size
+        views = []
+        for node, parent in self._walk():
+            if parent is None:  # root: SGLang gives it an empty key, `value=[]` and a permanent lock_ref of 1
+                views.append(NodeView(int(node.id), None, None, (), (), int(node.lock_ref)))
+                continue
+            views.append(
+                NodeView(
+                    id=int(node.id),
+                    parent=int(parent.id),
+                    namespace=node.key.extra_key,
+                    key=tuple(int(t) for t in node.key.raw_token_ids()),
+                    slots=tuple(int(x) for x in node.value.tolist()),
+                    lock_ref=int(node.lock_ref),
+                )
+            )
+        pages = self.allocator.get_all_free_pages().tolist()
+        free = sorted(p * ps + i for p in pages for i in range(ps))
+        return Snapshot(
+            page_size=ps,
+            capacity=self.config.capacity,
+            # Slot 0 (page 0) is SGLang's padding slot: ids run 1..capacity, page ids 1..capacity/ps.
+            slot_limit=self.config.capacity + ps,
+            root=int(self.cache.root_node.id),
+            nodes=tuple(views),
+            free_slots=tuple(free),
+            evictable_size=int(self.cache.evictable_size()),
+            protected_size=int(self.cache.protected_size()),
+        )
+
+
+def factory(config: CacheConfig) -> SGLangRadixBackend:
+    """`kvcert certify kvcert.conformance.adapters.sglang_radix:factory` entry point."""
+    return SGLangRadixBackend(config)
+
+
+def factory_need_sort(config: CacheConfig) -> SGLangRadixBackend:
+    """The allocators as PD disaggregation builds them (`need_sort=True`, kv_cache_configurator.py:932):
+    frees wait in `release_pages` / `staged_pages` until an allocation runs short."""
+    return SGLangRadixBackend(config, need_sort=True)
+
+
+factory.capabilities = Capabilities(  # type: ignore[attr-defined]
+    name=f"sglang.RadixCache {SGLANG_VERSION}",
+    page_sizes=(1, 4, 16),
+    policies=POLICIES,
+    namespaces=True,
+    strict_input=False,
+    notes=(
+        "real MHATokenToKVPool + (Paged)TokenToKVPoolAllocator on CPU; slot 0 / page 0 is reserved padding",
+        "time.monotonic and TreeNode.counter are swapped for a logical clock and a per-adapter counter during each call",
+    ),
+)
+
+factory_need_sort.capabilities = replace(  # type: ignore[attr-defined]
+    factory.capabilities,  # type: ignore[attr-defined]
+    name=f"sglang.RadixCache {SGLANG_VERSION} (need_sort allocators)",
+)

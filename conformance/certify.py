@@ -1,0 +1,179 @@
+"""Certification: run the state machine for every (page size, policy) cell a backend declares.
+
+A cell fails at its first broken rule; the shrunk trace is saved as JSON and
+replayed once more on a fresh backend, so a reported counterexample is known to
+reproduce before anyone reads it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import re
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable, Optional
+
+from hypothesis import HealthCheck, Verbosity, settings
+from hypothesis.stateful import run_state_machine_as_test
+
+from kvcert.conformance.backend import Factory, capabilities_of
+from kvcert.conformance.driver import ConformanceFailure, run_trace
+from kvcert.conformance.machine import CacheMachine
+from kvcert.spec.ops import Trace
+from kvcert.spec.types import CacheConfig, Capabilities
+
+CAPACITY_PAGES = 16
+"""Pool size per cell, in pages: small, so eviction and exhaustion happen often."""
+
+
+def load_factory(target: str) -> Factory:
+    """Import `module:attribute` and check it declares capabilities."""
+    module, _, attr = target.partition(":")
+    if not attr:
+        raise ValueError(f"target must look like module:factory, got {target!r}")
+    obj = getattr(importlib.import_module(module), attr)
+    capabilities_of(obj)
+    return obj
+
+
+@dataclass
+class CellResult:
+    page_size: int
+    policy: str
+    passed: bool
+    examples: int
+    steps: int
+    seconds: float
+    failure: Optional[str] = None
+    trace_path: Optional[str] = None
+    trace_len: Optional[int] = None
+    reproduced: Optional[bool] = None
+
+
+@dataclass
+class Certificate:
+    target: str
+    backend: str
+    seed: int
+    examples: int
+    steps: int
+    strict_input: bool
+    cells: list[CellResult] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return bool(self.cells) and all(c.passed for c in self.cells)
+
+    @property
+    def total_steps(self) -> int:
+        return sum(c.steps for c in self.cells)
+
+    @property
+    def seconds(self) -> float:
+        return sum(c.seconds for c in self.cells)
+
+    def to_json(self) -> str:
+        body = asdict(self)
+        body.update(passed=self.passed, total_steps=self.total_steps, steps_per_second=round(self.total_steps / max(self.seconds, 1e-9), 1))
+        return json.dumps(body, indent=1)
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", text)
+
+
+def run_cell(
+    factory: Factory,
+    capabilities: Capabilities,
+    config: CacheConfig,
+    *,
+    examples: int,
+    steps: int,
+    seed: int,
+    target: str,
+    out_dir: Path,
+) -> CellResult:
+    machine = CacheMachine.bind(factory, config, capabilities)
+    machine._hypothesis_internal_use_seed = seed  # type: ignore[attr-defined]  # Hypothesis's own @seed hook
+    conf = settings(
+        max_examples=examples,
+        stateful_step_count=steps,
+        deadline=None,
+        database=None,
+        derandomize=False,
+        suppress_health_check=list(HealthCheck),
+        verbosity=Verbosity.quiet,
+        print_blob=False,
+        report_multiple_bugs=False,
+    )
+    start = time.perf_counter()
+    result = CellResult(config.page_size, config.policy, True, 0, 0, 0.0)
+    try:
+        run_state_machine_as_test(machine, settings=conf)
+    except ConformanceFailure as failure:
+        ops = machine.last_trace()
+        trace = Trace(config=config, ops=tuple(ops), target=target, note=str(failure).splitlines()[-1].strip())
+        out_dir.mkdir(parents=True, exist_ok=True)
+        path = out_dir / f"{_slug(target)}-ps{config.page_size}-{config.policy}-seed{seed}.json"
+        path.write_text(trace.to_json())
+        result.passed, result.failure, result.trace_path, result.trace_len = False, str(failure), str(path), len(ops)
+        result.reproduced = replay_fails(factory, capabilities, trace)
+    result.seconds = time.perf_counter() - start
+    result.examples, result.steps = machine.stats.examples, machine.stats.steps
+    return result
+
+
+def replay_fails(factory: Factory, capabilities: Capabilities, trace: Trace) -> bool:
+    try:
+        run_trace(factory(trace.config), trace.config, capabilities, list(trace.ops))
+    except ConformanceFailure:
+        return True
+    return False
+
+
+def cells_for(capabilities: Capabilities, page_sizes: Optional[Iterable[int]], policies: Optional[Iterable[str]]) -> tuple[list[CacheConfig], list[str]]:
+    """The (page size, policy) matrix to run, and what was asked for but not declared."""
+    want_ps = list(page_sizes) if page_sizes else list(capabilities.page_sizes)
+    want_pol = list(policies) if policies else list(capabilities.policies)
+    skipped = [f"page_size={p}: not declared" for p in want_ps if p not in capabilities.page_sizes]
+    skipped += [f"policy={p}: not declared" for p in want_pol if p not in capabilities.policies]
+    configs = [
+        CacheConfig(page_size=ps, policy=pol, capacity=CAPACITY_PAGES * ps)
+        for ps in want_ps
+        if ps in capabilities.page_sizes
+        for pol in want_pol
+        if pol in capabilities.policies
+    ]
+    if not capabilities.strict_input:
+        skipped.append("bad-input rules: backend does not declare strict_input")
+    if not capabilities.namespaces:
+        skipped.append("namespaces: backend does not declare them")
+    return configs, skipped
+
+
+def certify(
+    target: str,
+    *,
+    factory: Optional[Factory] = None,
+    examples: int = 200,
+    steps: int = 50,
+    seed: int = 0,
+    page_sizes: Optional[Iterable[int]] = None,
+    policies: Optional[Iterable[str]] = None,
+    out_dir: Path = Path("kvcert-failures"),
+    on_cell: Optional[Callable[[CellResult], None]] = None,
+) -> Certificate:
+    """Run every cell; the certificate passes only if every cell does."""
+    factory = factory or load_factory(target)
+    caps = capabilities_of(factory)
+    configs, skipped = cells_for(caps, page_sizes, policies)
+    cert = Certificate(target, caps.name, seed, examples, steps, caps.strict_input, skipped=skipped)
+    for config in configs:
+        cell = run_cell(factory, caps, config, examples=examples, steps=steps, seed=seed, target=target, out_dir=out_dir)
+        cert.cells.append(cell)
+        if on_cell is not None:
+            on_cell(cell)
+    return cert

@@ -1,0 +1,146 @@
+"""`kvcert`: certify a backend, replay a counterexample, or prove the suite's power on the bug zoo."""
+
+from __future__ import annotations
+
+import statistics
+import sys
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from kvcert.conformance.certify import CellResult, Certificate, certify, load_factory
+from kvcert.conformance.driver import ConformanceFailure, Outcome, run_trace
+from kvcert.spec.ops import Op, Trace, op_to_json
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
+console = Console(highlight=False)
+
+
+def _cell_line(cell: CellResult) -> str:
+    verdict = "[green]PASS[/]" if cell.passed else "[red]FAIL[/]"
+    rate = cell.steps / max(cell.seconds, 1e-9)
+    line = f"  page_size={cell.page_size:<3} policy={cell.policy:<8} {verdict}  {cell.examples} examples, {cell.steps} steps, {rate:,.0f} steps/s"
+    if not cell.passed:
+        line += f"\n    {cell.failure}\n    minimal trace: {cell.trace_len} ops -> {cell.trace_path} (replay reproduces: {cell.reproduced})"
+    return line
+
+
+def print_certificate(cert: Certificate) -> None:
+    table = Table(title=f"kvcert certificate: {cert.backend} ({cert.target})")
+    for col in ("page size", "policy", "verdict", "examples", "steps", "steps/s", "counterexample"):
+        table.add_column(col)
+    for c in cert.cells:
+        table.add_row(
+            str(c.page_size),
+            c.policy,
+            "[green]pass[/]" if c.passed else "[red]FAIL[/]",
+            str(c.examples),
+            str(c.steps),
+            f"{c.steps / max(c.seconds, 1e-9):,.0f}",
+            "" if c.passed else f"{c.trace_len} ops: {c.trace_path}",
+        )
+    console.print(table)
+    for note in cert.skipped:
+        console.print(f"  skipped: {note}")
+    rate = cert.total_steps / max(cert.seconds, 1e-9)
+    verdict = "[green]CERTIFIED[/]" if cert.passed else "[red]NOT CERTIFIED[/]"
+    console.print(f"{verdict}  seed={cert.seed}  {cert.total_steps} steps in {cert.seconds:.1f}s ({rate:,.0f} steps/s)")
+
+
+@app.command("certify")
+def certify_cmd(
+    target: str = typer.Argument(..., help="MODULE:FACTORY, e.g. kvcert.refimpl:factory"),
+    examples: int = typer.Option(200, help="Hypothesis examples per (page size, policy) cell"),
+    steps: int = typer.Option(50, help="maximum operations per example"),
+    seed: int = typer.Option(0, help="same seed, same run"),
+    page_size: Optional[List[int]] = typer.Option(None, "--page-size", help="restrict to these page sizes"),
+    policy: Optional[List[str]] = typer.Option(None, "--policy", help="restrict to these policies"),
+    json_path: Optional[Path] = typer.Option(None, "--json", help="write the certificate as JSON"),
+    out: Path = typer.Option(Path("kvcert-failures"), help="where minimal traces are saved"),
+) -> None:
+    """Run the conformance suite against a backend and print its certificate."""
+    cert = certify(
+        target,
+        examples=examples,
+        steps=steps,
+        seed=seed,
+        page_sizes=page_size,
+        policies=policy,
+        out_dir=out,
+        on_cell=lambda c: console.print(_cell_line(c)),
+    )
+    print_certificate(cert)
+    if json_path is not None:
+        json_path.write_text(cert.to_json())
+    raise typer.Exit(0 if cert.passed else 1)
+
+
+def _describe(outcome: Outcome) -> str:
+    if isinstance(outcome, Exception):
+        return f"raised {type(outcome).__name__}"
+    return repr(outcome)
+
+
+@app.command("replay")
+def replay_cmd(
+    trace_file: Path = typer.Argument(..., exists=True, readable=True),
+    target: Optional[str] = typer.Option(None, help="override the trace's target MODULE:FACTORY"),
+) -> None:
+    """Re-run a saved trace step by step; exit 1 if it still breaks the spec."""
+    trace = Trace.from_json(trace_file.read_text())
+    name = target or trace.target
+    factory = load_factory(name)
+    console.print(f"replaying {len(trace.ops)} ops on {name} ({trace.config})")
+
+    def hook(i: int, op: Op, outcome: Outcome) -> None:
+        console.print(f"  {i:>3} {op_to_json(op)} -> {_describe(outcome)}")
+
+    try:
+        run_trace(factory(trace.config), trace.config, factory.capabilities, list(trace.ops), hook=hook)  # type: ignore[attr-defined]
+    except ConformanceFailure as failure:
+        console.print(f"[red]FAIL[/] {failure}")
+        raise typer.Exit(1) from None
+    console.print("[green]PASS[/]: the trace satisfies the spec")
+
+
+@app.command("selftest")
+def selftest_cmd(
+    examples: int = typer.Option(100, help="examples per cell for each mutant"),
+    steps: int = typer.Option(40),
+    seed: int = typer.Option(0),
+    out: Path = typer.Option(Path("kvcert-failures/zoo")),
+    mutant_names: Optional[List[str]] = typer.Option(None, "--mutant", help="only these mutants"),
+) -> None:
+    """Run the suite against every mutant in the bug zoo; each must be killed, the refimpl must pass."""
+    from kvcert.conformance import zoo
+
+    mutants = [m for m in zoo.MUTANTS if not mutant_names or m.name in mutant_names]
+    killed, lengths = 0, []
+    for mutant in mutants:
+        cert = zoo.run_mutant(mutant, examples=examples, steps=steps, seed=seed, out_dir=out)
+        failing = [c for c in cert.cells if not c.passed]
+        if failing:
+            killed += 1
+            first = failing[0]
+            lengths.append(first.trace_len or 0)
+            broken = (first.failure or "").splitlines()[1].strip() if first.failure else ""
+            console.print(f"[green]killed[/]   {mutant.name:<28} {first.trace_len:>3} ops  {broken}")
+        else:
+            console.print(f"[red]SURVIVED[/] {mutant.name:<28} ({mutant.doc})")
+    control = zoo.run_control(examples=examples, steps=steps, seed=seed, out_dir=out)
+    console.print(f"control  kvcert.refimpl unmodified: {'[green]passes[/]' if control.passed else '[red]FAILS[/]'}")
+    if lengths:
+        console.print(f"median counterexample: {statistics.median(lengths)} ops (max {max(lengths)})")
+    console.print(f"killed {killed}/{len(mutants)}")
+    raise typer.Exit(0 if killed == len(mutants) and control.passed else 1)
+
+
+def main() -> None:
+    sys.exit(app())
+
+
+if __name__ == "__main__":
+    main()

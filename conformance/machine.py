@@ -1,0 +1,171 @@
+"""The Hypothesis state machine: random traces over the op vocabulary, shrunk on failure.
+
+Every rule only chooses an `Op`; `Harness.step` runs and checks it. The machine
+remembers the last harness it built, so after Hypothesis has shrunk a failure and
+re-run the minimal example, `last_trace()` is that minimal trace.
+
+Token ids are drawn from a few *page patterns* so sequences share prefixes
+often, and one pattern differs from another only in its last token, so matches
+diverge inside a page as well as at page boundaries.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
+
+from kvcert.conformance.backend import Factory
+from kvcert.conformance.driver import Harness
+from kvcert.spec.ops import Evict, Insert, Lock, Match, Op, Unlock
+from kvcert.spec.types import CacheConfig, Capabilities
+
+NAMESPACES: tuple[Optional[str], ...] = (None, "lora-a")
+MAX_PAGES = 5
+
+
+def page_tokens(code: int, page_size: int) -> tuple[int, ...]:
+    """Page pattern `code`: 0..2 are runs of one token; 3 is page 0 with its last token changed."""
+    if code < 3:
+        return (code,) * page_size
+    return (0,) * (page_size - 1) + (1,)
+
+
+def tokens_of(codes: list[int], page_size: int, tail: int = 0) -> tuple[int, ...]:
+    out: tuple[int, ...] = ()
+    for c in codes:
+        out += page_tokens(c, page_size)
+    return out + (2,) * tail
+
+
+@dataclass
+class RunStats:
+    """Steps executed across every example of a run (for steps/s)."""
+
+    steps: int = 0
+    examples: int = 0
+
+
+class CacheMachine(RuleBasedStateMachine):
+    """Drives one backend per example; configured by `bind`."""
+
+    factory: Factory
+    config: CacheConfig
+    capabilities: Capabilities
+    stats: RunStats
+    last: Optional[Harness] = None
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.h = Harness(type(self).factory(type(self).config), type(self).config, type(self).capabilities)
+        type(self).last = self.h
+        type(self).stats.examples += 1
+        self.namespaces = NAMESPACES if self.capabilities.namespaces else (None,)
+        self.failed = False
+        self.seen: list[tuple[Optional[str], list[int]]] = []
+
+    @classmethod
+    def bind(cls, factory: Factory, config: CacheConfig, capabilities: Capabilities) -> type["CacheMachine"]:
+        """A fresh subclass for one (backend, config) cell."""
+        return type(
+            "CacheMachine",
+            (cls,),
+            {"factory": staticmethod(factory), "config": config, "capabilities": capabilities, "stats": RunStats(), "last": None},
+        )
+
+    @classmethod
+    def last_trace(cls) -> list[Op]:
+        return list(cls.last.ops) if cls.last is not None else []
+
+    def do(self, op: Op) -> None:
+        type(self).stats.steps += 1
+        try:
+            self.h.step(op)
+        except BaseException:
+            self.failed = True
+            raise
+
+    @initialize()
+    def start(self) -> None:
+        pass
+
+    # ----------------------------------------------------------------- valid traffic
+
+    def draw_key(self, data: st.DataObject, remember: bool) -> tuple[Optional[str], list[int]]:
+        """(namespace, page codes): mostly a cut of an inserted key plus a little, so prefixes recur."""
+        if self.seen and data.draw(st.integers(0, 3), label="reuse unless 0"):
+            ns, base = data.draw(st.sampled_from(self.seen), label="earlier key")
+            cut = data.draw(st.integers(0, len(base)), label="cut")
+            codes = base[:cut] + data.draw(st.lists(st.integers(0, 3), max_size=2), label="extension")
+        else:
+            ns = data.draw(st.sampled_from(self.namespaces), label="namespace")
+            codes = data.draw(st.lists(st.integers(0, 3), max_size=MAX_PAGES), label="pages")
+        if remember and codes and (ns, codes) not in self.seen:
+            self.seen.append((ns, codes))
+        return ns, codes
+
+    @rule(data=st.data(), priority=st.integers(0, 2))
+    def insert(self, data: st.DataObject, priority: int) -> None:
+        ns, codes = self.draw_key(data, remember=True)
+        self.do(Insert(ns, tokens_of(codes, self.config.page_size), priority))
+
+    @rule(data=st.data())
+    def match(self, data: st.DataObject) -> None:
+        ns, codes = self.draw_key(data, remember=False)
+        tail = data.draw(st.integers(0, self.config.page_size - 1), label="unaligned tail")
+        self.do(Match(ns, tokens_of(codes, self.config.page_size, tail)))
+
+    @precondition(lambda self: bool(self.h.live_handles()))
+    @rule(data=st.data())
+    def lock(self, data: st.DataObject) -> None:
+        self.do(Lock(data.draw(st.sampled_from(self.h.live_handles()), label="handle")))
+
+    @precondition(lambda self: bool(self.h.locked_handles()))
+    @rule(data=st.data())
+    def unlock(self, data: st.DataObject) -> None:
+        self.do(Unlock(data.draw(st.sampled_from(self.h.locked_handles()), label="handle")))
+
+    @rule(data=st.data())
+    def evict(self, data: st.DataObject) -> None:
+        small = st.integers(1, 2 * self.config.page_size)
+        big = st.integers(0, self.config.capacity)
+        self.do(Evict(data.draw(st.one_of(small, small, small, big), label="tokens")))
+
+    # ----------------------------------------------------------------- bad input (strict backends)
+
+    def strict(self) -> bool:
+        return self.capabilities.strict_input
+
+    @precondition(lambda self: self.strict())
+    @rule(data=st.data(), kind=st.sampled_from(["insert", "match", "handle", "evict"]))
+    def malformed(self, data: st.DataObject, kind: str) -> None:
+        """One rule for every kind of bad input, so valid traffic keeps most of the steps."""
+        ps = self.config.page_size
+        if kind == "insert":
+            tokens = tokens_of(data.draw(st.lists(st.integers(0, 3), min_size=1, max_size=3), label="pages"), ps)
+            defect = data.draw(st.sampled_from(["unaligned", "mismatch", "token"]), label="defect")
+            if defect == "unaligned" and ps > 1:
+                self.do(Insert(None, tokens + (0,), value_len=len(tokens)))
+            elif defect in ("unaligned", "mismatch"):
+                delta = data.draw(st.sampled_from([-ps, ps]), label="value_len delta")
+                self.do(Insert(None, tokens, value_len=max(0, len(tokens) + delta)))
+            else:
+                bad = data.draw(st.sampled_from([-1, 1.5, "7", True]), label="bad token")
+                self.do(Insert(None, tokens[:-1] + (bad,)))
+        elif kind == "match":
+            self.do(Match(None, (0, data.draw(st.sampled_from([-3, 2.5, "x"]), label="bad token"))))
+        elif kind == "handle":
+            live, locked = self.h.live_handles(), self.h.locked_handles()
+            stale = [k for k in range(len(self.h.handles)) if k not in live]
+            unlocked = [k for k in live if k not in locked]
+            k = data.draw(st.sampled_from([10_000, *stale, *unlocked]), label="handle")
+            lock = k in stale and data.draw(st.booleans(), label="lock?")
+            self.do(Lock(k) if lock else Unlock(k))
+        else:
+            self.do(Evict(data.draw(st.sampled_from([-1, -8, 1.5, "4"]), label="bad count")))
+
+    def teardown(self) -> None:
+        if not self.failed:  # after a failure, the first broken rule is the report
+            self.h.quiesce()
