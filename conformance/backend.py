@@ -10,7 +10,8 @@ A factory is any callable `factory(config: CacheConfig) -> Backend` with a
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Protocol, Sequence, runtime_checkable
+from collections.abc import Callable, Sequence
+from typing import Optional, Protocol, runtime_checkable
 
 from kvcert.spec.types import CacheConfig, Capabilities, InsertOut, MatchOut, Snapshot
 

@@ -11,17 +11,20 @@ import importlib
 import json
 import re
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable, Optional
+from typing import Optional
 
-from hypothesis import HealthCheck, Verbosity, settings
+from hypothesis import HealthCheck, Phase, Verbosity, settings
+from hypothesis.errors import Flaky
 from hypothesis.stateful import run_state_machine_as_test
 
 from kvcert.conformance.backend import Factory, capabilities_of
 from kvcert.conformance.driver import ConformanceFailure, run_trace
 from kvcert.conformance.machine import CacheMachine
-from kvcert.spec.ops import Trace
+from kvcert.conformance.shrink import shrink
+from kvcert.spec.ops import Op, Trace
 from kvcert.spec.types import CacheConfig, Capabilities
 
 CAPACITY_PAGES = 16
@@ -95,8 +98,9 @@ def run_cell(
     seed: int,
     target: str,
     out_dir: Path,
+    bad_input: Optional[bool] = None,
 ) -> CellResult:
-    machine = CacheMachine.bind(factory, config, capabilities)
+    machine = CacheMachine.bind(factory, config, capabilities, bad_input)
     machine._hypothesis_internal_use_seed = seed  # type: ignore[attr-defined]  # Hypothesis's own @seed hook
     conf = settings(
         max_examples=examples,
@@ -108,33 +112,51 @@ def run_cell(
         verbosity=Verbosity.quiet,
         print_blob=False,
         report_multiple_bugs=False,
+        phases=(Phase.explicit, Phase.reuse, Phase.generate),  # shrinking happens on the trace: conformance/shrink.py
     )
     start = time.perf_counter()
     result = CellResult(config.page_size, config.policy, True, 0, 0, 0.0)
     try:
         run_state_machine_as_test(machine, settings=conf)
-    except ConformanceFailure as failure:
-        ops = machine.last_trace()
-        trace = Trace(config=config, ops=tuple(ops), target=target, note=str(failure).splitlines()[-1].strip())
+    except ConformanceFailure:
+        ops = shrink(machine.last_trace(), lambda ops: failure_ids(factory, capabilities, config, ops), config.page_size)
+        failure = replay_failure(factory, capabilities, config, ops)
+        trace = Trace(config=config, ops=tuple(ops), target=target, note=str(failure).splitlines()[-1].strip() if failure else "")
         out_dir.mkdir(parents=True, exist_ok=True)
         path = out_dir / f"{_slug(target)}-ps{config.page_size}-{config.policy}-seed{seed}.json"
         path.write_text(trace.to_json())
         result.passed, result.failure, result.trace_path, result.trace_len = False, str(failure), str(path), len(ops)
-        result.reproduced = replay_fails(factory, capabilities, trace)
+        result.reproduced = failure is not None
+    except Flaky as flaky:
+        # Same ops, different outcome: the backend (or its adapter) is not deterministic.
+        result.passed = False
+        result.failure = f"INV-DET-1: the backend is not deterministic under a fixed trace ({type(flaky).__name__}: {str(flaky).splitlines()[0]})"
     result.seconds = time.perf_counter() - start
     result.examples, result.steps = machine.stats.examples, machine.stats.steps
     return result
 
 
-def replay_fails(factory: Factory, capabilities: Capabilities, trace: Trace) -> bool:
+def replay_failure(factory: Factory, capabilities: Capabilities, config: CacheConfig, ops: list[Op]) -> Optional[ConformanceFailure]:
+    """Run `ops` on a fresh backend; the failure, or None if the trace passes."""
     try:
-        run_trace(factory(trace.config), trace.config, capabilities, list(trace.ops))
-    except ConformanceFailure:
-        return True
-    return False
+        run_trace(factory(config), config, capabilities, ops)
+    except ConformanceFailure as failure:
+        return failure
+    return None
 
 
-def cells_for(capabilities: Capabilities, page_sizes: Optional[Iterable[int]], policies: Optional[Iterable[str]]) -> tuple[list[CacheConfig], list[str]]:
+def failure_ids(factory: Factory, capabilities: Capabilities, config: CacheConfig, ops: list[Op]) -> Optional[list[str]]:
+    failure = replay_failure(factory, capabilities, config, ops)
+    return [v.inv for v in failure.violations] if failure else None
+
+
+def replay_fails(factory: Factory, capabilities: Capabilities, trace: Trace) -> bool:
+    return replay_failure(factory, capabilities, trace.config, list(trace.ops)) is not None
+
+
+def cells_for(
+    capabilities: Capabilities, page_sizes: Optional[Iterable[int]], policies: Optional[Iterable[str]], bad_input: Optional[bool] = None
+) -> tuple[list[CacheConfig], list[str]]:
     """The (page size, policy) matrix to run, and what was asked for but not declared."""
     want_ps = list(page_sizes) if page_sizes else list(capabilities.page_sizes)
     want_pol = list(policies) if policies else list(capabilities.policies)
@@ -147,8 +169,10 @@ def cells_for(capabilities: Capabilities, page_sizes: Optional[Iterable[int]], p
         for pol in want_pol
         if pol in capabilities.policies
     ]
-    if not capabilities.strict_input:
+    if bad_input is False or (bad_input is None and not capabilities.strict_input):
         skipped.append("bad-input rules: backend does not declare strict_input")
+    elif bad_input and not capabilities.strict_input:
+        skipped.append("bad-input rules forced on a backend that does not declare strict_input: failures are advisory")
     if not capabilities.namespaces:
         skipped.append("namespaces: backend does not declare them")
     return configs, skipped
@@ -165,15 +189,19 @@ def certify(
     policies: Optional[Iterable[str]] = None,
     out_dir: Path = Path("kvcert-failures"),
     on_cell: Optional[Callable[[CellResult], None]] = None,
+    bad_input: Optional[bool] = None,
+    fail_fast: bool = False,
 ) -> Certificate:
-    """Run every cell; the certificate passes only if every cell does."""
+    """Run every cell; the certificate passes only if every cell does. `fail_fast` stops at the first failing cell."""
     factory = factory or load_factory(target)
     caps = capabilities_of(factory)
-    configs, skipped = cells_for(caps, page_sizes, policies)
+    configs, skipped = cells_for(caps, page_sizes, policies, bad_input)
     cert = Certificate(target, caps.name, seed, examples, steps, caps.strict_input, skipped=skipped)
     for config in configs:
-        cell = run_cell(factory, caps, config, examples=examples, steps=steps, seed=seed, target=target, out_dir=out_dir)
+        cell = run_cell(factory, caps, config, examples=examples, steps=steps, seed=seed, target=target, out_dir=out_dir, bad_input=bad_input)
         cert.cells.append(cell)
         if on_cell is not None:
             on_cell(cell)
+        if fail_fast and not cell.passed:
+            break
     return cert

@@ -5,7 +5,7 @@ from __future__ import annotations
 import statistics
 import sys
 from pathlib import Path
-from typing import List, Optional
+from typing import Optional
 
 import typer
 from rich.console import Console
@@ -16,7 +16,7 @@ from kvcert.conformance.driver import ConformanceFailure, Outcome, run_trace
 from kvcert.spec.ops import Op, Trace, op_to_json
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
-console = Console(highlight=False)
+console = Console(highlight=False, soft_wrap=True)
 
 
 def _cell_line(cell: CellResult) -> str:
@@ -56,10 +56,11 @@ def certify_cmd(
     examples: int = typer.Option(200, help="Hypothesis examples per (page size, policy) cell"),
     steps: int = typer.Option(50, help="maximum operations per example"),
     seed: int = typer.Option(0, help="same seed, same run"),
-    page_size: Optional[List[int]] = typer.Option(None, "--page-size", help="restrict to these page sizes"),
-    policy: Optional[List[str]] = typer.Option(None, "--policy", help="restrict to these policies"),
+    page_size: Optional[list[int]] = typer.Option(None, "--page-size", help="restrict to these page sizes"),
+    policy: Optional[list[str]] = typer.Option(None, "--policy", help="restrict to these policies"),
     json_path: Optional[Path] = typer.Option(None, "--json", help="write the certificate as JSON"),
     out: Path = typer.Option(Path("kvcert-failures"), help="where minimal traces are saved"),
+    bad_input: Optional[bool] = typer.Option(None, "--bad-input/--no-bad-input", help="force the bad-input rules on or off (default: as the backend declares strict_input)"),
 ) -> None:
     """Run the conformance suite against a backend and print its certificate."""
     cert = certify(
@@ -71,6 +72,7 @@ def certify_cmd(
         policies=policy,
         out_dir=out,
         on_cell=lambda c: console.print(_cell_line(c)),
+        bad_input=bad_input,
     )
     print_certificate(cert)
     if json_path is not None:
@@ -108,11 +110,11 @@ def replay_cmd(
 
 @app.command("selftest")
 def selftest_cmd(
-    examples: int = typer.Option(100, help="examples per cell for each mutant"),
-    steps: int = typer.Option(40),
+    examples: int = typer.Option(300, help="examples per cell for each mutant"),
+    steps: int = typer.Option(50),
     seed: int = typer.Option(0),
     out: Path = typer.Option(Path("kvcert-failures/zoo")),
-    mutant_names: Optional[List[str]] = typer.Option(None, "--mutant", help="only these mutants"),
+    mutant_names: Optional[list[str]] = typer.Option(None, "--mutant", help="only these mutants"),
 ) -> None:
     """Run the suite against every mutant in the bug zoo; each must be killed, the refimpl must pass."""
     from kvcert.conformance import zoo

@@ -9,8 +9,9 @@ model to the backend's choice wherever SPEC.md §6 allows a choice).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Union
+from typing import Any, Optional, Union
 
 from kvcert.conformance.backend import Backend
 from kvcert.refimpl import RefCache
@@ -46,8 +47,8 @@ class Harness:
     oracle: RefCache = field(init=False)
     ops: list[Op] = field(default_factory=list)
     clock: int = 0
-    handles: list[tuple[int, int]] = field(default_factory=list)
-    """handle index -> (backend node id, oracle node id)."""
+    handles: dict[int, tuple[int, int]] = field(default_factory=dict)
+    """op index -> (backend node id, oracle node id) of the node that op returned."""
     trace_hook: Optional[Callable[[int, Op, Outcome], None]] = None
 
     def __post_init__(self) -> None:
@@ -57,7 +58,7 @@ class Harness:
     # ------------------------------------------------------------------ running
 
     def _node(self, handle: Any, side: int) -> int:
-        if isinstance(handle, int) and not isinstance(handle, bool) and 0 <= handle < len(self.handles):
+        if isinstance(handle, int) and not isinstance(handle, bool) and handle in self.handles:
             return self.handles[handle][side]
         return UNKNOWN_NODE
 
@@ -109,7 +110,7 @@ class Harness:
         after = self.backend.snapshot()
         self._compare(op, before, after, got, want, violations)
         if isinstance(op, HANDLE_PRODUCERS) and isinstance(got, (MatchOut, InsertOut)) and isinstance(want, (MatchOut, InsertOut)):
-            self.handles.append((got.node, want.node))
+            self.handles[index] = (got.node, want.node)
         if self.trace_hook is not None:
             self.trace_hook(index, op, got)
         self.check(index, op, after, lambda: violations)
@@ -228,11 +229,20 @@ class Harness:
 
     def live_handles(self) -> list[int]:
         """Handles whose node is still in the oracle's tree."""
-        return [k for k, (_, o) in enumerate(self.handles) if o in self.oracle.nodes]
+        return [k for k, (_, o) in self.handles.items() if o in self.oracle.nodes]
 
     def locked_handles(self) -> list[int]:
-        """Handles holding at least one lock of their own."""
-        return [k for k, (_, o) in enumerate(self.handles) if o in self.oracle.nodes and self.oracle.nodes[o].own_locks > 0]
+        """Handles whose node holds at least one lock of its own.
+
+        Two handles may name one node; the first one stands for it, so quiescing unlocks each node once per lock.
+        """
+        seen: set[int] = set()
+        out = []
+        for k, (_, o) in self.handles.items():
+            if o in self.oracle.nodes and self.oracle.nodes[o].own_locks > 0 and o not in seen:
+                seen.add(o)
+                out.append(k)
+        return out
 
     def quiesce(self) -> None:
         """Release every lock, then evict everything: the tree must empty and every slot come back."""

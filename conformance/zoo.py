@@ -163,6 +163,7 @@ def run_mutant(mutant: Mutant, *, examples: int, steps: int, seed: int, out_dir:
         page_sizes=mutant.page_sizes,
         policies=mutant.policies,
         out_dir=out_dir or Path("kvcert-failures/zoo"),
+        fail_fast=True,
     )
 
 

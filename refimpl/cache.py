@@ -8,8 +8,9 @@ callback so the harness can steer this model to a backend's legal choice.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence
+from typing import Optional
 
 from kvcert.spec import pages
 from kvcert.spec.types import (
@@ -25,12 +26,15 @@ from kvcert.spec.types import (
     Namespace,
     NodeView,
     PoolExhausted,
-    Snapshot,
     SlotNotOwned,
+    Snapshot,
     StaleHandle,
     Tokens,
     UnalignedKey,
 )
+
+_DEFAULT_CONFIG = CacheConfig()
+
 
 class SlotPool:
     """A fixed pool of device slots: a free list, and the slots lent to callers.
@@ -61,6 +65,8 @@ class SlotPool:
         return taken
 
     def require_lent(self, slots: Sequence[int], action: str) -> None:
+        if any(not isinstance(x, int) or isinstance(x, bool) for x in slots):
+            raise SlotNotOwned(f"cannot {action} slots {tuple(slots)[:8]}: slot ids are ints")
         if len(set(slots)) != len(slots) or not self.lent.issuperset(slots):
             raise SlotNotOwned(f"cannot {action} slots {tuple(slots)[:8]}: not all lent to the caller")
 
@@ -83,11 +89,11 @@ class SlotPool:
 @dataclass(eq=False)
 class Node:
     id: int
-    parent: Optional["Node"]
+    parent: Optional[Node]
     namespace: Namespace
     key: Tokens
     slots: tuple[int, ...]
-    children: dict[tuple[Namespace, Tokens], "Node"] = field(default_factory=dict)
+    children: dict[tuple[Namespace, Tokens], Node] = field(default_factory=dict)
     lock_ref: int = 0
     own_locks: int = 0
     """Locks taken on this very node (so dec_lock_ref can refuse an unlock nobody took)."""
@@ -120,7 +126,7 @@ class RefCache:
         strict_input=True,
     )
 
-    def __init__(self, config: CacheConfig = CacheConfig()) -> None:
+    def __init__(self, config: CacheConfig = _DEFAULT_CONFIG) -> None:
         if config.policy not in POLICIES:
             raise ValueError(f"unknown policy {config.policy!r}")
         if config.page_size < 1 or config.capacity % config.page_size:
@@ -147,6 +153,8 @@ class RefCache:
         return namespace, pages.first_page(key, self.page_size)
 
     def _live(self, node_id: object) -> Node:
+        if isinstance(node_id, bool):
+            raise StaleHandle(f"no live node {node_id!r}: handles are node ids, not bools")
         node = self.nodes.get(node_id) if isinstance(node_id, int) else None
         if node is None:
             raise StaleHandle(f"no live node {node_id!r}")
@@ -179,7 +187,8 @@ class RefCache:
         Calls `on_node` on every node entered (after any split). Returns the matched
         length, the last node and the matched slots.
         """
-        node, matched, slots = self.root, 0, []
+        slots: list[int] = []
+        node, matched = self.root, 0
         while matched < len(key):
             child = node.children.get(self._selector(namespace, key[matched:]))
             if child is None:

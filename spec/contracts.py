@@ -7,8 +7,9 @@ eviction, return a witness so the harness can steer the oracle to the same one.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Mapping, Optional, Sequence
+from typing import Optional
 
 from kvcert.spec.pages import min_rank_ids, overshoot_ok
 from kvcert.spec.types import Namespace, Snapshot, Tokens

@@ -9,8 +9,8 @@ SGLang's included. Relations that need a second snapshot or the oracle live in
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from kvcert.spec.types import Snapshot
 

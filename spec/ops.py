@@ -1,9 +1,10 @@
 """The operation vocabulary as data.
 
 One `Op` type serves the Hypothesis rules, saved counterexamples and replay.
-Handles are indices: `Lock(handle=k)` means "the node returned by the k-th
-handle-producing operation of this trace" (an `Insert` or a `Match`), so a
-trace names nodes without knowing any backend's ids.
+Handles are positions: `Lock(handle=k)` means "the node returned by operation
+k of this trace" (an `Insert` or a `Match` that succeeded; anything else is an
+unknown handle), so a trace names nodes without knowing any backend's ids, and
+deleting an operation while shrinking only renumbers later references.
 
 Fields are deliberately loose (`tokens` may hold a string, `n` a float): bad
 input must be expressible, and the backend, not the trace type, rejects it.
@@ -107,7 +108,7 @@ class Trace:
         )
 
     @staticmethod
-    def from_json(text: str) -> "Trace":
+    def from_json(text: str) -> Trace:
         obj = json.loads(text)
         if obj.get("format") != TRACE_FORMAT:
             raise ValueError(f"not a {TRACE_FORMAT} file")

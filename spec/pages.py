@@ -8,7 +8,7 @@ rest of the spec is written in.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 # Policy-metadata positions inside a rank tuple are spelled out in SPEC.md §4.5.
 RANKED_POLICIES = ("lru", "lfu", "fifo", "mru", "priority")
@@ -52,6 +52,7 @@ def match_len(a: Sequence[int], b: Sequence[int], page_size: int) -> int:
     """Common prefix of `a` and `b` in whole pages: what a radix edge can share.
 
     pre: page_size >= 1
+    post: 0 <= __return__ <= min(len(a), len(b))
     post: __return__ % page_size == 0
     post: list(a[:__return__]) == list(b[:__return__])
     post: __return__ + page_size > common_prefix_len(a, b)
@@ -67,6 +68,7 @@ def split_key(key: tuple[int, ...], at: int, page_size: int) -> tuple[tuple[int,
     pre: 0 < at < len(key)
     pre: at % page_size == 0
     post: __return__[0] + __return__[1] == key
+    post: len(__return__[0]) == at
     post: len(__return__[0]) % page_size == 0 and len(__return__[1]) % page_size == 0
     post: len(__return__[0]) > 0 and len(__return__[1]) > 0
     """
@@ -90,8 +92,17 @@ def policy_rank(policy: str, last_access: int, hit_count: int, creation: int, pr
     Mirrors SGLang's `evict_policy.py` with a logical clock in place of
     `time.monotonic()`.
 
+    The postconditions say what each policy means without restating the
+    tuples: which metadata a rank may read, and which way each one pushes.
+
     pre: policy in RANKED_POLICIES
     post: len(__return__) >= 1
+    post: __return__ == policy_rank(policy, 0 if policy == "fifo" else last_access, hit_count if policy == "lfu" else 0, creation if policy == "fifo" else 0, priority if policy == "priority" else 0)
+    post: policy not in ("lru", "lfu", "priority") or __return__ < policy_rank(policy, last_access + 1, hit_count, creation, priority)
+    post: policy != "mru" or __return__ > policy_rank(policy, last_access + 1, hit_count, creation, priority)
+    post: policy != "fifo" or __return__ < policy_rank(policy, last_access, hit_count, creation + 1, priority)
+    post: policy != "lfu" or __return__ < policy_rank(policy, last_access - 1, hit_count + 1, creation, priority)
+    post: policy != "priority" or __return__ < policy_rank(policy, last_access - 1, hit_count, creation, priority + 1)
     """
     if policy == "lru":
         return (last_access,)
@@ -108,13 +119,16 @@ def min_rank_ids(candidates: Sequence[tuple[tuple[int, ...], int]]) -> list[int]
     """Ids of the candidates whose rank is smallest: the legal next victims.
 
     post: (len(__return__) == 0) == (len(candidates) == 0)
-    post: all(any(c[1] == i for c in candidates) for i in __return__)
-    post: all(all(c[0] <= d[0] for d in candidates) for c in candidates if c[1] in __return__)
+    post: all(any(c[1] == i and all(c[0] <= d[0] for d in candidates) for c in candidates) for i in __return__)
+    post: all(c[1] in __return__ for c in candidates if all(c[0] <= d[0] for d in candidates))
     """
     if not candidates:
         return []
     best = min(rank for rank, _ in candidates)
-    return [node_id for rank, node_id in candidates if rank == best]
+    # `rank <= best` is `rank == best` here (best is the minimum). It is spelled `<=`
+    # because CrossHair (0.0.113) compares two symbolic tuples with `==` as whole SMT
+    # arrays, past their lengths, and so reports equal ranks as unequal.
+    return [node_id for rank, node_id in candidates if rank <= best]
 
 
 def overshoot_ok(freed: int, asked: int, last_node_size: int) -> bool:

@@ -29,6 +29,7 @@ from dataclasses import replace
 from typing import Any, Optional
 
 import torch
+
 from kvcert.conformance.adapters._sglang_env import SGLANG_VERSION, import_sglang
 from kvcert.spec.types import (
     POLICIES,

@@ -1,0 +1,86 @@
+"""Shrinking a failing trace: delete and simplify operations while the same rule still breaks.
+
+Hypothesis finds failures; shrinking happens here, on the trace as data, because
+replaying a list of ops is far cheaper than re-running the state machine's
+choice sequence, and because a trace's handles are op positions (spec/ops.py):
+deleting op i drops the ops that used its handle and renumbers later ones.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Callable, Iterator, Optional
+
+from kvcert.spec.ops import Evict, Insert, Lock, Match, Op, Unlock
+
+Verdict = Callable[[list[Op]], Optional[list[str]]]
+"""Replays a trace; returns the broken invariant IDs in report order, or None if it passes."""
+
+
+def without(ops: list[Op], i: int) -> list[Op]:
+    """`ops` minus op i, and minus the lock ops that named op i's node."""
+    out: list[Op] = []
+    for j, op in enumerate(ops):
+        if j == i:
+            continue
+        if isinstance(op, (Lock, Unlock)) and isinstance(op.handle, int) and not isinstance(op.handle, bool):
+            if op.handle == i:
+                continue
+            if op.handle > i:
+                op = replace(op, handle=op.handle - 1)
+        out.append(op)
+    return out
+
+
+def simpler(op: Op, page_size: int) -> Iterator[Op]:
+    """Smaller versions of one op, most aggressive first."""
+    if isinstance(op, Insert):
+        if op.namespace is not None:
+            yield replace(op, namespace=None)
+        if op.priority:
+            yield replace(op, priority=0)
+        if len(op.tokens) >= page_size:
+            shorter = op.tokens[:-page_size]
+            value_len = None if op.value_len is None else max(0, op.value_len - page_size)
+            yield replace(op, tokens=shorter, value_len=value_len)
+    elif isinstance(op, Match):
+        if op.namespace is not None:
+            yield replace(op, namespace=None)
+        if op.tokens:
+            yield replace(op, tokens=op.tokens[:-1])
+    elif isinstance(op, Evict) and isinstance(op.n, int) and not isinstance(op.n, bool) and op.n > 0:
+        yield from (replace(op, n=n) for n in sorted({0, op.n // 2, op.n - 1}) if n < op.n)
+
+
+def shrink(ops: list[Op], verdict: Verdict, page_size: int, budget: int = 3000) -> list[Op]:
+    """Greedy one-at-a-time deletion, then simplification, to a fixpoint or `budget` replays."""
+    first = verdict(ops)
+    if not first:
+        return ops
+    target = first[0]
+    replays = 0
+
+    def keeps_failing(candidate: list[Op]) -> bool:
+        nonlocal replays
+        replays += 1
+        got = verdict(candidate)
+        return bool(got) and target in got
+
+    changed = True
+    while changed and replays < budget:
+        changed = False
+        i = len(ops) - 1
+        while i >= 0 and replays < budget:
+            candidate = without(ops, i)
+            if keeps_failing(candidate):
+                ops, changed = candidate, True
+            i = min(i, len(ops)) - 1
+        for i in range(len(ops)):
+            for smaller in simpler(ops[i], page_size):
+                if replays >= budget:
+                    break
+                candidate = ops[:i] + [smaller] + ops[i + 1 :]
+                if keeps_failing(candidate):
+                    ops, changed = candidate, True
+                    break
+    return ops

@@ -1,0 +1,180 @@
+"""Every snapshot invariant accepts a real state and flags a hand-made corruption of it.
+
+The corruption table is keyed by invariant ID and checked against
+`SNAPSHOT_INVARIANTS`, so an invariant added without a case here fails the suite.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+import pytest
+
+from kvcert.refimpl import RefCache
+from kvcert.spec.contracts import node_paths
+from kvcert.spec.invariants import SNAPSHOT_INVARIANTS, Violation, check_snapshot
+from kvcert.spec.types import CacheConfig, Namespace, NodeView, Snapshot
+
+PS = 4
+
+
+def _put(cache: RefCache, namespace: Namespace, tokens: list[int]) -> int:
+    """The caller's side of an insert: allocate, insert, free the duplicates. Returns the node."""
+    slots = cache.alloc(len(tokens))
+    out = cache.insert(namespace, tokens, slots)
+    cache.free(slots[: out.prefix_len])
+    return out.node
+
+
+def _base() -> Snapshot:
+    """Two namespaces, two splits, a sibling at the root, one locked path, free pages left."""
+    cache = RefCache(CacheConfig(page_size=PS, capacity=48, policy="lru"))
+    _put(cache, None, list(range(1, 13)))  # (1..12)
+    locked = _put(cache, None, [1, 2, 3, 4, 5, 6, 7, 8, 20, 21, 22, 23])  # split after 8
+    _put(cache, None, [30, 31, 32, 33])
+    _put(cache, "lora", [1, 2, 3, 4, 5, 6, 7, 8])
+    _put(cache, "lora", [1, 2, 3, 4, 40, 41, 42, 43])  # split after 4
+    cache.inc_lock_ref(locked)
+    return cache.snapshot()
+
+
+BASE = _base()
+
+
+def _node(s: Snapshot, namespace: Namespace, path: tuple[int, ...]) -> NodeView:
+    """The node whose root-to-end path is `path` in `namespace`."""
+    ids = [i for i, p in node_paths(s).items() if p == (namespace, path)]
+    assert len(ids) == 1, (namespace, path)
+    return s.by_id()[ids[0]]
+
+
+def _edit(s: Snapshot, node: NodeView, **changes: object) -> Snapshot:
+    new = replace(node, **changes)
+    return replace(s, nodes=tuple(new if n.id == node.id else n for n in s.nodes))
+
+
+# Named nodes of BASE (the assertions in test_base_is_what_the_cases_assume pin them down).
+HEAD = _node(BASE, None, tuple(range(1, 9)))  # (1..8), locked via its child
+LEAF_9 = _node(BASE, None, tuple(range(1, 13)))  # (9..12) under HEAD, unlocked
+LEAF_20 = _node(BASE, None, (1, 2, 3, 4, 5, 6, 7, 8, 20, 21, 22, 23))  # locked leaf
+LEAF_30 = _node(BASE, None, (30, 31, 32, 33))  # HEAD's sibling under the root
+LORA_HEAD = _node(BASE, "lora", (1, 2, 3, 4))
+LORA_LEAF = _node(BASE, "lora", (1, 2, 3, 4, 5, 6, 7, 8))
+
+
+@dataclass(frozen=True)
+class Corruption:
+    inv: str
+    name: str
+    corrupt: Callable[[Snapshot], Snapshot]
+    only: bool = False
+    """True: the corruption is surgical, so `inv` must be the only violation."""
+
+
+def _cycle(s: Snapshot) -> Snapshot:
+    return _edit(s, HEAD, parent=LEAF_9.id)
+
+
+def _swap_slot_with_free(s: Snapshot) -> Snapshot:
+    free = s.free_slots[0]
+    last = LEAF_30.slots[-1]
+    s = _edit(s, LEAF_30, slots=(*LEAF_30.slots[:-1], free))
+    return replace(s, free_slots=tuple(sorted((*s.free_slots[1:], last))))
+
+
+def _pages_crossed(s: Snapshot) -> Snapshot:
+    a, b = HEAD.slots[:PS], HEAD.slots[PS:]
+    return _edit(s, HEAD, slots=(*a[:-1], b[-1], *b[:-1], a[-1]))
+
+
+CASES = [
+    Corruption("INV-TREE-1", "parent missing", lambda s: _edit(s, LEAF_9, parent=999), only=True),
+    Corruption("INV-TREE-1", "parent cycle", _cycle, only=True),
+    Corruption("INV-TREE-1", "duplicate id", lambda s: replace(s, nodes=(*s.nodes, LEAF_30)), only=True),
+    Corruption("INV-TREE-1", "root not among nodes", lambda s: replace(s, root=999), only=True),
+    Corruption(
+        "INV-TREE-1",
+        "root has a key",
+        lambda s: _edit(s, s.by_id()[s.root], key=(1, 2, 3, 4), slots=(0, 1, 2, 3)),
+        only=True,
+    ),
+    Corruption(
+        "INV-TREE-2", "key not whole pages", lambda s: _edit(s, LEAF_9, key=LEAF_9.key[:3], slots=LEAF_9.slots[:3])
+    ),
+    Corruption("INV-TREE-2", "fewer slots than tokens", lambda s: _edit(s, LEAF_9, slots=LEAF_9.slots[:3])),
+    Corruption("INV-TREE-2", "empty edge", lambda s: _edit(s, LEAF_30, key=(), slots=())),
+    Corruption("INV-TREE-3", "siblings share a first page", lambda s: _edit(s, LEAF_30, key=HEAD.key[:PS]), only=True),
+    Corruption("INV-NS-1", "namespace changes below the root", lambda s: _edit(s, LEAF_9, namespace="lora"), only=True),
+    Corruption("INV-LOCK-1", "negative lock count", lambda s: _edit(s, LEAF_9, lock_ref=-1)),
+    Corruption(
+        "INV-LOCK-3",
+        "child locked more than its parent",
+        lambda s: _edit(s, LEAF_20, lock_ref=HEAD.lock_ref + 1),
+        only=True,
+    ),
+    Corruption(
+        "INV-ACCT-1", "evictable counter off", lambda s: replace(s, evictable_size=s.evictable_size + 1), only=True
+    ),
+    Corruption(
+        "INV-ACCT-2", "protected counter off", lambda s: replace(s, protected_size=s.protected_size - PS), only=True
+    ),
+    Corruption("INV-ACCT-3", "capacity not accounted for", lambda s: replace(s, capacity=s.capacity + PS), only=True),
+    Corruption("INV-ACCT-3", "slots leaked", lambda s: replace(s, free_slots=s.free_slots[PS:]), only=True),
+    Corruption("INV-SLOT-1", "two nodes share slots", lambda s: _edit(s, LEAF_30, slots=LEAF_9.slots), only=True),
+    Corruption(
+        "INV-SLOT-1", "a held slot is also free", lambda s: replace(s, free_slots=(*s.free_slots, LEAF_9.slots[0]))
+    ),
+    Corruption("INV-SLOT-2", "slot id past slot_limit", lambda s: replace(s, slot_limit=s.capacity - PS), only=True),
+    Corruption("INV-SLOT-2", "negative slot id", lambda s: _edit(s, LEAF_30, slots=(-4, -3, -2, -1)), only=True),
+    Corruption("INV-SLOT-4", "page slots not contiguous", _pages_crossed, only=True),
+    Corruption("INV-SLOT-4", "page split between a node and the free list", _swap_slot_with_free, only=True),
+]
+
+
+def test_base_is_what_the_cases_assume() -> None:
+    assert check_snapshot(BASE) == []
+    assert HEAD.lock_ref == 1 and LEAF_20.lock_ref == 1 and LEAF_9.lock_ref == 0
+    assert LEAF_9.parent == HEAD.id and LEAF_20.parent == HEAD.id
+    assert LEAF_30.parent == BASE.root and HEAD.parent == BASE.root
+    assert LORA_LEAF.parent == LORA_HEAD.id and LORA_HEAD.parent == BASE.root
+    assert len(BASE.free_slots) >= PS and BASE.evictable_size > 0 and BASE.protected_size > 0
+
+
+def test_every_invariant_has_a_corruption_case() -> None:
+    assert {c.inv for c in CASES} == set(SNAPSHOT_INVARIANTS)
+
+
+@pytest.mark.parametrize("inv", sorted(SNAPSHOT_INVARIANTS))
+def test_valid_snapshot_passes_each_checker(inv: str) -> None:
+    assert SNAPSHOT_INVARIANTS[inv](BASE) == []
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"{c.inv}:{c.name}" for c in CASES])
+def test_corruption_is_flagged_with_its_id(case: Corruption) -> None:
+    bad = case.corrupt(BASE)
+    assert bad != BASE
+    assert SNAPSHOT_INVARIANTS[case.inv](bad), f"{case.inv} checker missed: {case.name}"
+    found = {v.inv for v in check_snapshot(bad)}
+    assert case.inv in found
+    if case.only:
+        assert found == {case.inv}
+    if case.inv == "INV-TREE-1":
+        # Structure first: nothing else runs on a snapshot whose links are broken.
+        assert found == {"INV-TREE-1"}
+
+
+def test_violation_renders_its_id() -> None:
+    assert str(Violation("INV-SLOT-1", "slot 3 owned 2 times")) == "INV-SLOT-1: slot 3 owned 2 times"
+
+
+def test_paging_rule_is_off_at_page_size_one() -> None:
+    cache = RefCache(CacheConfig(page_size=1, capacity=8))
+    _put(cache, None, [1, 2, 3])
+    s = cache.snapshot()
+    (leaf,) = [n for n in s.nodes if n.id != s.root]
+    scrambled = _edit(s, leaf, slots=tuple(reversed(leaf.slots)))
+    assert check_snapshot(scrambled) == []
+    # The same scramble is a violation once slots come in pages.
+    paged = replace(scrambled, page_size=3, capacity=6, slot_limit=6, free_slots=(3, 4, 5))
+    assert [v.inv for v in check_snapshot(paged)] == ["INV-SLOT-4"]

@@ -1,0 +1,237 @@
+"""The pure page functions: their PEP 316 contracts under Hypothesis, and brute-force references.
+
+`test_docstring_contracts` evaluates the very `pre:` / `post:` lines CrossHair
+checks (scripts/crosshair.sh), on random inputs: a fast mirror that runs on every
+`pytest`. The CrossHair run itself is opt-in here (KVCERT_CROSSHAIR=1) because
+CI runs the script directly and it takes a minute or more.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import re
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+from kvcert.spec import pages
+from kvcert.spec.pages import (
+    RANKED_POLICIES,
+    common_prefix_len,
+    first_page,
+    is_aligned,
+    match_len,
+    min_rank_ids,
+    overshoot_ok,
+    page_floor,
+    policy_rank,
+    split_key,
+)
+from kvcert.spec.types import POLICIES
+
+ROOT = Path(__file__).resolve().parents[1]
+FAST = settings(max_examples=300, deadline=None)
+
+# --------------------------------------------------------------------------- the docstring contracts
+
+CONDITION = re.compile(r"^\s*(pre|post):\s*(.+?)\s*$")
+
+
+def _conditions(fn: Any) -> tuple[list[str], list[str]]:
+    pre: list[str] = []
+    post: list[str] = []
+    for line in (fn.__doc__ or "").splitlines():
+        m = CONDITION.match(line)
+        if m:
+            (pre if m.group(1) == "pre" else post).append(m.group(2))
+    return pre, post
+
+
+CONTRACTED = {
+    name: fn
+    for name, fn in vars(pages).items()
+    if inspect.isfunction(fn) and fn.__module__ == pages.__name__ and _conditions(fn)[1]
+}
+
+tokens = st.lists(st.integers(0, 2), max_size=12)
+sequences = st.one_of(tokens, tokens.map(tuple))
+small = st.integers(-3, 40)
+
+
+@st.composite
+def _split_args(draw: st.DrawFn) -> dict[str, Any]:
+    ps = draw(st.integers(1, 5))
+    n_pages = draw(st.integers(2, 4))
+    key = tuple(draw(st.lists(st.integers(0, 9), min_size=ps * n_pages, max_size=ps * n_pages)))
+    return {"key": key, "at": ps * draw(st.integers(1, n_pages - 1)), "page_size": ps}
+
+
+STRATEGIES: dict[str, st.SearchStrategy[dict[str, Any]]] = {
+    "page_floor": st.fixed_dictionaries({"n": st.integers(-3, 300), "page_size": st.integers(-1, 17)}),
+    "is_aligned": st.fixed_dictionaries({"n": st.integers(-20, 300), "page_size": st.integers(-1, 17)}),
+    "common_prefix_len": st.fixed_dictionaries({"a": sequences, "b": sequences}),
+    "match_len": st.fixed_dictionaries({"a": sequences, "b": sequences, "page_size": st.integers(-1, 6)}),
+    "split_key": _split_args(),
+    "first_page": st.fixed_dictionaries({"key": sequences, "page_size": st.integers(-1, 6)}),
+    "policy_rank": st.fixed_dictionaries(
+        {
+            "policy": st.sampled_from([*RANKED_POLICIES, "random"]),
+            "last_access": small,
+            "hit_count": small,
+            "creation": small,
+            "priority": small,
+        }
+    ),
+    "min_rank_ids": st.fixed_dictionaries(
+        {
+            "candidates": st.lists(
+                st.tuples(st.lists(st.integers(0, 2), min_size=1, max_size=2).map(tuple), st.integers(0, 5)),
+                max_size=6,
+            )
+        }
+    ),
+    "overshoot_ok": st.fixed_dictionaries(
+        {"freed": st.integers(-1, 20), "asked": st.integers(-2, 20), "last_node_size": st.integers(-1, 20)}
+    ),
+}
+
+
+def test_every_contracted_function_has_a_strategy() -> None:
+    assert set(CONTRACTED) == set(STRATEGIES)
+    assert sum(len(_conditions(fn)[1]) for fn in CONTRACTED.values()) >= 20
+
+
+def test_ranked_policies_are_the_spec_policies() -> None:
+    assert set(RANKED_POLICIES) == set(POLICIES)
+
+
+@pytest.mark.parametrize("name", sorted(STRATEGIES))
+def test_docstring_contracts(name: str) -> None:
+    fn = CONTRACTED[name]
+    pre, post = _conditions(fn)
+
+    @FAST
+    @given(STRATEGIES[name])
+    def check(args: dict[str, Any]) -> None:
+        scope = {**vars(pages), **args}
+        assume(all(eval(p, scope) for p in pre))
+        scope["__return__"] = fn(**args)
+        for p in post:
+            assert eval(p, scope), f"{name}{args}: post `{p}` is false"
+
+    check()
+
+
+# --------------------------------------------------------------------------- brute-force references
+
+
+@FAST
+@given(st.integers(0, 300), st.integers(1, 17))
+def test_page_floor_is_the_largest_page_multiple(n: int, ps: int) -> None:
+    assert page_floor(n, ps) == max(k for k in range(0, n + 1, ps))
+    assert is_aligned(n, ps) == (page_floor(n, ps) == n)
+
+
+@FAST
+@given(sequences, sequences)
+def test_common_prefix_len_brute_force(a: Any, b: Any) -> None:
+    n = max(i for i in range(min(len(a), len(b)) + 1) if list(a[:i]) == list(b[:i]))
+    assert common_prefix_len(a, b) == n
+
+
+@FAST
+@given(sequences, sequences, st.integers(1, 5))
+def test_match_len_brute_force(a: Any, b: Any, ps: int) -> None:
+    n = max(i for i in range(0, min(len(a), len(b)) + 1, ps) if list(a[:i]) == list(b[:i]))
+    assert match_len(a, b, ps) == n
+
+
+def test_page_examples() -> None:
+    assert page_floor(7, 4) == 4 and page_floor(8, 4) == 8 and page_floor(3, 4) == 0
+    assert not is_aligned(-4, 4) and is_aligned(0, 4) and not is_aligned(6, 4)
+    assert match_len([1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 5, 9], 2) == 4
+    assert match_len([1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 5, 9], 4) == 4
+    assert match_len([1, 2, 3], [1, 2, 3], 2) == 2
+    assert split_key((1, 2, 3, 4, 5, 6), 4, 2) == ((1, 2, 3, 4), (5, 6))
+    assert first_page([7, 8, 9, 10], 2) == (7, 8)
+
+
+# Five leaves whose metadata make every policy pick a different first victim:
+#             creation  last_access  hits  priority
+LEAVES = {
+    "W": (1, 6, 3, 5),  # created first             -> fifo's victim
+    "X": (2, 2, 2, 5),  # used longest ago          -> lru's victim
+    "Y": (3, 7, 1, 5),  # fewest hits               -> lfu's victim
+    "Z": (4, 8, 2, 5),  # used most recently        -> mru's victim
+    "V": (5, 5, 4, 0),  # lowest priority           -> priority's victim
+}
+FIRST_VICTIM = {"fifo": "W", "lru": "X", "lfu": "Y", "mru": "Z", "priority": "V"}
+
+
+@pytest.mark.parametrize("policy", sorted(FIRST_VICTIM))
+def test_policy_rank_orders_leaves_as_the_policy_says(policy: str) -> None:
+    ranks = [(policy_rank(policy, la, hits, c, prio), name) for name, (c, la, hits, prio) in LEAVES.items()]
+    assert min(ranks)[1] == FIRST_VICTIM[policy]
+
+
+def test_policy_rank_tie_breaks() -> None:
+    # lfu and priority fall back to recency on a tie of their primary key; lru and mru have only recency.
+    assert policy_rank("lfu", 1, 3, 0, 0) < policy_rank("lfu", 2, 3, 0, 0)
+    assert policy_rank("priority", 1, 0, 0, 3) < policy_rank("priority", 2, 0, 0, 3)
+    assert policy_rank("lru", 1, 9, 9, 9) == policy_rank("lru", 1, 0, 0, 0)
+    assert policy_rank("fifo", 9, 9, 1, 9) == policy_rank("fifo", 0, 0, 1, 0)
+
+
+@FAST
+@given(STRATEGIES["min_rank_ids"])
+def test_min_rank_ids_brute_force(args: dict[str, Any]) -> None:
+    cands = args["candidates"]
+    want = [i for r, i in cands if not any(other < r for other, _ in cands)]
+    assert min_rank_ids(cands) == want
+
+
+def test_overshoot_examples() -> None:
+    assert overshoot_ok(0, 0, 0)  # nothing evicted is never an overshoot
+    assert overshoot_ok(5, 4, 2)  # without the last node only 3 of 4: it was needed
+    assert not overshoot_ok(5, 3, 2)  # 3 were freed before the last node: it was not
+    assert not overshoot_ok(1, 0, 1)  # asked for nothing
+
+
+# --------------------------------------------------------------------------- CrossHair (opt-in)
+
+crosshair = pytest.mark.skipif(os.environ.get("KVCERT_CROSSHAIR") != "1", reason="set KVCERT_CROSSHAIR=1")
+
+
+def _gate(*targets: str, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        ["bash", str(ROOT / "scripts" / "crosshair.sh"), *targets],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **env},
+        timeout=600,
+    )
+
+
+@crosshair
+def test_crosshair_gate_passes_and_analyses_every_postcondition() -> None:
+    run = _gate()
+    assert run.returncode == 0, run.stdout + run.stderr
+    n_posts = sum(len(_conditions(fn)[1]) for fn in CONTRACTED.values())
+    assert f"crosshair gate: {n_posts} postconditions" in run.stdout
+    assert run.stdout.count("confirmed paths") == n_posts
+
+
+@crosshair
+def test_crosshair_gate_fails_on_a_broken_contract(tmp_path: Path) -> None:
+    source = (ROOT / "spec" / "pages.py").read_text()
+    unfloored = "    return page_floor(common_prefix_len(a, b), page_size)\n"
+    assert source.count(unfloored) == 1
+    (tmp_path / "pages.py").write_text(source.replace(unfloored, "    return common_prefix_len(a, b)\n"))
+    run = _gate(str(tmp_path / "pages.py"), KVCERT_CROSSHAIR_CONDITION="2", KVCERT_CROSSHAIR_PATH="1")
+    assert run.returncode == 1
+    assert "error:" in run.stdout and "match_len" in run.stdout
