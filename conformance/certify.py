@@ -80,7 +80,11 @@ class Certificate:
 
     def to_json(self) -> str:
         body = asdict(self)
-        body.update(passed=self.passed, total_steps=self.total_steps, steps_per_second=round(self.total_steps / max(self.seconds, 1e-9), 1))
+        body.update(
+            passed=self.passed,
+            total_steps=self.total_steps,
+            steps_per_second=round(self.total_steps / max(self.seconds, 1e-9), 1),
+        )
         return json.dumps(body, indent=1)
 
 
@@ -119,9 +123,13 @@ def run_cell(
     try:
         run_state_machine_as_test(machine, settings=conf)
     except ConformanceFailure:
-        ops = shrink(machine.last_trace(), lambda ops: failure_ids(factory, capabilities, config, ops), config.page_size)
+        ops = shrink(
+            machine.last_trace(), lambda ops: failure_ids(factory, capabilities, config, ops), config.page_size
+        )
         failure = replay_failure(factory, capabilities, config, ops)
-        trace = Trace(config=config, ops=tuple(ops), target=target, note=str(failure).splitlines()[-1].strip() if failure else "")
+        trace = Trace(
+            config=config, ops=tuple(ops), target=target, note=str(failure).splitlines()[-1].strip() if failure else ""
+        )
         out_dir.mkdir(parents=True, exist_ok=True)
         path = out_dir / f"{_slug(target)}-ps{config.page_size}-{config.policy}-seed{seed}.json"
         path.write_text(trace.to_json())
@@ -136,7 +144,9 @@ def run_cell(
     return result
 
 
-def replay_failure(factory: Factory, capabilities: Capabilities, config: CacheConfig, ops: list[Op]) -> Optional[ConformanceFailure]:
+def replay_failure(
+    factory: Factory, capabilities: Capabilities, config: CacheConfig, ops: list[Op]
+) -> Optional[ConformanceFailure]:
     """Run `ops` on a fresh backend; the failure, or None if the trace passes."""
     try:
         run_trace(factory(config), config, capabilities, ops)
@@ -145,7 +155,9 @@ def replay_failure(factory: Factory, capabilities: Capabilities, config: CacheCo
     return None
 
 
-def failure_ids(factory: Factory, capabilities: Capabilities, config: CacheConfig, ops: list[Op]) -> Optional[list[str]]:
+def failure_ids(
+    factory: Factory, capabilities: Capabilities, config: CacheConfig, ops: list[Op]
+) -> Optional[list[str]]:
     failure = replay_failure(factory, capabilities, config, ops)
     return [v.inv for v in failure.violations] if failure else None
 
@@ -155,7 +167,10 @@ def replay_fails(factory: Factory, capabilities: Capabilities, trace: Trace) -> 
 
 
 def cells_for(
-    capabilities: Capabilities, page_sizes: Optional[Iterable[int]], policies: Optional[Iterable[str]], bad_input: Optional[bool] = None
+    capabilities: Capabilities,
+    page_sizes: Optional[Iterable[int]],
+    policies: Optional[Iterable[str]],
+    bad_input: Optional[bool] = None,
 ) -> tuple[list[CacheConfig], list[str]]:
     """The (page size, policy) matrix to run, and what was asked for but not declared."""
     want_ps = list(page_sizes) if page_sizes else list(capabilities.page_sizes)
@@ -198,7 +213,17 @@ def certify(
     configs, skipped = cells_for(caps, page_sizes, policies, bad_input)
     cert = Certificate(target, caps.name, seed, examples, steps, caps.strict_input, skipped=skipped)
     for config in configs:
-        cell = run_cell(factory, caps, config, examples=examples, steps=steps, seed=seed, target=target, out_dir=out_dir, bad_input=bad_input)
+        cell = run_cell(
+            factory,
+            caps,
+            config,
+            examples=examples,
+            steps=steps,
+            seed=seed,
+            target=target,
+            out_dir=out_dir,
+            bad_input=bad_input,
+        )
         cert.cells.append(cell)
         if on_cell is not None:
             on_cell(cell)

@@ -60,7 +60,11 @@ def certify_cmd(
     policy: Optional[list[str]] = typer.Option(None, "--policy", help="restrict to these policies"),
     json_path: Optional[Path] = typer.Option(None, "--json", help="write the certificate as JSON"),
     out: Path = typer.Option(Path("kvcert-failures"), help="where minimal traces are saved"),
-    bad_input: Optional[bool] = typer.Option(None, "--bad-input/--no-bad-input", help="force the bad-input rules on or off (default: as the backend declares strict_input)"),
+    bad_input: Optional[bool] = typer.Option(
+        None,
+        "--bad-input/--no-bad-input",
+        help="force the bad-input rules on or off (default: as the backend declares strict_input)",
+    ),
 ) -> None:
     """Run the conformance suite against a backend and print its certificate."""
     cert = certify(

@@ -106,10 +106,16 @@ class Harness:
             try:
                 got = self._run(self.backend, op, 0)
             except Exception as err:  # a crash is a finding, not a harness error
-                raise ConformanceFailure(index, op, [Violation("INV-ERR-3", f"raised untyped {type(err).__name__}: {err}")]) from err
+                raise ConformanceFailure(
+                    index, op, [Violation("INV-ERR-3", f"raised untyped {type(err).__name__}: {err}")]
+                ) from err
         after = self.backend.snapshot()
         self._compare(op, before, after, got, want, violations)
-        if isinstance(op, HANDLE_PRODUCERS) and isinstance(got, (MatchOut, InsertOut)) and isinstance(want, (MatchOut, InsertOut)):
+        if (
+            isinstance(op, HANDLE_PRODUCERS)
+            and isinstance(got, (MatchOut, InsertOut))
+            and isinstance(want, (MatchOut, InsertOut))
+        ):
             self.handles[index] = (got.node, want.node)
         if self.trace_hook is not None:
             self.trace_hook(index, op, got)
@@ -123,7 +129,9 @@ class Harness:
         except KVCertError as err:
             got = err
         except Exception as err:
-            raise ConformanceFailure(len(self.ops) - 1, op, [Violation("INV-ERR-3", f"raised untyped {type(err).__name__}: {err}")]) from err
+            raise ConformanceFailure(
+                len(self.ops) - 1, op, [Violation("INV-ERR-3", f"raised untyped {type(err).__name__}: {err}")]
+            ) from err
         if isinstance(got, KVCertError):
             try:
                 return got, self.oracle.evict(op.n)
@@ -149,7 +157,10 @@ class Harness:
         witness = contracts.eviction_witness(view, oracle_snap.root, asked, removed)
         if witness is None:
             violations.append(
-                Violation("INV-EVICT-4", f"no {self.config.policy} eviction order removes exactly {sorted(p[1] for p in gone_paths)}")
+                Violation(
+                    "INV-EVICT-4",
+                    f"no {self.config.policy} eviction order removes exactly {sorted(p[1] for p in gone_paths)}",
+                )
             )
             return got, self.oracle.evict(op.n)
         order = iter(witness)
@@ -157,7 +168,9 @@ class Harness:
 
     # ------------------------------------------------------------------ checking
 
-    def _compare(self, op: Op, before: Snapshot, after: Snapshot, got: Outcome, want: Outcome, out: list[Violation]) -> None:
+    def _compare(
+        self, op: Op, before: Snapshot, after: Snapshot, got: Outcome, want: Outcome, out: list[Violation]
+    ) -> None:
         """The operation's contract, and the backend's answer against the oracle's."""
         if isinstance(want, KVCertError) or isinstance(got, KVCertError):
             if not isinstance(got, KVCertError):
@@ -198,7 +211,9 @@ class Harness:
             out.append(Violation("INV-MATCH-2", f"returned slots {tuple(got.slots)[:8]}, the tree holds {slots[:8]}"))
         self._check_handle(after, got.node, op.namespace, tuple(op.tokens[: got.length]), out)
 
-    def _check_insert(self, op: Insert, before: Snapshot, after: Snapshot, got: InsertOut, out: list[Violation]) -> None:
+    def _check_insert(
+        self, op: Insert, before: Snapshot, after: Snapshot, got: InsertOut, out: list[Violation]
+    ) -> None:
         expect = contracts.cached_prefix_len(before, op.namespace, op.tokens)
         if got.prefix_len != expect:
             out.append(Violation("INV-INS-1", f"insert reported prefix {got.prefix_len}, {expect} was cached"))
@@ -216,11 +231,18 @@ class Harness:
             if {p: s for p, (s, _) in mine.items()} != {p: s for p, (s, _) in oracle.items()}:
                 extra_paths = sorted(set(mine) - set(oracle), key=_order)[:2]
                 missing = sorted(set(oracle) - set(mine), key=_order)[:2]
-                violations.append(Violation("INV-TREE-4", f"tree differs from the spec's: extra {extra_paths}, missing {missing}"))
+                violations.append(
+                    Violation("INV-TREE-4", f"tree differs from the spec's: extra {extra_paths}, missing {missing}")
+                )
             else:
                 for p, (_, lock) in sorted(mine.items(), key=lambda item: _order(item[0])):
                     if lock != oracle[p][1]:
-                        violations.append(Violation("INV-LOCK-2", f"node at {p[1][-4:]}@{len(p[1])} lock_ref {lock}, spec says {oracle[p][1]}"))
+                        violations.append(
+                            Violation(
+                                "INV-LOCK-2",
+                                f"node at {p[1][-4:]}@{len(p[1])} lock_ref {lock}, spec says {oracle[p][1]}",
+                            )
+                        )
                         break
         if violations:
             raise ConformanceFailure(index, op, violations)
@@ -255,7 +277,12 @@ class Harness:
             raise ConformanceFailure(
                 len(self.ops) - 1,
                 self.ops[-1],
-                [Violation("INV-LIVE-1", f"idle and fully evicted, yet {len(snap.nodes) - 1} nodes and {snap.capacity - len(snap.free_slots)} slots remain")],
+                [
+                    Violation(
+                        "INV-LIVE-1",
+                        f"idle and fully evicted, yet {len(snap.nodes) - 1} nodes and {snap.capacity - len(snap.free_slots)} slots remain",
+                    )
+                ],
             )
 
 
@@ -273,7 +300,14 @@ def _same_state(a: Snapshot, b: Snapshot) -> bool:
     )
 
 
-def run_trace(backend: Backend, config: CacheConfig, capabilities: Capabilities, ops: list[Op], hook: Optional[Callable[[int, Op, Outcome], None]] = None, quiesce: bool = True) -> Harness:
+def run_trace(
+    backend: Backend,
+    config: CacheConfig,
+    capabilities: Capabilities,
+    ops: list[Op],
+    hook: Optional[Callable[[int, Op, Outcome], None]] = None,
+    quiesce: bool = True,
+) -> Harness:
     """Replay `ops`; raises ConformanceFailure at the first broken rule."""
     h = Harness(backend, config, capabilities, trace_hook=hook)
     for op in ops:

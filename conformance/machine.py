@@ -69,7 +69,9 @@ class CacheMachine(RuleBasedStateMachine):
     bad_input: bool = False
 
     @classmethod
-    def bind(cls, factory: Factory, config: CacheConfig, capabilities: Capabilities, bad_input: Optional[bool] = None) -> type[CacheMachine]:
+    def bind(
+        cls, factory: Factory, config: CacheConfig, capabilities: Capabilities, bad_input: Optional[bool] = None
+    ) -> type[CacheMachine]:
         """A fresh subclass for one (backend, config) cell; bad input follows `strict_input` unless forced."""
         attrs = {
             "factory": staticmethod(factory),

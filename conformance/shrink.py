@@ -8,8 +8,9 @@ deleting op i drops the ops that used its handle and renumbers later ones.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from dataclasses import replace
-from typing import Callable, Iterator, Optional
+from typing import Optional
 
 from kvcert.spec.ops import Evict, Insert, Lock, Match, Op, Unlock
 

@@ -34,28 +34,44 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "lock_skips_self",
         "lock walk starts at the parent: the matched node itself stays evictable",
-        (("        cur: Optional[Node] = node\n        while cur is not None and cur is not self.root:",
-          "        cur: Optional[Node] = node.parent\n        while cur is not None and cur is not self.root:"),),
+        (
+            (
+                "        cur: Optional[Node] = node\n        while cur is not None and cur is not self.root:",
+                "        cur: Optional[Node] = node.parent\n        while cur is not None and cur is not self.root:",
+            ),
+        ),
     ),
     Mutant(
         "size_units_mismatch",
         "evictable size moved by tokens on lock but by pages on unlock",
-        (("                self.evictable_size += len(n.key)\n                self.protected_size -= len(n.key)",
-          "                self.evictable_size += len(n.key) // self.page_size\n                self.protected_size -= len(n.key)"),),
+        (
+            (
+                "                self.evictable_size += len(n.key)\n                self.protected_size -= len(n.key)",
+                "                self.evictable_size += len(n.key) // self.page_size\n                self.protected_size -= len(n.key)",
+            ),
+        ),
         page_sizes=(4,),
     ),
     Mutant(
         "evict_frees_less",
         "eviction skips a leaf that would overshoot, freeing less than asked while leaves remain",
-        (("            victim = self.nodes[choose(tied) if choose else min(tied)]\n",
-          "            victim = self.nodes[choose(tied) if choose else min(tied)]\n"
-          "            if freed + len(victim.key) > n:\n                break\n"),),
+        (
+            (
+                "            victim = self.nodes[choose(tied) if choose else min(tied)]\n",
+                "            victim = self.nodes[choose(tied) if choose else min(tied)]\n"
+                "            if freed + len(victim.key) > n:\n                break\n",
+            ),
+        ),
     ),
     Mutant(
         "evict_never_stops",
         "eviction ignores the request size and drains every evictable leaf",
-        (("        while freed < n:\n            leaves = self.evictable_leaves()",
-          "        while True:\n            leaves = self.evictable_leaves()"),),
+        (
+            (
+                "        while freed < n:\n            leaves = self.evictable_leaves()",
+                "        while True:\n            leaves = self.evictable_leaves()",
+            ),
+        ),
     ),
     Mutant(
         "split_drops_lock",
@@ -65,27 +81,47 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "match_crosses_namespace",
         "child selector ignores the namespace (extra_key): prefixes leak across LoRA ids",
-        (("        return namespace, pages.first_page(key, self.page_size)",
-          "        return None, pages.first_page(key, self.page_size)"),),
+        (
+            (
+                "        return namespace, pages.first_page(key, self.page_size)",
+                "        return None, pages.first_page(key, self.page_size)",
+            ),
+        ),
     ),
     Mutant(
         "split_unaligned",
         "split at the raw common prefix instead of a page boundary",
-        (("            n = pages.match_len(child.key, key[matched:], self.page_size)",
-          "            n = pages.common_prefix_len(child.key, key[matched:])"),
-         ("        head_key, tail_key = pages.split_key(child.key, at, self.page_size)",
-          "        head_key, tail_key = child.key[:at], child.key[at:]")),
+        (
+            (
+                "            n = pages.match_len(child.key, key[matched:], self.page_size)",
+                "            n = pages.common_prefix_len(child.key, key[matched:])",
+            ),
+            (
+                "        head_key, tail_key = pages.split_key(child.key, at, self.page_size)",
+                "        head_key, tail_key = child.key[:at], child.key[at:]",
+            ),
+        ),
         page_sizes=(4,),
     ),
     Mutant(
         "double_free_on_evict",
         "an evicted leaf's slots are pushed onto the free list twice",
-        (("        self.pool.release(leaf.slots)\n", "        self.pool.release(leaf.slots)\n        self.pool.release(leaf.slots[:1])\n"),),
+        (
+            (
+                "        self.pool.release(leaf.slots)\n",
+                "        self.pool.release(leaf.slots)\n        self.pool.release(leaf.slots[:1])\n",
+            ),
+        ),
     ),
     Mutant(
         "unlock_below_zero",
         "dec_lock_ref accepted with no lock held: counts go negative",
-        (("        if node.own_locks == 0:\n            raise LockUnderflow", "        if node.own_locks < 0:\n            raise LockUnderflow"),),
+        (
+            (
+                "        if node.own_locks == 0:\n            raise LockUnderflow",
+                "        if node.own_locks < 0:\n            raise LockUnderflow",
+            ),
+        ),
     ),
     Mutant(
         "evict_locked",
@@ -95,10 +131,17 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "stale_handle_accepted",
         "a handle to an evicted node is still accepted, locking a detached path",
-        (("        del self.nodes[leaf.id]\n", "        self.graveyard = getattr(self, 'graveyard', {})\n        self.graveyard[leaf.id] = self.nodes.pop(leaf.id)\n"),
-         ("        node = self.nodes.get(node_id) if isinstance(node_id, int) else None\n",
-          "        node = self.nodes.get(node_id) if isinstance(node_id, int) else None\n"
-          "        node = node or getattr(self, 'graveyard', {}).get(node_id)\n")),
+        (
+            (
+                "        del self.nodes[leaf.id]\n",
+                "        self.graveyard = getattr(self, 'graveyard', {})\n        self.graveyard[leaf.id] = self.nodes.pop(leaf.id)\n",
+            ),
+            (
+                "        node = self.nodes.get(node_id) if isinstance(node_id, int) else None\n",
+                "        node = self.nodes.get(node_id) if isinstance(node_id, int) else None\n"
+                "        node = node or getattr(self, 'graveyard', {}).get(node_id)\n",
+            ),
+        ),
     ),
     Mutant(
         "evict_leaks_slots",
@@ -108,18 +151,28 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "insert_overwrites_prefix",
         "insert replaces the slots of an already-cached prefix with the new request's slots",
-        (("        def hit(node: Node) -> None:\n            node.hit_count += 1\n",
-          "        def hit(node: Node) -> None:\n            node.hit_count += 1\n            node.slots = tuple(slots[:len(node.slots)])\n"),),
+        (
+            (
+                "        def hit(node: Node) -> None:\n            node.hit_count += 1\n",
+                "        def hit(node: Node) -> None:\n            node.hit_count += 1\n            node.slots = tuple(slots[:len(node.slots)])\n",
+            ),
+        ),
         page_sizes=(1,),
     ),
     Mutant(
         "match_does_not_touch",
         "match_prefix does not refresh last_access: LRU evicts a prefix that was just used",
-        (("            child.last_access = self.now\n            n = pages.match_len",
-          "            child.last_access = child.last_access if on_node is None else self.now\n            n = pages.match_len"),
-         ("        matched, node, slots = self._walk(namespace, key, lambda n: None)",
-          "        matched, node, slots = self._walk(namespace, key, None)"),
-         ("            on_node(child)\n", "            if on_node is not None:\n                on_node(child)\n")),
+        (
+            (
+                "            child.last_access = self.now\n            n = pages.match_len",
+                "            child.last_access = child.last_access if on_node is None else self.now\n            n = pages.match_len",
+            ),
+            (
+                "        matched, node, slots = self._walk(namespace, key, lambda n: None)",
+                "        matched, node, slots = self._walk(namespace, key, None)",
+            ),
+            ("            on_node(child)\n", "            if on_node is not None:\n                on_node(child)\n"),
+        ),
         page_sizes=(1,),
     ),
     Mutant(
@@ -137,7 +190,9 @@ def build(mutant: Mutant) -> Factory:
     source = Path(refcache.__file__).read_text()
     for find, repl in mutant.edits:
         if source.count(find) != 1:
-            raise AssertionError(f"mutant {mutant.name}: edit target occurs {source.count(find)} times in refimpl/cache.py")
+            raise AssertionError(
+                f"mutant {mutant.name}: edit target occurs {source.count(find)} times in refimpl/cache.py"
+            )
         source = source.replace(find, repl)
     name = f"kvcert.refimpl._mutant_{mutant.name}"
     module = types.ModuleType(name)
@@ -171,7 +226,15 @@ def run_control(*, examples: int, steps: int, seed: int, out_dir: Optional[Path]
     """The unmodified model over the union of the mutants' cells: it must pass."""
     page_sizes = sorted({p for m in MUTANTS for p in m.page_sizes})
     policies = sorted({p for m in MUTANTS for p in m.policies})
-    return certify("kvcert.refimpl:factory", examples=examples, steps=steps, seed=seed, page_sizes=page_sizes, policies=policies, out_dir=out_dir or Path("kvcert-failures/zoo"))
+    return certify(
+        "kvcert.refimpl:factory",
+        examples=examples,
+        steps=steps,
+        seed=seed,
+        page_sizes=page_sizes,
+        policies=policies,
+        out_dir=out_dir or Path("kvcert-failures/zoo"),
+    )
 
 
 def __getattr__(name: str) -> Factory:

@@ -22,7 +22,9 @@ MUTANT = next(m for m in zoo.MUTANTS if m.name == "evict_locked")
 def test_refimpl_certifies_on_every_declared_cell_it_is_asked_for(tmp_path: Path) -> None:
     cert = certify("kvcert.refimpl:factory", examples=15, steps=25, seed=3, page_sizes=[1, 4], out_dir=tmp_path)
     assert cert.passed
-    assert {(c.page_size, c.policy) for c in cert.cells} == {(p, pol) for p in (1, 4) for pol in RefCache.capabilities.policies}
+    assert {(c.page_size, c.policy) for c in cert.cells} == {
+        (p, pol) for p in (1, 4) for pol in RefCache.capabilities.policies
+    }
     assert all(c.steps > 0 for c in cert.cells)
     assert not list(tmp_path.iterdir()), "a passing run saves no counterexample"
 
@@ -45,7 +47,13 @@ def test_failure_is_saved_minimal_and_replays(tmp_path: Path) -> None:
 
 
 def test_trace_json_round_trip_keeps_bad_input() -> None:
-    ops = (Insert("ns", (0, 1.5, "x", True), priority=2, value_len=3), Match(None, (1, 2)), Lock(0), Unlock(7), Evict(-1))
+    ops = (
+        Insert("ns", (0, 1.5, "x", True), priority=2, value_len=3),
+        Match(None, (1, 2)),
+        Lock(0),
+        Unlock(7),
+        Evict(-1),
+    )
     trace = Trace(config=CacheConfig(page_size=2, policy="mru", capacity=8), ops=ops, note="n")
     again = Trace.from_json(trace.to_json())
     assert again == trace
@@ -72,14 +80,36 @@ def test_harness_reports_each_kind_of_break() -> None:
 def test_cli_certify_replay_and_json(tmp_path: Path) -> None:
     runner = CliRunner()
     cert_json = tmp_path / "cert.json"
-    res = runner.invoke(app, ["certify", "kvcert.refimpl:factory", "--examples", "5", "--steps", "10", "--page-size", "2", "--policy", "lfu", "--json", str(cert_json)])
+    res = runner.invoke(
+        app,
+        [
+            "certify",
+            "kvcert.refimpl:factory",
+            "--examples",
+            "5",
+            "--steps",
+            "10",
+            "--page-size",
+            "2",
+            "--policy",
+            "lfu",
+            "--json",
+            str(cert_json),
+        ],
+    )
     assert res.exit_code == 0, res.output
     assert "CERTIFIED" in res.output and "steps/s" in res.output
     body = json.loads(cert_json.read_text())
     assert body["passed"] and body["total_steps"] > 0 and body["cells"][0]["policy"] == "lfu"
 
     bad = tmp_path / "t.json"
-    bad.write_text(Trace(config=CacheConfig(capacity=8), ops=(Insert(None, (0,)), Lock(0), Evict(1)), target="kvcert.conformance.zoo:evict_locked").to_json())
+    bad.write_text(
+        Trace(
+            config=CacheConfig(capacity=8),
+            ops=(Insert(None, (0,)), Lock(0), Evict(1)),
+            target="kvcert.conformance.zoo:evict_locked",
+        ).to_json()
+    )
     res = runner.invoke(app, ["replay", str(bad)])
     assert res.exit_code == 1 and "INV-EVICT-3" in res.output
     res = runner.invoke(app, ["replay", str(bad), "--target", "kvcert.refimpl:factory"])
