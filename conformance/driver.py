@@ -53,7 +53,7 @@ class Harness:
 
     def __post_init__(self) -> None:
         self.oracle = RefCache(self.config)
-        self.check(0, None, self.backend.snapshot(), list)
+        self.check(0, None, self.backend.snapshot(), [])
 
     # ------------------------------------------------------------------ running
 
@@ -119,7 +119,7 @@ class Harness:
             self.handles[index] = (got.node, want.node)
         if self.trace_hook is not None:
             self.trace_hook(index, op, got)
-        self.check(index, op, after, lambda: violations)
+        self.check(index, op, after, violations)
         return got
 
     def _evict(self, op: Evict, before: Snapshot, violations: list[Violation]) -> tuple[Outcome, Outcome]:
@@ -223,9 +223,9 @@ class Harness:
             return
         self._check_handle(after, got.node, op.namespace, tuple(op.tokens), out)
 
-    def check(self, index: int, op: Optional[Op], snap: Snapshot, extra: Callable[[], list[Violation]]) -> None:
+    def check(self, index: int, op: Optional[Op], snap: Snapshot, found: list[Violation]) -> None:
         """State invariants, then shape and locks against the oracle."""
-        violations = list(extra()) + check_snapshot(snap)
+        violations = found + check_snapshot(snap)
         if not any(v.inv == "INV-TREE-1" for v in violations):
             mine, oracle = contracts.shape(snap), contracts.shape(self.oracle.snapshot())
             if {p: s for p, (s, _) in mine.items()} != {p: s for p, (s, _) in oracle.items()}:

@@ -26,9 +26,11 @@ if [[ ! -x "$PY" ]]; then
 fi
 
 stamp_file="$VENV/.kvcert-stamp"
-stamp="$(cat "$ROOT/pyproject.toml" "$ROOT"/requirements/*.txt | sha256sum | cut -c1-16)-sglang$WANT_SGLANG"
-if [[ -f "$stamp_file" && "$(cat "$stamp_file")" == "$stamp" ]]; then
-    exit 0
+base="$(cat "$ROOT/pyproject.toml" "$ROOT"/requirements/*.txt | sha256sum | cut -c1-16)"
+stamp="$base-sglang$WANT_SGLANG"
+have="$(cat "$stamp_file" 2>/dev/null || true)"
+if [[ "$have" == "$stamp" || "$have" == "$base-sglang1" ]]; then
+    exit 0  # up to date (an environment with SGLang also serves the core)
 fi
 
 pip_install() { "$PY" -m pip install --disable-pip-version-check -q "$@" 2>&1 | grep -v "is ignored: it is neither a file nor a directory" || true; }
