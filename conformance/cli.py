@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import statistics
 import sys
 from pathlib import Path
@@ -24,7 +25,12 @@ def _cell_line(cell: CellResult) -> str:
     rate = cell.steps / max(cell.seconds, 1e-9)
     line = f"  page_size={cell.page_size:<3} policy={cell.policy:<8} {verdict}  {cell.examples} examples, {cell.steps} steps, {rate:,.0f} steps/s"
     if not cell.passed:
-        line += f"\n    {cell.failure}\n    minimal trace: {cell.trace_len} ops -> {cell.trace_path} (replay reproduces: {cell.reproduced})"
+        line += f"\n    {cell.failure}"
+        if cell.trace_path:
+            trace = Trace.from_json(Path(cell.trace_path).read_text())
+            ops = "".join(f"\n      {i:>3} {json.dumps(op_to_json(op))}" for i, op in enumerate(trace.ops))
+            line += f"\n    minimal trace ({cell.trace_len} ops, replay reproduces: {cell.reproduced}):{ops}"
+            line += f"\n    saved: {cell.trace_path}  (kvcert replay {cell.trace_path})"
     return line
 
 

@@ -202,9 +202,8 @@ def test_overshoot_examples() -> None:
     assert not overshoot_ok(1, 0, 1)  # asked for nothing
 
 
-# --------------------------------------------------------------------------- CrossHair (opt-in)
-
-crosshair = pytest.mark.skipif(os.environ.get("KVCERT_CROSSHAIR") != "1", reason="set KVCERT_CROSSHAIR=1")
+# --------------------------------------------------------------------------- CrossHair gate
+# CI runs scripts/crosshair.sh over spec/pages.py directly; this proves the gate can fail.
 
 
 def _gate(*targets: str, **env: str) -> subprocess.CompletedProcess[str]:
@@ -217,16 +216,6 @@ def _gate(*targets: str, **env: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-@crosshair
-def test_crosshair_gate_passes_and_analyses_every_postcondition() -> None:
-    run = _gate()
-    assert run.returncode == 0, run.stdout + run.stderr
-    n_posts = sum(len(_conditions(fn)[1]) for fn in CONTRACTED.values())
-    assert f"crosshair gate: {n_posts} postconditions" in run.stdout
-    assert run.stdout.count("confirmed paths") == n_posts
-
-
-@crosshair
 def test_crosshair_gate_fails_on_a_broken_contract(tmp_path: Path) -> None:
     source = (ROOT / "spec" / "pages.py").read_text()
     unfloored = "    return page_floor(common_prefix_len(a, b), page_size)\n"

@@ -1,0 +1,698 @@
+"""A deterministic CPU driver of SGLang's real hierarchical cache (0.5.23): UnifiedRadixCache + HiCache.
+
+Groundwork for a kvcert adapter of the host tier (the spec/protocol for it does
+not exist yet). It builds the real objects -- ``ServerArgs``, the published
+runtime context, ``UnifiedRadixCache(CacheInitParams(tree_components=(FULL,)))``
+and ``.init_hicache(args, params)``, which assembles the real
+``HybridCacheController`` and ``MHATokenToKVPoolHost`` -- and exposes plain
+methods over node ids. See ``SGLANG_HICACHE_NOTES.md`` for the facts (with
+file:line references) this file relies on.
+
+CPU shims (installed once, process-wide, idempotent):
+
+* host pools are built with ``pin_memory=False`` (the default registers memory
+  through ``cudaHostRegister``);
+* the ``sgl_kernel.kvcacheio`` transfer ops that ``pool_host/mha.py`` binds
+  only on CUDA/HIP/XPU get torch index-copy equivalents (``direct`` io backend,
+  layouts ``layer_first`` and ``page_first_direct``).
+
+Deferred completions. On CPU every copy finishes inside its submission
+(``start_writing`` / ``start_loading``), so SGLang would consume each ack on
+its next poll. The driver replaces the controller's ``ack_write_queue`` and
+``ack_load_queue`` with lists that wrap each ack's ``finish_event`` in a
+:class:`_HeldEvent` whose ``query()`` is False until the harness calls
+:meth:`SGLangHiCache.complete`. SGLang's own consumers then behave as on a
+GPU with a slow copy: ``check_hicache_events`` counts ready acks front to back
+and stops at the first unready one (FIFO), and a blocking
+``finish_event.synchronize()`` (write_back eviction) forces completion, which
+is recorded in :attr:`SGLangHiCache.forced`. With ``copy_at="ack"`` the
+bytes themselves move only when the op completes (worst case for readers that
+race the ack); the default ``"submit"`` is what the CPU really does.
+
+Determinism. SGLang numbers Python-core nodes from the class-wide
+``UnifiedTreeNode.counter``, stamps access times from a module-global counter
+(``components/base.py``), mints lock uuids and ``CacheOperation`` ids from
+globals. While a call into SGLang runs, the driver swaps all four for its own
+counters and restores them afterwards, so ids and stamps depend only on this
+driver's op sequence. The Rust core mints ids per instance (root is 1) and
+keeps its own counters. Not thread-safe; no L3 storage threads unless
+``storage_dir`` is set.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import functools
+import io
+import os
+import re
+import sys
+import tempfile
+from array import array
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple, Optional
+
+import torch
+
+from kvcert.conformance.adapters._sglang_env import import_sglang
+
+__all__ = ["HiCacheConfig", "Match", "SGLangHiCache", "install_cpu_shims"]
+
+SG = import_sglang()
+"""SGLang's classes; importing this module fails here, with an install hint, when sglang is missing."""
+
+from sglang.srt import runtime_context  # noqa: E402
+from sglang.srt.managers import cache_controller as _cc_mod  # noqa: E402
+from sglang.srt.mem_cache import base_prefix_cache as _bpc  # noqa: E402
+from sglang.srt.mem_cache.pool_host import base as _host_base  # noqa: E402
+from sglang.srt.mem_cache.pool_host import mha as _host_mha  # noqa: E402
+from sglang.srt.mem_cache.radix_cache import RadixKey  # noqa: E402
+from sglang.srt.mem_cache.unified_cache.components import ComponentType  # noqa: E402
+from sglang.srt.mem_cache.unified_cache.components import base as _comp_base  # noqa: E402
+from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache  # noqa: E402
+from sglang.srt.server_args import ServerArgs  # noqa: E402
+
+FULL = ComponentType.FULL
+WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
+LAYOUTS = ("layer_first", "page_first_direct")
+CORES = ("python", "rust")
+
+# --------------------------------------------------------------------------- CPU shims
+
+_COPY_SINK: list[Optional[list[Callable[[], None]]]] = [None]
+"""Where the transfer shims put their copies: None runs them now, a list defers them (copy_at="ack")."""
+
+
+def _run_or_defer(copy: Callable[[], None]) -> None:
+    sink = _COPY_SINK[0]
+    if sink is None:
+        copy()
+    else:
+        sink.append(copy)
+
+
+def _transfer_kv_direct(
+    src_layers: Sequence[torch.Tensor],
+    dst_layers: Sequence[torch.Tensor],
+    src_indices: torch.Tensor,
+    dst_indices: torch.Tensor,
+    page_size: int,
+) -> None:
+    """sgl_kernel.kvcacheio.transfer_kv_direct: per layer tensor [slots, heads, dim], dst[dst_idx] = src[src_idx]."""
+    src_idx, dst_idx = src_indices.clone(), dst_indices.clone()
+
+    def copy() -> None:
+        for src, dst in zip(src_layers, dst_layers, strict=True):
+            dst[dst_idx] = src[src_idx]
+
+    _run_or_defer(copy)
+
+
+def _transfer_kv_all_layer_direct_lf_pf(
+    src_ptrs: Sequence[torch.Tensor],
+    dst_ptrs: Sequence[torch.Tensor],
+    src_indices: torch.Tensor,
+    dst_indices: torch.Tensor,
+    page_size: int,
+) -> None:
+    """Device layer-first [2L x (slots, H, D)] -> host page-first-direct k/v [pages, L, page, H, D] (D2H backup)."""
+    src_idx, dst_idx = src_indices.clone(), dst_indices.clone()
+
+    def copy() -> None:
+        layers = len(src_ptrs) // 2
+        host_pages = dst_idx[::page_size] // page_size
+        for kv in range(2):
+            for layer in range(layers):
+                src = src_ptrs[kv * layers + layer]
+                dst_ptrs[kv][host_pages, layer] = src[src_idx].view(len(host_pages), page_size, *src.shape[1:])
+
+    _run_or_defer(copy)
+
+
+def _transfer_kv_per_layer_direct_pf_lf(
+    src_ptrs: Sequence[torch.Tensor],
+    dst_ptrs: Sequence[torch.Tensor],
+    src_indices: torch.Tensor,
+    dst_indices: torch.Tensor,
+    layer_id: int,
+    page_size: int,
+) -> None:
+    """Host page-first-direct k/v [pages, L, page, H, D] -> one device layer (slots, H, D) (H2D load)."""
+    src_idx, dst_idx = src_indices.clone(), dst_indices.clone()
+
+    def copy() -> None:
+        host_pages = src_idx[::page_size] // page_size
+        for kv in range(2):
+            dst = dst_ptrs[kv]
+            dst[dst_idx] = src_ptrs[kv][host_pages, layer_id].reshape(-1, *dst.shape[1:])
+
+    _run_or_defer(copy)
+
+
+def install_cpu_shims() -> None:
+    """Force unpinned host pools and bind torch equivalents of the direct-io transfer ops; idempotent."""
+    if getattr(_host_base.HostKVCache.__init__, "_kvcert_unpinned", False):
+        return
+    original = _host_base.HostKVCache.__init__
+
+    @functools.wraps(original)
+    def unpinned_init(self: Any, *args: Any, **kwargs: Any) -> None:
+        kwargs["pin_memory"] = False  # pin_memory=True calls cudaHostRegister (pool_host/common.py)
+        original(self, *args, **kwargs)
+
+    unpinned_init._kvcert_unpinned = True  # type: ignore[attr-defined]
+    _host_base.HostKVCache.__init__ = unpinned_init  # type: ignore[method-assign]
+    # Bound only `if _is_cuda or _is_hip` / `elif _is_xpu` (pool_host/mha.py:60-89): NameError on CPU otherwise.
+    _host_mha.transfer_kv_direct = _transfer_kv_direct  # type: ignore[attr-defined]
+    _host_mha.transfer_kv_all_layer_direct_lf_pf = _transfer_kv_all_layer_direct_lf_pf  # type: ignore[attr-defined]
+    _host_mha.transfer_kv_per_layer_direct_pf_lf = _transfer_kv_per_layer_direct_pf_lf  # type: ignore[attr-defined]
+
+
+# --------------------------------------------------------------------------- deferred acks
+
+
+@dataclass
+class Op:
+    """One merged transfer SGLang submitted: a D2H write-through/back or an H2D load-back."""
+
+    op_id: int
+    kind: str  # "write" | "load"
+    node_ids: tuple[int, ...]
+    released: bool = False
+    forced: bool = False
+    copies: list[Callable[[], None]] = field(default_factory=list, repr=False)
+
+
+class _HeldEvent:
+    """A finish_event that reports done only once the harness (or a blocking synchronize) releases it."""
+
+    def __init__(self, real: Any, op: Op, owner: SGLangHiCache) -> None:
+        self._real, self._op, self._owner = real, op, owner
+
+    def query(self) -> bool:
+        return self._op.released
+
+    def synchronize(self) -> None:
+        if not self._op.released:  # a blocking wait: on a GPU it returns once the copy is done
+            self._op.forced = True
+            self._owner.forced.append(self._op.op_id)
+            self._owner._release(self._op)
+        self._real.synchronize()
+
+    def __getattr__(self, name: str) -> Any:  # record, wait, elapsed_time, ...
+        return getattr(self._real, name)
+
+
+class _AckQueue(list):  # type: ignore[type-arg]
+    """Stands in for HiCacheController.ack_{write,load}_queue: every appended ack gets a held finish_event."""
+
+    def __init__(self, owner: SGLangHiCache, kind: str) -> None:
+        super().__init__()
+        self._owner, self._kind = owner, kind
+
+    def append(self, ack: Any) -> None:
+        op = self._owner._new_op(self._kind, ack.node_ids)
+        super().append(ack._replace(finish_event=_HeldEvent(ack.finish_event, op, self._owner)))
+
+
+# --------------------------------------------------------------------------- driver
+
+
+@dataclass(frozen=True)
+class HiCacheConfig:
+    """What to build. Capacities are in tokens; the device pool has `device_pages * page_size` slots."""
+
+    page_size: int = 1
+    device_pages: int = 16
+    host_ratio: float = 2.0
+    """Host pool = ratio x device tokens, plus one padding page (pool_host/base.py:219-227)."""
+    write_policy: str = "write_through"
+    core: str = "python"
+    layout: str = "layer_first"
+    eviction_policy: str = "lru"
+    layer_num: int = 2
+    head_num: int = 1
+    head_dim: int = 4
+    copy_at: str = "submit"
+    """"submit": bytes move at submission (the CPU truth); "ack": only when the op completes."""
+    auto_submit: bool = True
+    """Submit queued writes after insert and queued loads after init_load_back, as the scheduler does."""
+    storage_dir: Optional[str] = None
+    """Attach the L3 `file` backend at this directory (starts SGLang's storage threads)."""
+
+
+class Match(NamedTuple):
+    device_len: int
+    host_hit_len: int
+    last_device_node: int
+    last_host_node: int
+    """Also the best match (unified_tree_core.py:1039-1041): the anchor init_load_back wants."""
+
+
+class _Req:
+    """The fields init_load_back / load_back read off a Req (FULL-only tree)."""
+
+    def __init__(self, last_node: int) -> None:
+        self.rid = "kvcert"
+        self.last_node = last_node
+        self.swa_host_hit_length = 0
+        self.mamba_host_hit_length = 0
+        self.kv = type("Kv", (), {"mamba_pool_idx": None})()
+
+
+_PRETTY = re.compile(r"^( *)\[(\d+)\] (\d+) full_lock=(-?\d+) (?:Full|full)=(yes|no)")
+
+
+class SGLangHiCache:
+    """One UnifiedRadixCache with HiCache over real CPU pools; nodes are SGLang NodeIds."""
+
+    def __init__(self, config: HiCacheConfig = HiCacheConfig()) -> None:
+        if config.write_policy not in WRITE_POLICIES:
+            raise ValueError(f"write_policy must be one of {WRITE_POLICIES}")
+        if config.layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {LAYOUTS}")
+        if config.core not in CORES:
+            raise ValueError(f"core must be one of {CORES}")
+        install_cpu_shims()
+        self.config = config
+        self.page_size = config.page_size
+        self.capacity = config.device_pages * config.page_size
+        self.ops: dict[int, Op] = {}
+        self.forced: list[int] = []
+        """Ops a blocking synchronize completed before the harness did."""
+        self._locks: dict[int, tuple[str, int, Any]] = {}
+        self._next_lock = 0
+        self._next_op = 0
+        self._node_counter = 0
+        self._time_counter = _comp_base.float64(1.0)  # the module's initial value
+        self._uuid_counters: dict[Any, int] = {
+            ct: (i + 1) * _comp_base._COMPONENT_UUID_RANGE_SIZE
+            for ct, i in _comp_base._COMPONENT_UUID_RANGE_INDEX.items()
+        }
+        self._op_counter = 0
+        self._known_paths: dict[int, tuple[Optional[str], tuple[int, ...]]] = {}
+        """Rust core: a node id -> (namespace, tokens of a key whose walk ends at or below it)."""
+        self._tmp = tempfile.TemporaryDirectory(prefix="kvcert-hicache-") if config.storage_dir == "" else None
+        storage_dir = self._tmp.name if self._tmp is not None else config.storage_dir
+
+        self.args = ServerArgs(
+            model_path="dummy",
+            device="cpu",
+            page_size=config.page_size,
+            enable_hierarchical_cache=True,
+            hicache_ratio=config.host_ratio,
+            hicache_io_backend="direct",
+            hicache_mem_layout=config.layout,
+            hicache_write_policy=config.write_policy,
+            hicache_storage_backend="file" if storage_dir is not None else None,
+            file_storage_path=storage_dir,
+        )
+        self.kv_pool = SG.MHATokenToKVPool(
+            size=self.capacity,
+            page_size=config.page_size,
+            dtype=torch.float32,
+            head_num=config.head_num,
+            head_dim=config.head_dim,
+            layer_num=config.layer_num,
+            device="cpu",
+            enable_memory_saver=False,
+            enable_alt_stream=False,
+        )
+        if config.page_size == 1:
+            self.allocator = SG.TokenToKVPoolAllocator(
+                self.capacity, dtype=torch.float32, device="cpu", kvcache=self.kv_pool, need_sort=False
+            )
+        else:
+            self.allocator = SG.PagedTokenToKVPoolAllocator(
+                self.capacity,
+                config.page_size,
+                dtype=torch.float32,
+                device="cpu",
+                kvcache=self.kv_pool,
+                need_sort=False,
+            )
+        self.params = SG.CacheInitParams(
+            disable=False,
+            req_to_token_pool=None,  # only request-level helpers read it
+            token_to_kv_pool_allocator=self.allocator,
+            page_size=config.page_size,
+            eviction_policy=config.eviction_policy,
+            tree_components=(FULL,),
+            tree_core_backend=config.core,
+        )
+        with self._in_sglang():
+            # Process-global: the last published ServerArgs wins for every cache in the process.
+            runtime_context.publish(self.args, role="scheduler")
+            self.cache = UnifiedRadixCache(self.params)
+            self.cache.init_hicache(self.args, self.params)
+        # init_hicache registers cache.shutdown with atexit (unified_radix_cache.py:577), which pins every
+        # cache (and its host pool) for the life of the process; the driver owns shutdown instead.
+        atexit.unregister(self.cache.shutdown)
+        self.cc = self.cache.cache_controller
+        self.host_pool = self.cc.mem_pool_host
+        self.cc.ack_write_queue = _AckQueue(self, "write")
+        self.cc.ack_load_queue = _AckQueue(self, "load")
+        self.is_rust = type(self.cache.tree_core).__name__.startswith("Rust")
+
+    # ------------------------------------------------------------------ plumbing
+
+    @contextlib.contextmanager
+    def _in_sglang(self) -> Iterator[None]:
+        """Run SGLang on this driver's id/time/uuid/op counters; defer copies when copy_at="ack"."""
+        node_cls = _comp_base_node_cls()
+        saved = (
+            node_cls.counter,
+            _comp_base._LAST_ACCESS_TIME_COUNTER_FLOAT,
+            dict(_comp_base._COMPONENT_UUID_COUNTERS),
+            _cc_mod.CacheOperation.counter,
+            _COPY_SINK[0],
+        )
+        node_cls.counter = self._node_counter
+        _comp_base._LAST_ACCESS_TIME_COUNTER_FLOAT = self._time_counter
+        _comp_base._COMPONENT_UUID_COUNTERS.clear()
+        _comp_base._COMPONENT_UUID_COUNTERS.update(self._uuid_counters)
+        _cc_mod.CacheOperation.counter = self._op_counter
+        _COPY_SINK[0] = [] if self.config.copy_at == "ack" else None
+        try:
+            yield
+        finally:
+            self._node_counter = node_cls.counter
+            self._time_counter = _comp_base._LAST_ACCESS_TIME_COUNTER_FLOAT
+            self._uuid_counters = dict(_comp_base._COMPONENT_UUID_COUNTERS)
+            self._op_counter = _cc_mod.CacheOperation.counter
+            leftover = _COPY_SINK[0]
+            node_cls.counter, _comp_base._LAST_ACCESS_TIME_COUNTER_FLOAT = saved[0], saved[1]
+            _comp_base._COMPONENT_UUID_COUNTERS.clear()
+            _comp_base._COMPONENT_UUID_COUNTERS.update(saved[2])
+            _cc_mod.CacheOperation.counter, _COPY_SINK[0] = saved[3], saved[4]
+            assert not leftover, "a transfer ran outside a submission that records an ack"
+
+    def _new_op(self, kind: str, node_ids: Sequence[int]) -> Op:
+        op = Op(self._next_op, kind, tuple(int(n) for n in node_ids))
+        sink = _COPY_SINK[0]
+        if sink is not None:  # the copies this submission just made belong to this op
+            op.copies, sink[:] = list(sink), []
+        self.ops[op.op_id] = op
+        self._next_op += 1
+        return op
+
+    def _release(self, op: Op) -> None:
+        op.released = True
+        copies, op.copies = op.copies, []
+        for copy in copies:
+            copy()
+
+    def _key(self, ns: Optional[str], tokens: Sequence[int]) -> Any:
+        return RadixKey(array("q", tokens), extra_key=ns)
+
+    def _tensor(self, slots: Sequence[int]) -> torch.Tensor:
+        return torch.tensor(list(slots), dtype=torch.int64)
+
+    # ------------------------------------------------------------------ pools
+
+    def alloc(self, n: int) -> list[int]:
+        """Device slots from the real allocator (n a multiple of page_size for paged allocators)."""
+        out = self.allocator.alloc(n)
+        if out is None:
+            raise MemoryError(f"device allocator has no {n} free slots")
+        return [int(x) for x in out.tolist()]
+
+    def free(self, slots: Sequence[int]) -> None:
+        if slots:
+            self.allocator.free(self._tensor(slots))
+
+    def write_kv(self, slots: Sequence[int], seed: int) -> None:
+        """Fill device K/V of `slots` with distinct values (what a forward pass would write)."""
+        idx = self._tensor(slots)
+        for layer in range(self.config.layer_num):
+            for kv, buf in enumerate((self.kv_pool.k_buffer[layer], self.kv_pool.v_buffer[layer])):
+                n = len(idx) * buf[0].numel()
+                base = float(seed * 1000 + layer * 100 + kv * 10)
+                buf[idx] = (torch.arange(n, dtype=buf.dtype) + base).view(len(idx), *buf.shape[1:])
+
+    def read_device_kv(self, slots: Sequence[int]) -> torch.Tensor:
+        """[2, layers, len(slots), heads, dim] K/V of device slots."""
+        idx = self._tensor(slots)
+        return torch.stack(
+            [
+                torch.stack([self.kv_pool.k_buffer[layer][idx] for layer in range(self.config.layer_num)]),
+                torch.stack([self.kv_pool.v_buffer[layer][idx] for layer in range(self.config.layer_num)]),
+            ]
+        ).clone()
+
+    def read_host_kv(self, slots: Sequence[int]) -> torch.Tensor:
+        """[2, layers, len(slots), heads, dim] K/V of host slots, whatever the host layout."""
+        idx = self._tensor(slots)
+        hp = self.host_pool
+        if hp.layout == "layer_first":  # kv_buffer [2, L, size, H, D]
+            return hp.kv_buffer[:, :, idx].clone()
+        # page_first_direct: kv_buffer [2, pages, L, page, H, D]
+        ps = self.page_size
+        return hp.kv_buffer.permute(0, 2, 1, 3, 4, 5)[:, :, idx // ps, idx % ps].clone()
+
+    def device_free(self) -> int:
+        return int(self.allocator.available_size())
+
+    def host_free(self) -> int:
+        return int(self.host_pool.available_size())
+
+    # ------------------------------------------------------------------ cache ops
+
+    def insert(self, ns: Optional[str], tokens: Sequence[int], slots: Sequence[int]) -> tuple[int, int]:
+        """Insert tokens -> device slots; returns (prefix_len, last_device_node).
+
+        The unified cache frees the duplicate slots of the matched prefix itself (unlike RadixCache).
+        """
+        params = SG.InsertParams(key=self._key(ns, tokens), value=self._tensor(slots))
+        with self._in_sglang():
+            res = self.cache.insert(params)
+            if self.config.auto_submit:
+                self.cache.flush_pending_backups()
+        node = int(res.last_device_node)
+        self._known_paths[node] = (ns, tuple(tokens))
+        return int(res.prefix_len), node
+
+    def match_prefix(self, ns: Optional[str], tokens: Sequence[int]) -> Match:
+        """Longest cached prefix; may split a node (and touch LRU stamps) as a side effect."""
+        with self._in_sglang():
+            res = self.cache.match_prefix(SG.MatchPrefixParams(key=self._key(ns, tokens)))
+        self.last_match = res
+        for node in (res.last_device_node, res.last_host_node):
+            self._known_paths.setdefault(int(node), (ns, tuple(tokens)))
+        return Match(
+            int(res.device_prefix_len), int(res.host_hit_length), int(res.last_device_node), int(res.last_host_node)
+        )
+
+    def device_slots(self, node_id: int) -> list[int]:
+        """Device slots root..node (what prefix_device_indices gives a request)."""
+        with self._in_sglang():
+            return [int(x) for x in self.cache.path_device_indices(node_id).tolist()]
+
+    def inc_lock_ref(self, node_id: int) -> int:
+        """Lock root..node; returns a handle for dec_lock_ref (the unified tree wants its receipt back)."""
+        with self._in_sglang():
+            receipt = self.cache.inc_lock_ref(node_id).to_dec_params()
+        return self._remember_lock("device", node_id, receipt)
+
+    def inc_host_lock_ref(self, node_id: int) -> int:
+        with self._in_sglang():
+            receipt = self.cache.inc_host_lock_ref(node_id).to_dec_params()
+        return self._remember_lock("host", node_id, receipt)
+
+    def _remember_lock(self, kind: str, node_id: int, receipt: Any) -> int:
+        handle = self._next_lock
+        self._next_lock += 1
+        self._locks[handle] = (kind, node_id, receipt)
+        return handle
+
+    def dec_lock_ref(self, handle: int) -> None:
+        kind, node_id, receipt = self._locks.pop(handle)
+        with self._in_sglang():
+            if kind == "device":
+                self.cache.dec_lock_ref(node_id, receipt)
+            else:
+                self.cache.dec_host_lock_ref(node_id, receipt)
+
+    def evict(self, n: int) -> int:
+        """Device eviction of n tokens (demote backed-up leaves, drop or write back the rest)."""
+        with self._in_sglang():
+            return int(self.cache.evict(SG.EvictParams(num_tokens=n)).num_tokens_evicted)
+
+    def evict_host(self, n: int) -> int:
+        with self._in_sglang():
+            return int(self.cache.evict_host(n))
+
+    def init_load_back(self, node_id: int, host_hit_len: int, mem_quota: Optional[int] = None) -> tuple[int, int]:
+        """Scheduler's load-back entry: returns (tokens loaded, new last device node).
+
+        `node_id` is the match's last_host_node (= best match); the request's `last_node` is the
+        device anchor of the most recent match_prefix, as the scheduler sets it.
+        """
+        last_device = int(self.last_match.last_device_node) if hasattr(self, "last_match") else node_id
+        params = _bpc.InitLoadBackParams(
+            best_match_node=node_id, host_hit_length=host_hit_len, mem_quota=mem_quota, req=_Req(last_device)
+        )
+        with self._in_sglang():
+            out = self.cache.init_load_back(params)
+            if self.config.auto_submit:
+                self.cache.ready_to_load_host_cache()
+        assert out is not None  # only buffer mode returns None
+        return int(out[0]), int(out[1])
+
+    def submit(self) -> None:
+        """Submit queued D2H writes and H2D loads (flush_pending_backups + ready_to_load_host_cache)."""
+        with self._in_sglang():
+            self.cache.flush_pending_backups()
+            self.cache.ready_to_load_host_cache()
+
+    def complete(self, op_id: int, poll: bool = True) -> None:
+        """Let op `op_id`'s transfer finish; with poll, run the scheduler's per-step check_hicache_events."""
+        op = self.ops[op_id]
+        if not op.released:
+            self._release(op)
+        if poll:
+            self.poll()
+
+    def poll(self) -> None:
+        """check_hicache_events: flush pending backups, consume ready acks front to back (FIFO)."""
+        with self._in_sglang():
+            self.cache.check_hicache_events()
+
+    def pending(self) -> list[int]:
+        """Op ids whose acks SGLang has not consumed yet, oldest first."""
+        live = [ack.finish_event._op.op_id for ack in (*self.cc.ack_write_queue, *self.cc.ack_load_queue)]
+        return sorted(live)
+
+    def sanity_check(self) -> None:
+        with self._in_sglang():
+            self.cache.sanity_check()
+
+    def close(self) -> None:
+        """Stop storage threads and free host pools."""
+        with contextlib.suppress(Exception):
+            self.cache.shutdown()
+        if self._tmp is not None:
+            self._tmp.cleanup()
+
+    # ------------------------------------------------------------------ snapshot
+
+    def snapshot(self) -> dict[str, Any]:
+        """Plain-data view of the tree and pools.
+
+        nodes: id -> {parent, namespace, key, device, host, lock_ref, host_lock_ref, backed_up, in_flight}.
+        Python core: read off the nodes. Rust core: rebuilt from pretty_print (structure, lock_ref,
+        device presence) plus per-node queries; host_lock_ref is not exposed there (None), and keys
+        come from the storage-backup spec (backed-up nodes) or from recorded insert/match paths.
+        """
+        nodes = self._snapshot_rust() if self.is_rust else self._snapshot_python()
+        writes = {int(n): ack for ack, wt in self.cache.ongoing_write_through.items() for n in wt.publish_node_ids}
+        loads = {int(n) for n in self.cache.ongoing_load_back}
+        for nid, view in nodes.items():
+            view["in_flight"] = "write" if nid in writes else "load" if nid in loads else None
+        return {
+            "page_size": self.page_size,
+            "root": int(self.cache.root_node_handle()),
+            "nodes": nodes,
+            "device_free": self.device_free(),
+            "host_free": self.host_free(),
+            "evictable_size": int(self.cache.evictable_size()),
+            "protected_size": int(self.cache.protected_size()),
+            "pending_ops": self.pending(),
+        }
+
+    def _snapshot_python(self) -> dict[int, dict[str, Any]]:
+        core = self.cache.tree_core
+        out: dict[int, dict[str, Any]] = {}
+        stack = [core.root_node]
+        while stack:
+            node = stack.pop()
+            cd = node.component_data[FULL]
+            out[int(node.id)] = {
+                "parent": None if node.parent is None else int(node.parent.id),
+                "namespace": node.key.extra_key,
+                "key": tuple(int(t) for t in node.key.raw_token_ids()),
+                "device": None if cd.value is None else [int(x) for x in torch.as_tensor(cd.value).tolist()],
+                "host": None if cd.host_value is None else [int(x) for x in cd.host_value.tolist()],
+                "lock_ref": int(cd.lock_ref),
+                "host_lock_ref": int(cd.host_lock_ref),
+                "backed_up": bool(node.backuped),
+                "hash": None if node.hash_value is None else list(node.hash_value),
+                "last_access_time": float(node.last_access_time),
+                "hit_count": int(node.hit_count),
+            }
+            stack.extend(reversed(list(node.children.values())))
+        return out
+
+    def _rust_pretty(self) -> str:
+        """Capture the Rust core's pretty_print, which writes to fd 1 from Rust."""
+        sys.stdout.flush()
+        with tempfile.TemporaryFile(mode="w+b") as tmp:
+            saved = os.dup(1)
+            try:
+                os.dup2(tmp.fileno(), 1)
+                with contextlib.redirect_stdout(io.StringIO()):
+                    self.cache.tree_core.pretty_print()
+            finally:
+                os.dup2(saved, 1)
+                os.close(saved)
+            tmp.seek(0)
+            return tmp.read().decode()
+
+    def _snapshot_rust(self) -> dict[int, dict[str, Any]]:
+        core = self.cache.tree_core
+        out: dict[int, dict[str, Any]] = {}
+        parents: list[tuple[int, int]] = []  # (indent, id) stack
+        for line in self._rust_pretty().splitlines():
+            m = _PRETTY.match(line)
+            if m is None:
+                continue
+            indent, nid = len(m.group(1)), int(m.group(2))
+            while parents and parents[-1][0] >= indent:
+                parents.pop()
+            parent = parents[-1][1] if parents else None
+            parents.append((indent, nid))
+            out[nid] = {
+                "parent": parent,
+                "namespace": None,
+                "key": None,
+                "key_len": int(m.group(3)),
+                "device": [] if parent is None else None,
+                "host": None,
+                "lock_ref": int(m.group(4)),
+                "host_lock_ref": None,
+                "backed_up": False,
+                "hash": None,
+            }
+            if parent is not None and m.group(5) == "yes":
+                idx = core.collect_full_device_indices(nid, parent)
+                out[nid]["device"] = [int(x) for x in idx.tolist()]
+        for nid, view in out.items():
+            if view["parent"] is None:
+                view["key"] = ()
+                continue
+            # Only ids present in the tree: a Rust panic poisons the core for good.
+            view["backed_up"] = bool(core.is_backuped(nid))
+            if view["backed_up"]:
+                spec = core.build_storage_backup_spec(nid, False)
+                if spec is not None:
+                    view["host"] = [int(x) for x in spec.host_value.tolist()]
+                    view["key"] = tuple(int(t) for t in spec.token_ids)
+        for anchor, (ns, tokens) in self._known_paths.items():
+            if anchor not in out:
+                continue
+            for info in core.collect_path_info([anchor])[0]:
+                view = out.get(int(info.node_id))
+                if view is not None:
+                    view["namespace"] = ns
+                    if view["key"] is None and info.path_end <= len(tokens):
+                        view["key"] = tokens[info.path_start : info.path_end]
+        return out
+
+
+def _comp_base_node_cls() -> Any:
+    """UnifiedTreeNode (its class-wide id counter); imported lazily to keep the module import light."""
+    from sglang.srt.mem_cache.unified_cache.unified_tree_core import UnifiedTreeNode
+
+    return UnifiedTreeNode

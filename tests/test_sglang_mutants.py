@@ -1,0 +1,88 @@
+"""The suite sees through the adapter: real SGLang, patched with a known bug class, fails certification.
+
+Each case monkeypatches one method of SGLang's own `RadixCache` (restored after the
+test) the way a regression in an engine fork would change it, and certifies the
+unmodified adapter over it. A pass here would mean the adapter hides bugs.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+if importlib.util.find_spec("sglang") is None:
+    pytest.skip("sglang not installed: run scripts/install_sglang.sh", allow_module_level=True)
+
+from kvcert.conformance.adapters._sglang_env import import_sglang  # noqa: E402
+
+try:
+    SG = import_sglang()
+except ImportError as exc:
+    pytest.skip(f"sglang cannot be imported: {exc}", allow_module_level=True)
+
+from kvcert.conformance.certify import certify  # noqa: E402
+
+pytestmark = pytest.mark.sglang
+RC = SG.radix_cache.RadixCache
+
+
+def split_drops_lock(orig: Callable[..., Any]) -> Callable[..., Any]:
+    def patched(self: Any, key: Any, child: Any, split_len: int) -> Any:
+        node = orig(self, key, child, split_len)
+        node.lock_ref = 0
+        return node
+
+    return patched
+
+
+def lock_skips_self(orig: Callable[..., Any]) -> Callable[..., Any]:
+    def patched(self: Any, node: Any, *args: Any) -> Any:
+        return orig(self, node.parent if node is not self.root_node else node, *args)
+
+    return patched
+
+
+def evict_never_stops(orig: Callable[..., Any]) -> Callable[..., Any]:
+    def patched(self: Any, params: Any) -> Any:
+        return orig(self, SG.EvictParams(num_tokens=10**9))
+
+    return patched
+
+
+def insert_ignores_namespace(orig: Callable[..., Any]) -> Callable[..., Any]:
+    def patched(self: Any, params: Any) -> Any:
+        params.key.extra_key = None
+        return orig(self, params)
+
+    return patched
+
+
+CASES: dict[str, tuple[list[str], Callable[[Callable[..., Any]], Callable[..., Any]], int, str]] = {
+    "split_drops_lock": (["_split_node"], split_drops_lock, 1, "INV-LOCK"),
+    "lock_skips_self": (["inc_lock_ref", "dec_lock_ref"], lock_skips_self, 1, "INV-LOCK-2"),
+    "evict_never_stops": (["evict"], evict_never_stops, 4, "INV-EVICT-2"),
+    "insert_ignores_namespace": (["insert"], insert_ignores_namespace, 1, "INV-"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_patched_sglang_is_not_certified(name: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    methods, mutate, page_size, expected = CASES[name]
+    for method in methods:
+        monkeypatch.setattr(RC, method, mutate(getattr(RC, method)))
+    cert = certify(
+        "kvcert.conformance.adapters.sglang_radix:factory",
+        examples=200,
+        steps=30,
+        page_sizes=[page_size],
+        policies=["lru"],
+        out_dir=tmp_path,
+    )
+    failing = [c for c in cert.cells if not c.passed]
+    assert failing, f"SGLang with {name} was certified"
+    assert expected in (failing[0].failure or ""), failing[0].failure
+    assert failing[0].reproduced
