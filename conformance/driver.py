@@ -141,10 +141,10 @@ class Harness:
         asked = op.n if isinstance(op.n, int) else 0
         violations += [Violation(i, m) for i, m in contracts.eviction_bounds(before, after, asked, int(got or 0))]
         oracle_snap = self.oracle.snapshot()
-        paths = contracts.node_paths(oracle_snap)
-        gone_paths = set(contracts.node_paths(before).values()) - set(contracts.node_paths(after).values())
+        paths = contracts.device_paths(oracle_snap)
+        gone_paths = set(contracts.device_paths(before).values()) - set(contracts.device_paths(after).values())
         removed = frozenset(i for i, p in paths.items() if p in gone_paths)
-        view = {
+        view = {  # eviction sees the device tree: nodes on the host only neither compete nor block
             n.id: contracts.EvictNode(
                 id=n.id,
                 parent=n.parent.id if n.parent else None,
@@ -153,6 +153,7 @@ class Harness:
                 rank=self.oracle.rank(n),
             )
             for n in self.oracle.nodes.values()
+            if n.slots is not None
         }
         witness = contracts.eviction_witness(view, oracle_snap.root, asked, removed)
         if witness is None:

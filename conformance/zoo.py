@@ -57,9 +57,10 @@ MUTANTS: tuple[Mutant, ...] = (
         "eviction skips a leaf that would overshoot, freeing less than asked while leaves remain",
         (
             (
-                "            victim = self.nodes[choose(tied) if choose else min(tied)]\n",
-                "            victim = self.nodes[choose(tied) if choose else min(tied)]\n"
-                "            if freed + len(victim.key) > n:\n                break\n",
+                "            victim = self._pick(leaves, choose)\n            if victim.host_slots is None and",
+                "            victim = self._pick(leaves, choose)\n"
+                "            if freed + len(victim.key) > n:\n                break\n"
+                "            if victim.host_slots is None and",
             ),
         ),
     ),
@@ -108,8 +109,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "an evicted leaf's slots are pushed onto the free list twice",
         (
             (
-                "        self.pool.release(leaf.slots)\n",
-                "        self.pool.release(leaf.slots)\n        self.pool.release(leaf.slots[:1])\n",
+                "        self.pool.release(leaf.slots or ())\n",
+                "        self.pool.release(leaf.slots or ())\n        self.pool.release((leaf.slots or ())[:1])\n",
             ),
         ),
     ),
@@ -126,7 +127,12 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "evict_locked",
         "eviction candidates ignore lock_ref: a node in use is freed",
-        (("if n is not self.root and not n.children and n.lock_ref == 0", "if n is not self.root and not n.children"),),
+        (
+            (
+                "if n is not self.root and n.slots is not None and n.lock_ref == 0",
+                "if n is not self.root and n.slots is not None",
+            ),
+        ),
     ),
     Mutant(
         "stale_handle_accepted",
@@ -146,7 +152,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "evict_leaks_slots",
         "an evicted leaf's slots never return to the pool",
-        (("        self.pool.release(leaf.slots)\n", ""),),
+        (("        self.pool.release(leaf.slots or ())\n", ""),),
     ),
     Mutant(
         "insert_overwrites_prefix",
@@ -168,8 +174,8 @@ MUTANTS: tuple[Mutant, ...] = (
                 "            child.last_access = child.last_access if on_node is None else self.now\n            n = pages.match_len",
             ),
             (
-                "        matched, node, slots = self._walk(namespace, key, lambda n: None)",
-                "        matched, node, slots = self._walk(namespace, key, None)",
+                "        _, path = self._walk(namespace, key, lambda n: None)",
+                "        _, path = self._walk(namespace, key, None)",
             ),
             ("            on_node(child)\n", "            if on_node is not None:\n                on_node(child)\n"),
         ),

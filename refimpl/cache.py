@@ -1,9 +1,13 @@
-"""The reference model of the device tier: a deliberately plain radix tree.
+"""The reference model: a deliberately plain radix tree over a device pool and an optional host pool.
 
 Readability first: dicts, lists and full scans, no heaps or indexes. Every rule
 is the one SPEC.md states, in the order it states it; where SPEC.md says
 "engines may choose" (which tied leaf to evict), `evict` takes a `choose`
 callback so the harness can steer this model to a backend's legal choice.
+
+With `host_capacity > 0` it models the host tier (SPEC.md §9): backups to host
+slots under a write policy, demotion on eviction, host eviction, load-back, and
+asynchronous copies that stay pending until `complete` and `poll` say otherwise.
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ from typing import Optional
 from kvcert.spec import pages
 from kvcert.spec.types import (
     POLICIES,
+    WRITE_POLICIES,
+    WRITE_THROUGH_THRESHOLD,
     CacheConfig,
     Capabilities,
     InsertOut,
@@ -25,12 +31,14 @@ from kvcert.spec.types import (
     MatchOut,
     Namespace,
     NodeView,
+    PendingCopy,
     PoolExhausted,
     SlotNotOwned,
     Snapshot,
     StaleHandle,
     Tokens,
     UnalignedKey,
+    UnknownCopy,
 )
 
 _DEFAULT_CONFIG = CacheConfig()
@@ -92,15 +100,32 @@ class Node:
     parent: Optional[Node]
     namespace: Namespace
     key: Tokens
-    slots: tuple[int, ...]
+    slots: Optional[tuple[int, ...]]
+    """Device slots; None once the node is evicted to the host."""
     children: dict[tuple[Namespace, Tokens], Node] = field(default_factory=dict)
     lock_ref: int = 0
     own_locks: int = 0
     """Locks taken on this very node (so dec_lock_ref can refuse an unlock nobody took)."""
+    host_slots: Optional[tuple[int, ...]] = None
+    host_lock_ref: int = 0
     last_access: int = 0
     hit_count: int = 0
     creation: int = 0
     priority: int = 0
+
+
+@dataclass(eq=False)
+class Copy:
+    """An asynchronous copy between the tiers, pending until completed and polled."""
+
+    id: int
+    kind: str
+    """"write" (device to host) or "load" (host to device)."""
+    nodes: list[Node]
+    """The nodes whose bytes it moves; a split of one of them adds the new half."""
+    anchor: Node
+    """The node whose lock (and, for a load, host lock) the ack releases."""
+    finished: bool = False
 
 
 def _check_count(n: object) -> None:
@@ -115,6 +140,13 @@ def _check_tokens(tokens: Sequence[object]) -> Tokens:
     return tuple(tokens)  # type: ignore[arg-type]
 
 
+def _cut(slots: Optional[tuple[int, ...]], at: int) -> tuple[Optional[tuple[int, ...]], Optional[tuple[int, ...]]]:
+    return (None, None) if slots is None else (slots[:at], slots[at:])
+
+
+Chooser = Callable[[list[int]], int]
+
+
 class RefCache:
     """The oracle, and a Backend in its own right (strict input checking)."""
 
@@ -124,22 +156,33 @@ class RefCache:
         policies=POLICIES,
         namespaces=True,
         strict_input=True,
+        write_policies=WRITE_POLICIES,
     )
 
     def __init__(self, config: CacheConfig = _DEFAULT_CONFIG) -> None:
         if config.policy not in POLICIES:
             raise ValueError(f"unknown policy {config.policy!r}")
-        if config.page_size < 1 or config.capacity % config.page_size:
-            raise ValueError("capacity must be whole pages")
+        if config.page_size < 1 or config.capacity % config.page_size or config.host_capacity % config.page_size:
+            raise ValueError("capacities must be whole pages")
+        if config.host_capacity and config.write_policy not in WRITE_POLICIES:
+            raise ValueError(f"unknown write policy {config.write_policy!r}")
         self.page_size = config.page_size
         self.policy = config.policy
         self.pool = SlotPool(config.capacity, config.page_size)
+        self.host = SlotPool(config.host_capacity, config.page_size) if config.host_capacity else None
+        self.write_policy = config.write_policy if self.host else ""
+        self.load_back_threshold = config.load_back_threshold
         self.now = 0
         self._next_id = 1
         self.root = Node(id=0, parent=None, namespace=None, key=(), slots=())
         self.nodes: dict[int, Node] = {0: self.root}
         self.evictable_size = 0
         self.protected_size = 0
+        self.copies: list[Copy] = []
+        """Issued copies whose ack has not been consumed, in issue order."""
+        self._next_copy = 0
+        self.choose_host: Optional[Chooser] = None
+        """Tie-break for host evictions made inside other operations (the harness may steer it)."""
 
     # ------------------------------------------------------------------ helpers
 
@@ -160,34 +203,47 @@ class RefCache:
             raise StaleHandle(f"no live node {node_id!r}")
         return node
 
+    def _on_device(self, node_id: object) -> Node:
+        node = self._live(node_id)
+        if node.slots is None:
+            raise StaleHandle(f"node {node_id} is on the host only: load it back first")
+        return node
+
     def _split(self, child: Node, at: int) -> Node:
         """Cut `child` at `at` tokens; the new node takes the prefix and `child` keeps its identity."""
         head_key, tail_key = pages.split_key(child.key, at, self.page_size)
         parent = child.parent
         assert parent is not None
+        head_slots, child_slots = _cut(child.slots, at)
+        head_host, child_host = _cut(child.host_slots, at)
         head = self._new_node(
             parent=parent,
             namespace=child.namespace,
             key=head_key,
-            slots=child.slots[:at],
+            slots=head_slots,
             lock_ref=child.lock_ref,
+            host_slots=head_host,
+            host_lock_ref=child.host_lock_ref,
             last_access=self.now,
             hit_count=child.hit_count,
             creation=self.now,
             priority=child.priority,
         )
         parent.children[self._selector(child.namespace, head_key)] = head
-        child.key, child.slots, child.parent = tail_key, child.slots[at:], head
+        child.key, child.slots, child.host_slots, child.parent = tail_key, child_slots, child_host, head
         head.children[self._selector(child.namespace, tail_key)] = child
+        for copy in self.copies:  # a copy in flight moves both halves
+            if child in copy.nodes:
+                copy.nodes.append(head)
         return head
 
-    def _walk(self, namespace: Namespace, key: Tokens, on_node: Callable[[Node], None]) -> tuple[int, Node, list[int]]:
+    def _walk(self, namespace: Namespace, key: Tokens, on_node: Callable[[Node], None]) -> tuple[int, list[Node]]:
         """Follow `key` down the tree, splitting where it ends or diverges inside an edge.
 
         Calls `on_node` on every node entered (after any split). Returns the matched
-        length, the last node and the matched slots.
+        length and the nodes entered, root first excluded.
         """
-        slots: list[int] = []
+        path: list[Node] = []
         node, matched = self.root, 0
         while matched < len(key):
             child = node.children.get(self._selector(namespace, key[matched:]))
@@ -198,10 +254,40 @@ class RefCache:
             if n < len(child.key):
                 child = self._split(child, n)
             on_node(child)
-            slots += child.slots
+            path.append(child)
             matched += n
             node = child
-        return matched, node, slots
+        return matched, path
+
+    def _path_to_root(self, node: Node) -> list[Node]:
+        out = []
+        cur: Optional[Node] = node
+        while cur is not None and cur is not self.root:
+            out.append(cur)
+            cur = cur.parent
+        return out
+
+    def _lock_path(self, node: Node, delta: int) -> None:
+        """Move `node`'s path by one lock, keeping evictable/protected exact."""
+        for n in self._path_to_root(node):
+            if n.lock_ref == 0 and delta > 0:
+                self.evictable_size -= len(n.key)
+                self.protected_size += len(n.key)
+            n.lock_ref += delta
+            if n.lock_ref == 0 and delta < 0:
+                self.evictable_size += len(n.key)
+                self.protected_size -= len(n.key)
+
+    def _host_lock_path(self, node: Node, delta: int) -> None:
+        for n in self._path_to_root(node):
+            n.host_lock_ref += delta
+
+    def rank(self, node: Node) -> tuple[int, ...]:
+        return pages.policy_rank(self.policy, node.last_access, node.hit_count, node.creation, node.priority)
+
+    def _pick(self, candidates: list[Node], choose: Optional[Chooser]) -> Node:
+        tied = pages.min_rank_ids([(self.rank(n), n.id) for n in candidates])
+        return self.nodes[choose(tied) if choose else min(tied)]
 
     # ------------------------------------------------------------------ protocol
 
@@ -218,8 +304,17 @@ class RefCache:
         key = _check_tokens(tokens)
         key = key[: pages.page_floor(len(key), self.page_size)]
         self.root.last_access = self.now
-        matched, node, slots = self._walk(namespace, key, lambda n: None)
-        return MatchOut(length=matched, slots=tuple(slots), node=node.id)
+        _, path = self._walk(namespace, key, lambda n: None)
+        device = [n for n in path if n.slots is not None]  # a prefix of the path (INV-HOST-2)
+        on_host = path[len(device) :]
+        backed = [n for n in path if n.host_slots is not None]
+        return MatchOut(
+            length=sum(len(n.key) for n in device),
+            slots=tuple(x for n in device for x in n.slots or ()),
+            node=device[-1].id if device else self.root.id,
+            host_length=sum(len(n.key) for n in on_host),
+            host_node=backed[-1].id if backed else self.root.id,
+        )
 
     def insert(self, namespace: Namespace, tokens: Sequence[int], slots: Sequence[int], priority: int = 0) -> InsertOut:
         key = _check_tokens(tokens)
@@ -236,7 +331,17 @@ class RefCache:
             node.priority = max(node.priority, priority)
 
         self.root.last_access = self.now
-        matched, node, _ = self._walk(namespace, key, hit)
+        matched, path = self._walk(namespace, key, hit)
+        prefix_len, offset = 0, 0
+        for node in path:
+            if node.slots is None:  # evicted: the request's fresh KV restores it; the host copy stays
+                node.slots = tuple(slots[offset : offset + len(node.key)])
+                self.pool.adopt(node.slots)
+                self.evictable_size += len(node.key)
+            elif offset == prefix_len:
+                prefix_len += len(node.key)
+            offset += len(node.key)
+        node = path[-1] if path else self.root
         if matched < len(key):
             leaf = self._new_node(
                 parent=node,
@@ -249,69 +354,192 @@ class RefCache:
                 priority=priority,
             )
             node.children[self._selector(namespace, leaf.key)] = leaf
-            self.pool.adopt(leaf.slots)
+            self.pool.adopt(leaf.slots or ())
             self.evictable_size += len(leaf.key)
+            path.append(leaf)
             node = leaf
-        return InsertOut(prefix_len=matched, node=node.id)
-
-    def _path_to_root(self, node: Node) -> list[Node]:
-        out = []
-        cur: Optional[Node] = node
-        while cur is not None and cur is not self.root:
-            out.append(cur)
-            cur = cur.parent
-        return out
+        for n in path:
+            self._maybe_write_through(n)
+        return InsertOut(prefix_len=prefix_len, node=node.id)
 
     def inc_lock_ref(self, node_id: int) -> None:
-        node = self._live(node_id)
+        node = self._on_device(node_id)
         node.own_locks += 1
-        for n in self._path_to_root(node):
-            if n.lock_ref == 0:
-                self.evictable_size -= len(n.key)
-                self.protected_size += len(n.key)
-            n.lock_ref += 1
+        self._lock_path(node, +1)
 
     def dec_lock_ref(self, node_id: int) -> None:
         node = self._live(node_id)
         if node.own_locks == 0:
             raise LockUnderflow(f"node {node_id} holds no lock of its own")
         node.own_locks -= 1
-        for n in self._path_to_root(node):
-            n.lock_ref -= 1
-            if n.lock_ref == 0:
-                self.evictable_size += len(n.key)
-                self.protected_size -= len(n.key)
+        self._lock_path(node, -1)
 
     def evictable_leaves(self) -> list[Node]:
+        """Device eviction candidates: unlocked, on device, no child on device."""
         return [
             n
             for n in self.nodes.values()
-            if n is not self.root and not n.children and n.lock_ref == 0
+            if n is not self.root and n.slots is not None and n.lock_ref == 0 and not any(c.slots is not None for c in n.children.values())
         ]
 
-    def rank(self, node: Node) -> tuple[int, ...]:
-        return pages.policy_rank(self.policy, node.last_access, node.hit_count, node.creation, node.priority)
-
-    def evict(self, n: int, choose: Optional[Callable[[list[int]], int]] = None) -> int:
-        """Remove minimal-rank unlocked leaves until `n` tokens are freed or none is left."""
+    def evict(self, n: int, choose: Optional[Chooser] = None) -> int:
+        """Free device KV of minimal-rank candidates until `n` tokens are freed or none is left."""
         _check_count(n)
         freed = 0
         while freed < n:
             leaves = self.evictable_leaves()
             if not leaves:
                 break
-            tied = pages.min_rank_ids([(self.rank(leaf), leaf.id) for leaf in leaves])
-            victim = self.nodes[choose(tied) if choose else min(tied)]
-            self._delete_leaf(victim)
+            victim = self._pick(leaves, choose)
+            if victim.host_slots is None and self.write_policy == "write_back":
+                self._write_backup(victim, wait=True)
+            if victim.host_slots is not None:
+                self._demote(victim)
+            else:
+                self._delete_leaf(victim)
             freed += len(victim.key)
         return freed
 
+    def _demote(self, node: Node) -> None:
+        """Free a backed-up node's device KV; it stays in the tree on the host."""
+        self.pool.release(node.slots or ())
+        node.slots = None
+        self.evictable_size -= len(node.key)
+
     def _delete_leaf(self, leaf: Node) -> None:
+        """Remove a node without a backup (and whatever host-only subtree hangs below it)."""
         assert leaf.parent is not None
+        for child in list(leaf.children.values()):
+            self._delete_host_leaf(child)
         del leaf.parent.children[self._selector(leaf.namespace, leaf.key)]
         del self.nodes[leaf.id]
-        self.pool.release(leaf.slots)
+        self.pool.release(leaf.slots or ())
         self.evictable_size -= len(leaf.key)
+
+    def _delete_host_leaf(self, node: Node) -> None:
+        for child in list(node.children.values()):
+            self._delete_host_leaf(child)
+        assert node.parent is not None and self.host is not None
+        del node.parent.children[self._selector(node.namespace, node.key)]
+        del self.nodes[node.id]
+        self.host.release(node.host_slots or ())
+
+    # ------------------------------------------------------------------ host tier (SPEC.md §9)
+
+    def _maybe_write_through(self, node: Node) -> None:
+        """Back a hot node up under write-through, parents first, so the host copy stays a prefix."""
+        threshold = WRITE_THROUGH_THRESHOLD.get(self.write_policy)
+        parent = node.parent
+        if (
+            threshold is not None
+            and node.slots is not None
+            and node.host_slots is None
+            and node.hit_count >= threshold
+            and parent is not None
+            and (parent is self.root or parent.host_slots is not None)
+        ):
+            self._write_backup(node, wait=False)
+
+    def _write_backup(self, node: Node, wait: bool) -> bool:
+        """Give `node` host slots and copy its KV there; False if the host has no room.
+
+        `wait`: write-back at eviction, where the engine waits for the copy. Otherwise the
+        copy is pending and the node stays locked until its ack.
+        """
+        assert self.host is not None
+        need = len(node.key) - len(self.host.free_list)
+        if need > 0:
+            self.evict_host(need, choose=self.choose_host)
+        if len(self.host.free_list) < len(node.key):
+            return False
+        node.host_slots = self.host.alloc(len(node.key))
+        self.host.adopt(node.host_slots)
+        if not wait:
+            self.copies.append(Copy(self._next_copy, "write", [node], anchor=node))
+            self._next_copy += 1
+            self._lock_path(node, +1)
+        return True
+
+    def host_leaves(self) -> list[Node]:
+        """Host eviction candidates: on the host only, no children, no host protection."""
+        return [
+            n
+            for n in self.nodes.values()
+            if n is not self.root and n.slots is None and not n.children and n.host_lock_ref == 0
+        ]
+
+    def evict_host(self, n: int, choose: Optional[Chooser] = None) -> int:
+        """Drop host-only leaves of minimal rank until `n` host tokens are freed or none is left."""
+        _check_count(n)
+        freed = 0
+        while freed < n and self.host is not None:
+            leaves = self.host_leaves()
+            if not leaves:
+                break
+            victim = self._pick(leaves, choose)
+            self._delete_host_leaf(victim)
+            freed += len(victim.key)
+        return freed
+
+    def load_back(self, node_id: int) -> int:
+        """Bring the host-only part of the path ending at `node_id` back to the device.
+
+        All or nothing: refused (0) below the threshold or when the device cannot make
+        room. The loaded path stays locked, and its host copy protected, until the ack.
+        """
+        node = self._live(node_id)
+        chain = [n for n in self._path_to_root(node) if n.slots is None]
+        if not chain:
+            return 0
+        chain.reverse()
+        size = sum(len(n.key) for n in chain)
+        if size < self.load_back_threshold:
+            return 0
+        anchor = chain[0].parent
+        assert anchor is not None
+        self._host_lock_path(node, +1)  # the host copy must survive eviction made for room
+        self._lock_path(anchor, +1)  # and so must the device path it hangs from
+        if len(self.pool.free_list) < size:
+            self.evict(size - len(self.pool.free_list))
+        self._lock_path(anchor, -1)
+        if len(self.pool.free_list) < size:
+            self._host_lock_path(node, -1)
+            return 0
+        slots = self.pool.alloc(size)
+        self.pool.adopt(slots)
+        offset = 0
+        for n in chain:
+            n.slots = tuple(slots[offset : offset + len(n.key)])
+            offset += len(n.key)
+            self.evictable_size += len(n.key)
+        self._lock_path(node, +1)
+        self.copies.append(Copy(self._next_copy, "load", chain, anchor=node))
+        self._next_copy += 1
+        return size
+
+    def complete(self, copy_id: int) -> None:
+        """The copy engine finished copy `copy_id`; its ack waits for `poll`."""
+        ok = isinstance(copy_id, int) and not isinstance(copy_id, bool)
+        copy = next((c for c in self.copies if ok and c.id == copy_id and not c.finished), None)
+        if copy is None:
+            raise UnknownCopy(f"no pending copy {copy_id!r}")
+        copy.finished = True
+
+    def poll(self) -> int:
+        """Consume finished acks in issue order, per kind, stopping at the first unfinished one."""
+        consumed = 0
+        for kind in ("write", "load"):
+            for copy in [c for c in self.copies if c.kind == kind]:
+                if not copy.finished:
+                    break
+                self.copies.remove(copy)
+                self._lock_path(copy.anchor, -1)
+                if kind == "load":
+                    self._host_lock_path(copy.anchor, -1)
+                consumed += 1
+        return consumed
+
+    # ------------------------------------------------------------------ observation
 
     def snapshot(self) -> Snapshot:
         views = tuple(
@@ -322,6 +550,8 @@ class RefCache:
                 key=n.key,
                 slots=n.slots,
                 lock_ref=n.lock_ref,
+                host_slots=n.host_slots,
+                host_lock_ref=n.host_lock_ref,
             )
             for n in self.nodes.values()
         )
@@ -334,6 +564,10 @@ class RefCache:
             free_slots=self.pool.free_slots(),
             evictable_size=self.evictable_size,
             protected_size=self.protected_size,
+            host_capacity=self.host.capacity if self.host else 0,
+            host_free_slots=self.host.free_slots() if self.host else (),
+            write_policy=self.write_policy,
+            pending=tuple(PendingCopy(c.id, c.kind, tuple(n.id for n in c.nodes), c.finished) for c in self.copies),
         )
 
 

@@ -49,6 +49,8 @@ def page_slots(s: Snapshot) -> dict[Path, tuple[int, ...]]:
     out: dict[Path, tuple[int, ...]] = {}
     for nid, (ns, path) in node_paths(s).items():
         node = nodes[nid]
+        if node.slots is None:  # on the host only: not cached on the device
+            continue
         start = len(path) - len(node.key)
         for i in range(0, len(node.key), ps):
             out[(ns, path[: start + i + ps])] = tuple(node.slots[i : i + ps])
@@ -132,28 +134,38 @@ def eviction_witness(nodes: Mapping[int, EvictNode], root: int, asked: int, remo
     return search(frozenset(), 0)
 
 
+def device_paths(s: Snapshot) -> dict[int, Path]:
+    """Node id -> path, for the nodes whose KV is on the device."""
+    nodes = s.by_id()
+    return {i: p for i, p in node_paths(s).items() if nodes[i].slots is not None}
+
+
 def eviction_bounds(before: Snapshot, after: Snapshot, asked: int, reported: int) -> list[tuple[str, str]]:
-    """INV-EVICT-1/2/3/5 from two snapshots alone; returns (inv, message) pairs."""
+    """INV-EVICT-1/2/3/5 from two snapshots alone; returns (inv, message) pairs.
+
+    A node is evicted when its KV leaves the device, whether it leaves the tree or
+    stays on the host (demotion).
+    """
     out: list[tuple[str, str]] = []
-    paths_b, paths_a = node_paths(before), node_paths(after)
+    paths_b, paths_a = device_paths(before), device_paths(after)
     kept = set(paths_a.values())
     nodes = before.by_id()
     gone = {i for i, p in paths_b.items() if p not in kept}
-    appeared = set(paths_a.values()) - set(paths_b.values())
+    appeared = kept - set(paths_b.values())
     if appeared:
-        out.append(("INV-EVICT-3", f"eviction created nodes {sorted(appeared)[:3]}"))
+        out.append(("INV-EVICT-3", f"eviction put new nodes on the device: {sorted(p[1] for p in appeared)[:3]}"))
     freed_tokens = sum(len(nodes[i].key) for i in gone)
     for i in gone:
         if nodes[i].lock_ref > 0:
             out.append(("INV-EVICT-3", f"locked node {i} (lock_ref {nodes[i].lock_ref}) was evicted"))
     kids = before.children()
     for i in gone:
-        alive = [c for c in kids.get(i, []) if c not in gone]
+        alive = [c for c in kids.get(i, []) if c in paths_b and c not in gone]
         if alive:
-            out.append(("INV-EVICT-3", f"node {i} evicted while its child {alive[0]} stays"))
+            out.append(("INV-EVICT-3", f"node {i} evicted while its child {alive[0]} stays on the device"))
     free_delta = len(after.free_slots) - len(before.free_slots)
     if not reported == freed_tokens == free_delta:
-        out.append(("INV-EVICT-5", f"reported {reported}, tree lost {freed_tokens}, free list grew {free_delta}"))
+        out.append(("INV-EVICT-5", f"reported {reported}, device lost {freed_tokens}, free list grew {free_delta}"))
     if freed_tokens < min(asked, before.evictable_size):
         out.append(("INV-EVICT-1", f"asked {asked}, evictable {before.evictable_size}, freed only {freed_tokens}"))
     tops = [i for i in gone if nodes[i].parent not in gone]

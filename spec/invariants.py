@@ -57,13 +57,14 @@ def tree_links(s: Snapshot) -> list[str]:
 
 
 def tree_keys(s: Snapshot) -> list[str]:
-    """INV-TREE-2: every non-root edge is non-empty, whole pages, one slot per token."""
+    """INV-TREE-2: every non-root edge is non-empty, whole pages, one slot per token in each tier it is on."""
     out = []
     for n in _non_root(s):
         if not n.key or len(n.key) % s.page_size:
             out.append(f"node {n.id} key length {len(n.key)} is not a positive multiple of {s.page_size}")
-        if len(n.slots) != len(n.key):
-            out.append(f"node {n.id} has {len(n.slots)} slots for {len(n.key)} tokens")
+        for tier, slots in (("device", n.slots), ("host", n.host_slots)):
+            if slots is not None and len(slots) != len(n.key):
+                out.append(f"node {n.id} has {len(slots)} {tier} slots for {len(n.key)} tokens")
     return out
 
 
@@ -107,20 +108,20 @@ def locks_monotone(s: Snapshot) -> list[str]:
 
 
 def evictable_exact(s: Snapshot) -> list[str]:
-    """INV-ACCT-1: evictable_size == tokens in unlocked nodes."""
-    want = sum(len(n.key) for n in _non_root(s) if n.lock_ref == 0)
+    """INV-ACCT-1: evictable_size == tokens in unlocked nodes on the device."""
+    want = sum(len(n.key) for n in _non_root(s) if n.lock_ref == 0 and n.slots is not None)
     return [] if s.evictable_size == want else [f"evictable_size {s.evictable_size}, tree says {want}"]
 
 
 def protected_exact(s: Snapshot) -> list[str]:
-    """INV-ACCT-2: protected_size == tokens in locked nodes."""
-    want = sum(len(n.key) for n in _non_root(s) if n.lock_ref > 0)
+    """INV-ACCT-2: protected_size == tokens in locked nodes on the device."""
+    want = sum(len(n.key) for n in _non_root(s) if n.lock_ref > 0 and n.slots is not None)
     return [] if s.protected_size == want else [f"protected_size {s.protected_size}, tree says {want}"]
 
 
 def pool_closes(s: Snapshot) -> list[str]:
     """INV-ACCT-3: free slots + slots held by the tree == capacity (between operations)."""
-    held = sum(len(n.slots) for n in _non_root(s))
+    held = sum(len(n.slots or ()) for n in _non_root(s))
     total = held + len(s.free_slots)
     return [] if total == s.capacity else [f"free {len(s.free_slots)} + tree {held} = {total} != capacity {s.capacity}"]
 
@@ -129,29 +130,113 @@ def slots_unique(s: Snapshot) -> list[str]:
     """INV-SLOT-1: no slot is owned twice (by two nodes, twice by one, or by a node and the free list)."""
     owners: Counter[int] = Counter(s.free_slots)
     for n in _non_root(s):
-        owners.update(n.slots)
+        owners.update(n.slots or ())
     return [f"slot {slot} owned {c} times" for slot, c in sorted(owners.items()) if c > 1]
 
 
 def slots_in_range(s: Snapshot) -> list[str]:
     """INV-SLOT-2: every slot id lies in [0, slot_limit)."""
-    bad = sorted({x for n in _non_root(s) for x in n.slots} | set(s.free_slots))
+    bad = sorted({x for n in _non_root(s) for x in n.slots or ()} | set(s.free_slots))
     return [f"slot {x} outside [0, {s.slot_limit})" for x in bad if not 0 <= x < s.slot_limit]
+
+
+def _paged(ps: int, owned: list[tuple[int, tuple[int, ...]]], free: tuple[int, ...]) -> list[str]:
+    out = []
+    for node_id, slots in owned:
+        for i in range(0, len(slots) - ps + 1, ps):
+            page = slots[i : i + ps]
+            if page[0] % ps or list(page) != list(range(page[0], page[0] + ps)):
+                out.append(f"node {node_id} page {i // ps} has slots {page}")
+    per_page = Counter(x // ps for x in free)
+    out += [f"free list holds {c}/{ps} slots of page {p}" for p, c in sorted(per_page.items()) if c != ps]
+    return out
 
 
 def slots_paged(s: Snapshot) -> list[str]:
     """INV-SLOT-4: with page_size > 1 a page's slots are one aligned, contiguous device page."""
-    ps = s.page_size
-    if ps == 1:
+    if s.page_size == 1:
         return []
+    return _paged(s.page_size, [(n.id, n.slots) for n in _non_root(s) if n.slots is not None], s.free_slots)
+
+
+# --------------------------------------------------------------------------- host tier (SPEC.md §9)
+
+
+def host_or_device(s: Snapshot) -> list[str]:
+    """INV-HOST-1: every node holds its KV somewhere: on the device, on the host, or both."""
+    return [f"node {n.id} is on neither tier" for n in _non_root(s) if n.slots is None and n.host_slots is None]
+
+
+def device_prefix_closed(s: Snapshot) -> list[str]:
+    """INV-HOST-2: a node on the device has its parent on the device, so a device match never skips a gap."""
+    nodes = s.by_id()
     out = []
     for n in _non_root(s):
-        for i in range(0, len(n.slots) - ps + 1, ps):
-            page = n.slots[i : i + ps]
-            if page[0] % ps or list(page) != list(range(page[0], page[0] + ps)):
-                out.append(f"node {n.id} page {i // ps} has slots {page}")
-    per_page = Counter(x // ps for x in s.free_slots)
-    out += [f"free list holds {c}/{ps} slots of page {p}" for p, c in sorted(per_page.items()) if c != ps]
+        parent = nodes.get(n.parent) if n.parent is not None else None
+        if n.slots is not None and parent is not None and parent.id != s.root and parent.slots is None:
+            out.append(f"node {n.id} is on the device under node {parent.id}, which is not")
+    return out
+
+
+def host_prefix_closed(s: Snapshot) -> list[str]:
+    """INV-HOST-3: under write-through a backed-up node's parent is backed up: host copies are prefixes."""
+    if not s.write_policy.startswith("write_through"):
+        return []
+    nodes = s.by_id()
+    out = []
+    for n in _non_root(s):
+        parent = nodes.get(n.parent) if n.parent is not None else None
+        if n.host_slots is not None and parent is not None and parent.id != s.root and parent.host_slots is None:
+            out.append(f"node {n.id} is backed up under node {parent.id}, which is not")
+    return out
+
+
+def host_pool_closes(s: Snapshot) -> list[str]:
+    """INV-HOST-4: free host slots + host slots held by the tree == host capacity."""
+    held = sum(len(n.host_slots or ()) for n in _non_root(s))
+    total = held + len(s.host_free_slots)
+    if total == s.host_capacity:
+        return []
+    return [f"host free {len(s.host_free_slots)} + tree {held} = {total} != host capacity {s.host_capacity}"]
+
+
+def host_slots_owned_once(s: Snapshot) -> list[str]:
+    """INV-HOST-5: host slots are owned once, lie in [0, host_capacity), and come in whole pages."""
+    owners: Counter[int] = Counter(s.host_free_slots)
+    for n in _non_root(s):
+        owners.update(n.host_slots or ())
+    out = [f"host slot {x} owned {c} times" for x, c in sorted(owners.items()) if c > 1]
+    out += [f"host slot {x} outside [0, {s.host_capacity})" for x in sorted(owners) if not 0 <= x < s.host_capacity]
+    if s.page_size > 1:
+        owned = [(n.id, n.host_slots) for n in _non_root(s) if n.host_slots is not None]
+        out += [f"host: {m}" for m in _paged(s.page_size, owned, s.host_free_slots)]
+    return out
+
+
+def copies_pinned(s: Snapshot) -> list[str]:
+    """INV-HOST-6: an unacknowledged copy pins both ends: its nodes are locked and hold both tiers' slots."""
+    nodes = s.by_id()
+    out = []
+    for copy in s.pending:
+        for nid in copy.nodes:
+            n = nodes.get(nid)
+            if n is None:
+                out.append(f"{copy.kind} copy {copy.id} moves node {nid}, which left the tree")
+            elif n.lock_ref <= 0 or n.slots is None or n.host_slots is None:
+                out.append(f"{copy.kind} copy {copy.id}: node {nid} lock_ref {n.lock_ref}, on device {n.slots is not None}, backed up {n.host_slots is not None}")
+            elif copy.kind == "load" and n.host_lock_ref <= 0:
+                out.append(f"load copy {copy.id}: node {nid}'s host copy is not protected")
+    return out
+
+
+def host_locks_sane(s: Snapshot) -> list[str]:
+    """INV-HOST-7: host lock counts are non-negative and protect whole paths."""
+    nodes = s.by_id()
+    out = [f"node {n.id} host_lock_ref {n.host_lock_ref}" for n in _non_root(s) if n.host_lock_ref < 0]
+    for n in _non_root(s):
+        parent = nodes.get(n.parent) if n.parent is not None else None
+        if parent is not None and parent.id != s.root and n.host_lock_ref > parent.host_lock_ref:
+            out.append(f"node {n.id} host_lock_ref {n.host_lock_ref} above its parent's {parent.host_lock_ref}")
     return out
 
 
@@ -168,6 +253,13 @@ SNAPSHOT_INVARIANTS: dict[str, Callable[[Snapshot], list[str]]] = {
     "INV-SLOT-1": slots_unique,
     "INV-SLOT-2": slots_in_range,
     "INV-SLOT-4": slots_paged,
+    "INV-HOST-1": host_or_device,
+    "INV-HOST-2": device_prefix_closed,
+    "INV-HOST-3": host_prefix_closed,
+    "INV-HOST-4": host_pool_closes,
+    "INV-HOST-5": host_slots_owned_once,
+    "INV-HOST-6": copies_pinned,
+    "INV-HOST-7": host_locks_sane,
 }
 
 

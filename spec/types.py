@@ -17,6 +17,12 @@ Tokens = tuple[int, ...]
 POLICIES: tuple[str, ...] = ("lru", "lfu", "fifo", "mru", "priority")
 """Eviction policies the spec defines (SPEC.md §4.5)."""
 
+WRITE_POLICIES: tuple[str, ...] = ("write_through", "write_through_selective", "write_back")
+"""Host-tier write policies (SPEC.md §9.2)."""
+
+WRITE_THROUGH_THRESHOLD = {"write_through": 1, "write_through_selective": 2}
+"""Hits after which a node is backed up, per write-through policy (SGLang's defaults)."""
+
 
 # --------------------------------------------------------------------------- errors
 
@@ -49,6 +55,10 @@ class StaleHandle(BadInput):
     """A node handle was never issued, or its node has left the tree."""
 
 
+class UnknownCopy(BadInput):
+    """complete() named a copy that was never issued or is already finished."""
+
+
 class LockUnderflow(BadInput):
     """dec_lock_ref on a handle that holds no lock of its own."""
 
@@ -76,8 +86,13 @@ class NodeView:
     parent: Optional[int]
     namespace: Namespace
     key: Tokens
-    slots: tuple[int, ...]
+    slots: Optional[tuple[int, ...]]
+    """Device slots, one per token; None when the node lives on the host only (evicted)."""
     lock_ref: int
+    host_slots: Optional[tuple[int, ...]] = None
+    """Host slots of the node's backup; None when it has none."""
+    host_lock_ref: int = 0
+    """Host-copy protections (in-flight load-back, prefetch) at or below this node."""
 
 
 @dataclass(frozen=True)
@@ -98,6 +113,13 @@ class Snapshot:
     """The backend's own counter: tokens in unlocked nodes."""
     protected_size: int
     """The backend's own counter: tokens in locked nodes."""
+    host_capacity: int = 0
+    """Usable host slots; 0 for a device-only cache."""
+    host_free_slots: tuple[int, ...] = ()
+    write_policy: str = ""
+    """The write policy in force ("" for a device-only cache)."""
+    pending: tuple[PendingCopy, ...] = ()
+    """Copies issued and not yet acknowledged, in issue order."""
 
     def by_id(self) -> dict[int, NodeView]:
         return {n.id: n for n in self.nodes}
@@ -127,6 +149,18 @@ class Snapshot:
         return ns, tuple(t for part in reversed(parts) for t in part)
 
 
+@dataclass(frozen=True)
+class PendingCopy:
+    """An asynchronous copy between tiers that the cache has not yet acknowledged."""
+
+    id: int
+    kind: str
+    """"write" (device to host) or "load" (host to device)."""
+    nodes: tuple[int, ...]
+    finished: bool = False
+    """The copy engine has finished; the cache has not yet consumed the ack."""
+
+
 # --------------------------------------------------------------------------- results
 
 
@@ -137,6 +171,10 @@ class MatchOut:
     length: int
     slots: tuple[int, ...]
     node: int
+    host_length: int = 0
+    """Tokens after `length` that are on the host only (a load-back could restore them)."""
+    host_node: Optional[int] = None
+    """The node where the host hit ends (the deepest backed-up node); None without one."""
 
 
 @dataclass(frozen=True)
@@ -162,6 +200,12 @@ class CacheConfig:
     policy: str = "lru"
     capacity: int = 64
     """Usable device slots; a multiple of page_size."""
+    host_capacity: int = 0
+    """Usable host slots (a multiple of page_size); 0 builds a device-only cache."""
+    write_policy: str = "write_through"
+    """write_through, write_through_selective or write_back (with a host tier)."""
+    load_back_threshold: int = 1
+    """load_back refuses fewer host tokens than this (SGLang: 10)."""
 
 
 @dataclass(frozen=True)
@@ -174,4 +218,6 @@ class Capabilities:
     namespaces: bool = True
     strict_input: bool = False
     """True: bad input raises a `BadInput` subclass and changes nothing."""
+    write_policies: tuple[str, ...] = ()
+    """Host-tier write policies supported; () for a device-only cache."""
     notes: tuple[str, ...] = field(default_factory=tuple)

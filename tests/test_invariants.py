@@ -132,6 +132,69 @@ CASES = [
 ]
 
 
+def _host_base() -> Snapshot:
+    """A host tier mid-flight: a demoted node, a pending write, a pending load."""
+    cache = RefCache(CacheConfig(page_size=PS, capacity=32, host_capacity=48, write_policy="write_through"))
+    _put(cache, None, list(range(1, 9)))  # backed up by copy 0
+    _put(cache, None, [30, 31, 32, 33])  # copy 1
+    for copy in (0, 1):
+        cache.complete(copy)
+    cache.poll()
+    _put(cache, None, [1, 2, 3, 4, 20, 21, 22, 23])  # split after 4; the new leaf's write (copy 2) stays pending
+    assert cache.evict(2 * PS) == 2 * PS  # demotes (30..33), then (5..8): both stay in the tree on the host
+    assert cache.load_back(cache.match_prefix(None, [30, 31, 32, 33]).host_node or 0) == PS  # copy 3, pending
+    return cache.snapshot()
+
+
+HOST_BASE = _host_base()
+H_HEAD = _node(HOST_BASE, None, (1, 2, 3, 4))
+H_TAIL = _node(HOST_BASE, None, tuple(range(1, 9)))
+H_WRITING = _node(HOST_BASE, None, (1, 2, 3, 4, 20, 21, 22, 23))
+H_LOADING = _node(HOST_BASE, None, (30, 31, 32, 33))
+
+
+def _host(corrupt: Callable[[Snapshot], Snapshot]) -> Callable[[Snapshot], Snapshot]:
+    """A corruption of HOST_BASE (the device-only BASE has no host tier to corrupt)."""
+    return lambda _: corrupt(HOST_BASE)
+
+
+CASES += [
+    Corruption("INV-HOST-1", "a node on neither tier", _host(lambda s: _edit(s, H_TAIL, host_slots=None))),
+    Corruption("INV-HOST-2", "device node under a host-only parent", _host(lambda s: _edit(s, H_HEAD, slots=None))),
+    Corruption("INV-HOST-3", "backup under a parent without one", _host(lambda s: _edit(s, H_HEAD, host_slots=None))),
+    Corruption(
+        "INV-HOST-4",
+        "host capacity not accounted for",
+        _host(lambda s: replace(s, host_capacity=s.host_capacity + PS)),
+        only=True,
+    ),
+    Corruption(
+        "INV-HOST-5",
+        "two nodes share host slots",
+        _host(lambda s: _edit(s, H_LOADING, host_slots=H_HEAD.host_slots)),
+        only=True,
+    ),
+    Corruption(
+        "INV-HOST-6",
+        "a pending copy names a node that left",
+        _host(lambda s: replace(s, pending=(replace(s.pending[0], nodes=(999,)), *s.pending[1:]))),
+        only=True,
+    ),
+    Corruption(
+        "INV-HOST-6", "a pending write whose node is unlocked", _host(lambda s: _edit(s, H_WRITING, lock_ref=0))
+    ),
+    Corruption("INV-HOST-7", "negative host lock", _host(lambda s: _edit(s, H_TAIL, host_lock_ref=-1)), only=True),
+]
+
+
+def test_host_base_is_what_the_cases_assume() -> None:
+    assert check_snapshot(HOST_BASE) == []
+    assert H_TAIL.slots is None and H_TAIL.host_slots is not None and H_TAIL.parent == H_HEAD.id
+    assert H_HEAD.slots is not None and H_HEAD.host_slots is not None
+    assert [(c.kind, c.nodes) for c in HOST_BASE.pending] == [("write", (H_WRITING.id,)), ("load", (H_LOADING.id,))]
+    assert H_WRITING.lock_ref == 1 and H_LOADING.lock_ref == 1 and H_LOADING.host_lock_ref == 1
+
+
 def test_base_is_what_the_cases_assume() -> None:
     assert check_snapshot(BASE) == []
     assert HEAD.lock_ref == 1 and LEAF_20.lock_ref == 1 and LEAF_9.lock_ref == 0
@@ -148,6 +211,7 @@ def test_every_invariant_has_a_corruption_case() -> None:
 @pytest.mark.parametrize("inv", sorted(SNAPSHOT_INVARIANTS))
 def test_valid_snapshot_passes_each_checker(inv: str) -> None:
     assert SNAPSHOT_INVARIANTS[inv](BASE) == []
+    assert SNAPSHOT_INVARIANTS[inv](HOST_BASE) == []
 
 
 @pytest.mark.parametrize("case", CASES, ids=[f"{c.inv}:{c.name}" for c in CASES])

@@ -28,6 +28,7 @@ from kvcert.spec.types import (
     SlotNotOwned,
     StaleHandle,
     UnalignedKey,
+    UnknownCopy,
 )
 
 
@@ -388,6 +389,10 @@ BAD_INPUTS: list[tuple[str, type[KVCertError], Callable[[Scene], object]]] = [
     ("unlock: already unlocked", LockUnderflow, lambda s: s.cache.dec_lock_ref(s.was_locked)),
     ("unlock: the root, never locked", LockUnderflow, lambda s: s.cache.dec_lock_ref(s.cache.root.id)),
     ("evict: negative count", InvalidCount, lambda s: s.cache.evict(-1)),
+    ("evict_host: negative count", InvalidCount, lambda s: s.cache.evict_host(-1)),
+    ("complete: a copy never issued", UnknownCopy, lambda s: s.cache.complete(0)),
+    ("complete: a bool copy id", UnknownCopy, lambda s: s.cache.complete(True)),
+    ("load_back: unknown handle", StaleHandle, lambda s: s.cache.load_back(10_000)),
     ("evict: float count", InvalidCount, lambda s: s.cache.evict(1.5)),
     ("evict: str count", InvalidCount, lambda s: s.cache.evict("4")),
     ("evict: bool count", InvalidCount, lambda s: s.cache.evict(True)),

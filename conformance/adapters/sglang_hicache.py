@@ -345,6 +345,10 @@ class SGLangHiCache:
         with self._in_sglang():
             # Process-global: the last published ServerArgs wins for every cache in the process.
             runtime_context.publish(self.args, role="scheduler")
+            if storage_dir is not None:
+                # Without it the L3 path fails: "parallel name 'tp_rank' has not been written". Permanent, as
+                # the storage threads read it too.
+                runtime_context.get_parallel().override_permanently(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1)
             self.cache = UnifiedRadixCache(self.params)
             self.cache.init_hicache(self.args, self.params)
         # init_hicache registers cache.shutdown with atexit (unified_radix_cache.py:577), which pins every
