@@ -15,7 +15,7 @@ from typing import Optional, Protocol, runtime_checkable
 
 from kvcert.spec.types import CacheConfig, Capabilities, InsertOut, MatchOut, Snapshot
 
-__all__ = ["Backend", "Factory", "InsertOut", "MatchOut", "capabilities_of"]
+__all__ = ["Backend", "Factory", "HostTierBackend", "InsertOut", "MatchOut", "capabilities_of"]
 
 
 @runtime_checkable
@@ -45,6 +45,23 @@ class Backend(Protocol):
         """Free at least min(n, evictable) tokens; return how many were freed."""
 
     def snapshot(self) -> Snapshot: ...
+
+
+@runtime_checkable
+class HostTierBackend(Backend, Protocol):
+    """A cache with a host tier (SPEC.md §9); declared by `Capabilities.write_policies`."""
+
+    def evict_host(self, n: int) -> int:
+        """Free at least min(n, evictable host tokens) of host-only, unprotected KV; return how many."""
+
+    def load_back(self, node: int) -> int:
+        """Start loading the host-only part of the path ending at `node`; return its tokens (0: refused)."""
+
+    def complete(self, copy: int) -> None:
+        """The copy engine finished pending copy `copy` (an id from `Snapshot.pending`)."""
+
+    def poll(self) -> int:
+        """Consume finished acks in issue order; return how many."""
 
 
 Factory = Callable[[CacheConfig], Backend]

@@ -29,6 +29,12 @@ from kvcert.spec.types import CacheConfig, Capabilities
 
 CAPACITY_PAGES = 16
 """Pool size per cell, in pages: small, so eviction and exhaustion happen often."""
+HOST_PAGES = 24
+"""Host pool size per host-tier cell, in pages: larger than the device, small enough to fill."""
+
+
+def _tier(config: CacheConfig) -> str:
+    return config.write_policy if config.host_capacity else ""
 
 
 def load_factory(target: str) -> Factory:
@@ -53,6 +59,8 @@ class CellResult:
     trace_path: Optional[str] = None
     trace_len: Optional[int] = None
     reproduced: Optional[bool] = None
+    write_policy: str = ""
+    """"" for a device-only cell; else the host tier's write policy."""
 
 
 @dataclass
@@ -119,7 +127,7 @@ def run_cell(
         phases=(Phase.explicit, Phase.reuse, Phase.generate),  # shrinking happens on the trace: conformance/shrink.py
     )
     start = time.perf_counter()
-    result = CellResult(config.page_size, config.policy, True, 0, 0, 0.0)
+    result = CellResult(config.page_size, config.policy, True, 0, 0, 0.0, write_policy=_tier(config))
     try:
         run_state_machine_as_test(machine, settings=conf)
     except ConformanceFailure:
@@ -131,7 +139,8 @@ def run_cell(
             config=config, ops=tuple(ops), target=target, note=str(failure).splitlines()[-1].strip() if failure else ""
         )
         out_dir.mkdir(parents=True, exist_ok=True)
-        path = out_dir / f"{_slug(target)}-ps{config.page_size}-{config.policy}-seed{seed}.json"
+        tier = f"-{config.write_policy}" if config.host_capacity else ""
+        path = out_dir / f"{_slug(target)}-ps{config.page_size}-{config.policy}{tier}-seed{seed}.json"
         path.write_text(trace.to_json())
         result.passed, result.failure, result.trace_path, result.trace_len = False, str(failure), str(path), len(ops)
         result.reproduced = failure is not None
@@ -171,19 +180,45 @@ def cells_for(
     page_sizes: Optional[Iterable[int]],
     policies: Optional[Iterable[str]],
     bad_input: Optional[bool] = None,
+    write_policies: Optional[Iterable[str]] = None,
+    device_cells: bool = True,
 ) -> tuple[list[CacheConfig], list[str]]:
-    """The (page size, policy) matrix to run, and what was asked for but not declared."""
-    want_ps = list(page_sizes) if page_sizes else list(capabilities.page_sizes)
+    """The cells to run, and what was asked for but not declared.
+
+    Device-only cells: every page size x policy. Host-tier cells (backends that declare
+    write policies): every page size x write policy, under LRU unless policies are named.
+    """
+    want_ps = [p for p in (page_sizes or capabilities.page_sizes)]
     want_pol = list(policies) if policies else list(capabilities.policies)
+    want_wp = list(capabilities.write_policies if write_policies is None else write_policies)
     skipped = [f"page_size={p}: not declared" for p in want_ps if p not in capabilities.page_sizes]
     skipped += [f"policy={p}: not declared" for p in want_pol if p not in capabilities.policies]
+    skipped += [f"write_policy={w}: not declared" for w in want_wp if w not in capabilities.write_policies]
+    sizes = [p for p in want_ps if p in capabilities.page_sizes]
+    pols = [p for p in want_pol if p in capabilities.policies]
+    host_pols = pols if policies else [p for p in pols if p == "lru"] or pols[:1]
     configs = [
         CacheConfig(page_size=ps, policy=pol, capacity=CAPACITY_PAGES * ps)
-        for ps in want_ps
-        if ps in capabilities.page_sizes
-        for pol in want_pol
-        if pol in capabilities.policies
+        for ps in sizes
+        for pol in pols
+        if device_cells
     ]
+    configs += [
+        CacheConfig(
+            page_size=ps,
+            policy=pol,
+            capacity=CAPACITY_PAGES * ps,
+            host_capacity=HOST_PAGES * ps,
+            write_policy=wp,
+            load_back_threshold=ps,
+        )
+        for ps in sizes
+        for wp in want_wp
+        if wp in capabilities.write_policies
+        for pol in host_pols
+    ]
+    if not capabilities.write_policies:
+        skipped.append("host tier: backend declares no write policy")
     if bad_input is False or (bad_input is None and not capabilities.strict_input):
         skipped.append("bad-input rules: backend does not declare strict_input")
     elif bad_input and not capabilities.strict_input:
@@ -206,11 +241,13 @@ def certify(
     on_cell: Optional[Callable[[CellResult], None]] = None,
     bad_input: Optional[bool] = None,
     fail_fast: bool = False,
+    write_policies: Optional[Iterable[str]] = None,
+    device_cells: bool = True,
 ) -> Certificate:
     """Run every cell; the certificate passes only if every cell does. `fail_fast` stops at the first failing cell."""
     factory = factory or load_factory(target)
     caps = capabilities_of(factory)
-    configs, skipped = cells_for(caps, page_sizes, policies, bad_input)
+    configs, skipped = cells_for(caps, page_sizes, policies, bad_input, write_policies, device_cells)
     cert = Certificate(target, caps.name, seed, examples, steps, caps.strict_input, skipped=skipped)
     for config in configs:
         cell = run_cell(

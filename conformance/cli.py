@@ -23,7 +23,8 @@ console = Console(highlight=False, soft_wrap=True)
 def _cell_line(cell: CellResult) -> str:
     verdict = "[green]PASS[/]" if cell.passed else "[red]FAIL[/]"
     rate = cell.steps / max(cell.seconds, 1e-9)
-    line = f"  page_size={cell.page_size:<3} policy={cell.policy:<8} {verdict}  {cell.examples} examples, {cell.steps} steps, {rate:,.0f} steps/s"
+    tier = f" host={cell.write_policy:<23}" if cell.write_policy else " device-only" + " " * 17
+    line = f"  page_size={cell.page_size:<3} policy={cell.policy:<8}{tier} {verdict}  {cell.examples} examples, {cell.steps} steps, {rate:,.0f} steps/s"
     if not cell.passed:
         line += f"\n    {cell.failure}"
         if cell.trace_path:
@@ -36,12 +37,13 @@ def _cell_line(cell: CellResult) -> str:
 
 def print_certificate(cert: Certificate) -> None:
     table = Table(title=f"kvcert certificate: {cert.backend} ({cert.target})")
-    for col in ("page size", "policy", "verdict", "examples", "steps", "steps/s", "counterexample"):
+    for col in ("page size", "policy", "tiers", "verdict", "examples", "steps", "steps/s", "counterexample"):
         table.add_column(col)
     for c in cert.cells:
         table.add_row(
             str(c.page_size),
             c.policy,
+            f"device+host, {c.write_policy}" if c.write_policy else "device",
             "[green]pass[/]" if c.passed else "[red]FAIL[/]",
             str(c.examples),
             str(c.steps),
@@ -66,6 +68,10 @@ def certify_cmd(
     policy: Optional[list[str]] = typer.Option(None, "--policy", help="restrict to these policies"),
     json_path: Optional[Path] = typer.Option(None, "--json", help="write the certificate as JSON"),
     out: Path = typer.Option(Path("kvcert-failures"), help="where minimal traces are saved"),
+    write_policy: Optional[list[str]] = typer.Option(
+        None, "--write-policy", help="host-tier cells: these write policies"
+    ),
+    device_only: bool = typer.Option(False, "--device-only", help="skip the host-tier cells"),
     bad_input: Optional[bool] = typer.Option(
         None,
         "--bad-input/--no-bad-input",
@@ -83,6 +89,7 @@ def certify_cmd(
         out_dir=out,
         on_cell=lambda c: console.print(_cell_line(c)),
         bad_input=bad_input,
+        write_policies=[] if device_only else write_policy,
     )
     print_certificate(cert)
     if json_path is not None:
@@ -139,9 +146,9 @@ def selftest_cmd(
             first = failing[0]
             lengths.append(first.trace_len or 0)
             broken = (first.failure or "").splitlines()[1].strip() if first.failure else ""
-            console.print(f"[green]killed[/]   {mutant.name:<28} {first.trace_len:>3} ops  {broken}")
+            console.print(f"[green]killed[/]   {mutant.name:<30} {first.trace_len:>3} ops  {broken}")
         else:
-            console.print(f"[red]SURVIVED[/] {mutant.name:<28} ({mutant.doc})")
+            console.print(f"[red]SURVIVED[/] {mutant.name:<30} ({mutant.doc})")
     control = zoo.run_control(examples=examples, steps=steps, seed=seed, out_dir=out)
     console.print(f"control  kvcert.refimpl unmodified: {'[green]passes[/]' if control.passed else '[red]FAILS[/]'}")
     if lengths:

@@ -15,9 +15,22 @@ from typing import Any, Optional, Union
 
 from kvcert.conformance.backend import Backend
 from kvcert.refimpl import RefCache
+from kvcert.refimpl.cache import Chooser
 from kvcert.spec import contracts
 from kvcert.spec.invariants import Violation, check_snapshot
-from kvcert.spec.ops import HANDLE_PRODUCERS, Evict, Insert, Lock, Match, Op, Unlock
+from kvcert.spec.ops import (
+    HANDLE_PRODUCERS,
+    Complete,
+    Evict,
+    EvictHost,
+    Insert,
+    LoadBack,
+    Lock,
+    Match,
+    Op,
+    Poll,
+    Unlock,
+)
 from kvcert.spec.types import CacheConfig, Capabilities, InsertOut, KVCertError, MatchOut, Snapshot
 
 UNKNOWN_NODE = -1
@@ -49,6 +62,11 @@ class Harness:
     clock: int = 0
     handles: dict[int, tuple[int, int]] = field(default_factory=dict)
     """op index -> (backend node id, oracle node id) of the node that op returned."""
+    host_handles: dict[int, tuple[int, int]] = field(default_factory=dict)
+    """Match op index -> (backend, oracle) id of its `host_node`, for LoadBack."""
+    copies: list[tuple[int, int]] = field(default_factory=list)
+    """Copies in issue order: (backend copy id, oracle copy id); `Complete(k)` names the k-th."""
+    _oracle_copy_ids: set[int] = field(default_factory=set)
     trace_hook: Optional[Callable[[int, Op, Outcome], None]] = None
 
     def __post_init__(self) -> None:
@@ -57,9 +75,15 @@ class Harness:
 
     # ------------------------------------------------------------------ running
 
-    def _node(self, handle: Any, side: int) -> int:
-        if isinstance(handle, int) and not isinstance(handle, bool) and handle in self.handles:
-            return self.handles[handle][side]
+    def _node(self, handle: Any, side: int, table: Optional[dict[int, tuple[int, int]]] = None) -> int:
+        table = self.handles if table is None else table
+        if isinstance(handle, int) and not isinstance(handle, bool) and handle in table:
+            return table[handle][side]
+        return UNKNOWN_NODE
+
+    def _copy(self, k: Any, side: int) -> int:
+        if isinstance(k, int) and not isinstance(k, bool) and 0 <= k < len(self.copies):
+            return self.copies[k][side]
         return UNKNOWN_NODE
 
     @staticmethod
@@ -75,7 +99,9 @@ class Harness:
         cache.free(slots[: out.prefix_len])
         return out
 
-    def _run(self, cache: Any, op: Op, side: int) -> Outcome:
+    def _run(self, cache: Any, op: Op, side: int, choose: Optional[Chooser] = None) -> Outcome:
+        """One op as protocol calls; `choose` steers the oracle's eviction ties (side 1 only)."""
+        extra = {"choose": choose} if choose is not None else {}
         try:
             if isinstance(op, Insert):
                 return self._insert(cache, op)
@@ -86,30 +112,42 @@ class Harness:
                 return cache.inc_lock_ref(self._node(op.handle, side))
             if isinstance(op, Unlock):
                 return cache.dec_lock_ref(self._node(op.handle, side))
+            if isinstance(op, Evict):
+                return int(cache.evict(op.n, **extra))
+            if isinstance(op, EvictHost):
+                return int(cache.evict_host(op.n, **extra))
+            if isinstance(op, LoadBack):
+                return int(cache.load_back(self._node(op.handle, side, self.host_handles)))
+            if isinstance(op, Complete):
+                return cache.complete(self._copy(op.copy, side))
+            if isinstance(op, Poll):
+                return int(cache.poll())
             raise TypeError(f"not an op: {op!r}")
         except KVCertError as err:
             return err
 
     def step(self, op: Op) -> Outcome:
-        """Apply `op` to backend and oracle; raise ConformanceFailure on any broken rule."""
+        """Apply `op` to the backend, then to the oracle steered to the backend's legal choices; check."""
         index = len(self.ops)
         self.ops.append(op)
         self.clock += 1
         self.backend.set_clock(self.clock)
         self.oracle.set_clock(self.clock)
         before = self.backend.snapshot()
-        violations: list[Violation] = []
-        if isinstance(op, Evict):
-            got, want = self._evict(op, before, violations)
-        else:
-            want = self._run(self.oracle, op, 1)
-            try:
-                got = self._run(self.backend, op, 0)
-            except Exception as err:  # a crash is a finding, not a harness error
-                raise ConformanceFailure(
-                    index, op, [Violation("INV-ERR-3", f"raised untyped {type(err).__name__}: {err}")]
-                ) from err
+        try:
+            got = self._run(self.backend, op, 0)
+        except Exception as err:  # a crash is a finding, not a harness error
+            raise ConformanceFailure(
+                index, op, [Violation("INV-ERR-3", f"raised untyped {type(err).__name__}: {err}")]
+            ) from err
         after = self.backend.snapshot()
+        violations: list[Violation] = []
+        choose = self._witness(op, before, after, got, violations)
+        self.oracle.steer = self._follow(before, after)
+        try:
+            want = self._run(self.oracle, op, 1, choose)
+        finally:
+            self.oracle.steer = None
         self._compare(op, before, after, got, want, violations)
         if (
             isinstance(op, HANDLE_PRODUCERS)
@@ -117,55 +155,89 @@ class Harness:
             and isinstance(want, (MatchOut, InsertOut))
         ):
             self.handles[index] = (got.node, want.node)
+        if (
+            isinstance(op, Match)
+            and isinstance(got, MatchOut)
+            and isinstance(want, MatchOut)
+            and self.config.host_capacity
+        ):
+            self.host_handles[index] = (
+                UNKNOWN_NODE if got.host_node is None else got.host_node,
+                UNKNOWN_NODE if want.host_node is None else want.host_node,
+            )
+        self._track_copies(before, after, violations)
         if self.trace_hook is not None:
             self.trace_hook(index, op, got)
         self.check(index, op, after, violations)
         return got
 
-    def _evict(self, op: Evict, before: Snapshot, violations: list[Violation]) -> tuple[Outcome, Outcome]:
-        """Evict on the backend first, check its choice is legal, then make the oracle choose the same."""
-        try:
-            got: Outcome = self.backend.evict(op.n)
-        except KVCertError as err:
-            got = err
-        except Exception as err:
-            raise ConformanceFailure(
-                len(self.ops) - 1, op, [Violation("INV-ERR-3", f"raised untyped {type(err).__name__}: {err}")]
-            ) from err
-        if isinstance(got, KVCertError):
-            try:
-                return got, self.oracle.evict(op.n)
-            except KVCertError as err:
-                return got, err
-        after = self.backend.snapshot()
+    def _oracle_path(self, node_id: int) -> contracts.Path:
+        node = self.oracle.nodes[node_id]
+        parts, ns = [], node.namespace
+        cur: Optional[Any] = node
+        while cur is not None and cur is not self.oracle.root:
+            parts.append(cur.key)
+            cur = cur.parent
+        return ns, tuple(t for part in reversed(parts) for t in part)
+
+    def _follow(self, before: Snapshot, after: Snapshot) -> Chooser:
+        """A tie-break for the oracle's internal evictions: prefer what the backend evicted."""
+        gone = (set(contracts.device_paths(before).values()) - set(contracts.device_paths(after).values())) | (
+            set(contracts.node_paths(before).values()) - set(contracts.node_paths(after).values())
+        )
+        return lambda tied: next((i for i in sorted(tied) if self._oracle_path(i) in gone), min(tied))
+
+    def _witness(
+        self, op: Op, before: Snapshot, after: Snapshot, got: Outcome, out: list[Violation]
+    ) -> Optional[Chooser]:
+        """For Evict / EvictHost: check the backend's victims are a legal greedy choice; steer the oracle to them."""
+        if not isinstance(op, (Evict, EvictHost)) or not isinstance(got, int):
+            return None
         asked = op.n if isinstance(op.n, int) else 0
-        violations += [Violation(i, m) for i, m in contracts.eviction_bounds(before, after, asked, int(got or 0))]
+        host = isinstance(op, EvictHost)
+        if host:
+            out += [Violation(i, m) for i, m in contracts.host_eviction_bounds(before, after, got)]
+            paths_of = contracts.node_paths
+            keep = lambda n: n.slots is None  # noqa: E731  host eviction sees host-only nodes
+            locked = lambda n: n.host_lock_ref > 0  # noqa: E731
+        else:
+            out += [Violation(i, m) for i, m in contracts.eviction_bounds(before, after, asked, got)]
+            paths_of = contracts.device_paths
+            keep = lambda n: n.slots is not None  # noqa: E731  device eviction sees the device tree
+            locked = lambda n: n.lock_ref > 0  # noqa: E731
+        gone = set(paths_of(before).values()) - set(paths_of(after).values())
         oracle_snap = self.oracle.snapshot()
-        paths = contracts.device_paths(oracle_snap)
-        gone_paths = set(contracts.device_paths(before).values()) - set(contracts.device_paths(after).values())
-        removed = frozenset(i for i, p in paths.items() if p in gone_paths)
-        view = {  # eviction sees the device tree: nodes on the host only neither compete nor block
+        removed = frozenset(i for i, p in paths_of(oracle_snap).items() if p in gone)
+        view = {
             n.id: contracts.EvictNode(
-                id=n.id,
-                parent=n.parent.id if n.parent else None,
-                size=len(n.key),
-                locked=n.lock_ref > 0,
-                rank=self.oracle.rank(n),
+                n.id, n.parent.id if n.parent else None, len(n.key), locked(n), self.oracle.rank(n)
             )
             for n in self.oracle.nodes.values()
-            if n.slots is not None
+            if keep(n) or n is self.oracle.root
         }
         witness = contracts.eviction_witness(view, oracle_snap.root, asked, removed)
         if witness is None:
-            violations.append(
+            inv = "INV-HOST-9" if host else "INV-EVICT-4"
+            out.append(
+                Violation(inv, f"no {self.config.policy} eviction order removes exactly {sorted(p[1] for p in gone)}")
+            )
+            return None
+        order = iter(witness)
+        return lambda tied: next(order)
+
+    def _track_copies(self, before: Snapshot, after: Snapshot, out: list[Violation]) -> None:
+        """Number the copies this op issued, in issue order, on both sides (INV-COPY-1)."""
+        mine = [c for c in after.pending if c.id not in {b.id for b in before.pending}]
+        theirs = [c for c in self.oracle.copies if c.id not in self._oracle_copy_ids]
+        if [c.kind for c in mine] != [c.kind for c in theirs]:
+            out.append(
                 Violation(
-                    "INV-EVICT-4",
-                    f"no {self.config.policy} eviction order removes exactly {sorted(p[1] for p in gone_paths)}",
+                    "INV-COPY-1", f"issued {[c.kind for c in mine]} copies, the spec issues {[c.kind for c in theirs]}"
                 )
             )
-            return got, self.oracle.evict(op.n)
-        order = iter(witness)
-        return got, self.oracle.evict(op.n, choose=lambda tied: next(order))
+        for b, o in zip(mine, theirs):
+            self.copies.append((b.id, o.id))
+            self._oracle_copy_ids.add(o.id)
 
     # ------------------------------------------------------------------ checking
 
@@ -190,6 +262,14 @@ class Harness:
             self._check_insert(op, before, after, got, out)
         if isinstance(op, Evict) and got != want:
             out.append(Violation("INV-EVICT-5", f"freed {got}, the oracle (same victims) freed {want}"))
+        if isinstance(op, EvictHost) and got != want:
+            out.append(Violation("INV-HOST-8", f"freed {got} host tokens, the oracle (same victims) freed {want}"))
+        if isinstance(op, LoadBack) and got != want:
+            out.append(Violation("INV-LOAD-1", f"loaded back {got} tokens, the spec loads {want}"))
+        if isinstance(op, Poll) and got != want:
+            out.append(
+                Violation("INV-COPY-2", f"consumed {got} acks, the spec consumes {want} (finished, in issue order)")
+            )
 
     def _check_handle(self, after: Snapshot, node: int, namespace: Any, tokens: tuple, out: list[Violation]) -> None:
         ids = after.by_id()
@@ -211,6 +291,12 @@ class Harness:
         if tuple(got.slots) != slots:
             out.append(Violation("INV-MATCH-2", f"returned slots {tuple(got.slots)[:8]}, the tree holds {slots[:8]}"))
         self._check_handle(after, got.node, op.namespace, tuple(op.tokens[: got.length]), out)
+        if self.config.host_capacity:
+            expect_host = contracts.host_hit_len(before, op.namespace, op.tokens, got.length)
+            if got.host_length != expect_host:
+                out.append(
+                    Violation("INV-MATCH-3", f"host hit {got.host_length} tokens, {expect_host} are on the host only")
+                )
 
     def _check_insert(
         self, op: Insert, before: Snapshot, after: Snapshot, got: InsertOut, out: list[Violation]
@@ -229,22 +315,28 @@ class Harness:
         violations = found + check_snapshot(snap)
         if not any(v.inv == "INV-TREE-1" for v in violations):
             mine, oracle = contracts.shape(snap), contracts.shape(self.oracle.snapshot())
-            if {p: s for p, (s, _) in mine.items()} != {p: s for p, (s, _) in oracle.items()}:
+            if {p: v.size for p, v in mine.items()} != {p: v.size for p, v in oracle.items()}:
                 extra_paths = sorted(set(mine) - set(oracle), key=_order)[:2]
                 missing = sorted(set(oracle) - set(mine), key=_order)[:2]
                 violations.append(
                     Violation("INV-TREE-4", f"tree differs from the spec's: extra {extra_paths}, missing {missing}")
                 )
             else:
-                for p, (_, lock) in sorted(mine.items(), key=lambda item: _order(item[0])):
-                    if lock != oracle[p][1]:
+                for p in sorted(mine, key=_order):
+                    inv = contracts.shape_difference(mine[p], oracle[p])
+                    if inv is not None:
                         violations.append(
-                            Violation(
-                                "INV-LOCK-2",
-                                f"node at {p[1][-4:]}@{len(p[1])} lock_ref {lock}, spec says {oracle[p][1]}",
-                            )
+                            Violation(inv, f"node at {p[1][-4:]}@{len(p[1])} is {mine[p]}, spec says {oracle[p]}")
                         )
                         break
+            theirs = [(c.kind, c.finished) for c in self.oracle.copies]
+            if [(c.kind, c.finished) for c in snap.pending] != theirs:
+                violations.append(
+                    Violation(
+                        "INV-COPY-1",
+                        f"pending copies {[(c.kind, c.finished) for c in snap.pending]}, spec says {theirs}",
+                    )
+                )
         if violations:
             raise ConformanceFailure(index, op, violations)
 
@@ -267,21 +359,54 @@ class Harness:
                 out.append(k)
         return out
 
+    def open_copies(self) -> list[int]:
+        """Trace indices of copies the copy engine has not finished yet."""
+        unfinished = {c.id for c in self.oracle.copies if not c.finished}
+        return [k for k, (_, o) in enumerate(self.copies) if o in unfinished]
+
+    def finished_copies(self) -> list[int]:
+        """Trace indices of copies already finished (completing one again is bad input)."""
+        pending_open = set(self.open_copies())
+        return [k for k in range(len(self.copies)) if k not in pending_open]
+
+    def host_hits(self) -> list[int]:
+        """Match ops whose host node is still in the tree and on the host only: load-back candidates."""
+        return [
+            k
+            for k, (_, o) in self.host_handles.items()
+            if o in self.oracle.nodes and self.oracle.nodes[o].slots is None
+        ]
+
     def quiesce(self) -> None:
-        """Release every lock, then evict everything: the tree must empty and every slot come back."""
+        """Finish every copy, consume every ack, release every lock, evict both tiers: all must come back."""
+        for k, (_, oracle_id) in enumerate(self.copies):
+            if any(c.id == oracle_id and not c.finished for c in self.oracle.copies):
+                self.step(Complete(k))
+        if self.oracle.copies:
+            self.step(Poll())
         for k in self.locked_handles():
             for _ in range(self.oracle.nodes[self.handles[k][1]].own_locks):
                 self.step(Unlock(k))
         self.step(Evict(self.config.capacity))
+        if self.config.host_capacity:
+            self.step(EvictHost(self.config.host_capacity))
         snap = self.backend.snapshot()
-        if len(snap.nodes) != 1 or len(snap.free_slots) != snap.capacity:
+        left = {
+            "nodes": len(snap.nodes) - 1,
+            "device slots": snap.capacity - len(snap.free_slots),
+            "host slots": snap.host_capacity - len(snap.host_free_slots),
+            "pending copies": len(snap.pending),
+        }
+        if any(left.values()):
             raise ConformanceFailure(
                 len(self.ops) - 1,
                 self.ops[-1],
                 [
                     Violation(
                         "INV-LIVE-1",
-                        f"idle and fully evicted, yet {len(snap.nodes) - 1} nodes and {snap.capacity - len(snap.free_slots)} slots remain",
+                        "idle and fully evicted, yet "
+                        + ", ".join(f"{v} {k}" for k, v in left.items() if v)
+                        + " remain",
                     )
                 ],
             )
@@ -297,6 +422,8 @@ def _same_state(a: Snapshot, b: Snapshot) -> bool:
         contracts.shape(a) == contracts.shape(b)
         and contracts.page_slots(a) == contracts.page_slots(b)
         and set(a.free_slots) == set(b.free_slots)
+        and set(a.host_free_slots) == set(b.host_free_slots)
+        and [(c.kind, c.finished) for c in a.pending] == [(c.kind, c.finished) for c in b.pending]
         and (a.evictable_size, a.protected_size) == (b.evictable_size, b.protected_size)
     )
 

@@ -19,7 +19,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition,
 
 from kvcert.conformance.backend import Factory
 from kvcert.conformance.driver import Harness
-from kvcert.spec.ops import Evict, Insert, Lock, Match, Op, Unlock
+from kvcert.spec.ops import Complete, Evict, EvictHost, Insert, LoadBack, Lock, Match, Op, Poll, Unlock
 from kvcert.spec.types import CacheConfig, Capabilities
 
 NAMESPACES: tuple[Optional[str], ...] = (None, "lora-a")
@@ -143,16 +143,53 @@ class CacheMachine(RuleBasedStateMachine):
         high = 2 * self.config.page_size if small else self.config.capacity
         self.do(Evict(data.draw(st.integers(1 if small else 0, high), label="tokens")))
 
+    # ----------------------------------------------------------------- host tier (SPEC.md §9)
+
+    def host(self) -> bool:
+        return self.config.host_capacity > 0
+
+    @precondition(lambda self: self.host() and bool(self.h.open_copies()))
+    @rule(data=st.data(), oldest=st.booleans())
+    def complete(self, data: st.DataObject, oldest: bool) -> None:
+        """Finish a copy: the oldest one, or any, so acks also finish out of order."""
+        open_copies = self.h.open_copies()
+        self.do(Complete(open_copies[0] if oldest else data.draw(st.sampled_from(open_copies), label="copy")))
+
+    @precondition(lambda self: self.host())
+    @rule(data=st.data())
+    def poll(self, data: st.DataObject) -> None:
+        self.do(Poll())
+
+    @precondition(lambda self: self.host())
+    @rule(data=st.data(), small=st.booleans())
+    def evict_host(self, data: st.DataObject, small: bool) -> None:
+        high = 2 * self.config.page_size if small else self.config.host_capacity
+        self.do(EvictHost(data.draw(st.integers(1 if small else 0, high), label="host tokens")))
+
+    @precondition(lambda self: self.host() and bool(self.h.host_hits()))
+    @rule(data=st.data())
+    def load_back(self, data: st.DataObject) -> None:
+        self.do(LoadBack(data.draw(st.sampled_from(self.h.host_hits()), label="match")))
+
     # ----------------------------------------------------------------- bad input (strict backends)
 
     def strict(self) -> bool:
         return self.bad_input
 
     @precondition(lambda self: self.strict())
-    @rule(data=st.data(), kind=st.sampled_from(["insert", "match", "handle", "evict"]))
+    @rule(data=st.data(), kind=st.sampled_from(["insert", "match", "handle", "evict", "host"]))
     def malformed(self, data: st.DataObject, kind: str) -> None:
         """One rule for every kind of bad input, so valid traffic keeps most of the steps."""
         ps = self.config.page_size
+        if kind == "host" and self.host():
+            bad = data.draw(st.sampled_from(["copy", "evict_host", "load_back"]), label="host defect")
+            if bad == "copy":
+                self.do(Complete(data.draw(st.sampled_from([10_000, -1, *self.h.finished_copies()]), label="copy")))
+            elif bad == "evict_host":
+                self.do(EvictHost(data.draw(st.sampled_from([-1, 2.5]), label="bad count")))
+            else:
+                self.do(LoadBack(10_000))
+            return
         if kind == "insert":
             tokens = tokens_of(data.draw(st.lists(st.integers(0, 3), min_size=1, max_size=3), label="pages"), ps)
             defect = data.draw(st.sampled_from(["unaligned", "mismatch", "token"]), label="defect")
@@ -173,7 +210,7 @@ class CacheMachine(RuleBasedStateMachine):
             k = data.draw(st.sampled_from([10_000, *stale, *unlocked]), label="handle")
             lock = k in stale and data.draw(st.booleans(), label="lock?")
             self.do(Lock(k) if lock else Unlock(k))
-        else:
+        else:  # "evict", and "host" on a device-only cache
             self.do(Evict(data.draw(st.sampled_from([-1, -8, 1.5, "4"]), label="bad count")))
 
     def teardown(self) -> None:

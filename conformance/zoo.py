@@ -16,7 +16,7 @@ from typing import Optional
 
 import kvcert.refimpl.cache as refcache
 from kvcert.conformance.backend import Factory
-from kvcert.conformance.certify import Certificate, certify
+from kvcert.conformance.certify import Certificate, cells_for, certify, run_cell
 from kvcert.spec.types import CacheConfig
 
 
@@ -28,6 +28,8 @@ class Mutant:
     edits: tuple[tuple[str, str], ...]
     page_sizes: tuple[int, ...] = (1, 4)
     policies: tuple[str, ...] = ("lru",)
+    write_policies: tuple[str, ...] = ()
+    """Host-tier cells to run; () runs the device-only cells."""
 
 
 MUTANTS: tuple[Mutant, ...] = (
@@ -188,6 +190,88 @@ MUTANTS: tuple[Mutant, ...] = (
         page_sizes=(1,),
         policies=("lfu",),
     ),
+    # ------------------------------------------------------------------ host tier (SPEC.md §9)
+    Mutant(
+        "demote_without_backup",
+        "eviction demotes a node that has no host copy: its KV is on neither tier (silent loss)",
+        (("            if victim.host_slots is not None:\n", "            if True:\n"),),
+        page_sizes=(1,),
+        write_policies=("write_through_selective",),
+    ),
+    Mutant(
+        "selective_ignores_threshold",
+        "write_through_selective backs up on the first hit, like write_through",
+        (("            and node.hit_count >= threshold\n", "            and node.hit_count >= 1\n"),),
+        page_sizes=(1,),
+        write_policies=("write_through_selective",),
+    ),
+    Mutant(
+        "write_ack_keeps_lock",
+        "a consumed write ack never releases its node: protected size grows forever",
+        (("                self._lock_path(copy.anchor, -1)\n", "                pass\n"),),
+        page_sizes=(1,),
+        write_policies=("write_through",),
+    ),
+    Mutant(
+        "acks_out_of_order",
+        "acks consumed past an unfinished one: a later copy is published before an earlier one",
+        (
+            (
+                "                if not copy.finished:\n                    break\n",
+                "                if not copy.finished:\n                    continue\n",
+            ),
+        ),
+        page_sizes=(1,),
+        write_policies=("write_through",),
+    ),
+    Mutant(
+        "host_evicts_device_nodes",
+        "host eviction also takes backed-up leaves still on the device: their device KV is orphaned",
+        (
+            (
+                "if n is not self.root and n.slots is None and not n.children and n.host_lock_ref == 0",
+                "if n is not self.root and not n.children and n.host_lock_ref == 0",
+            ),
+        ),
+        page_sizes=(1,),
+        write_policies=("write_through",),
+    ),
+    Mutant(
+        "split_drops_prefix_backup",
+        "a split keeps the host copy of the suffix only: the prefix's host pages leak",
+        (
+            (
+                "        head_host, child_host = _cut(child.host_slots, at)\n",
+                "        head_host, child_host = None, _cut(child.host_slots, at)[1]\n",
+            ),
+        ),
+        page_sizes=(1,),
+        write_policies=("write_through",),
+    ),
+    Mutant(
+        "restore_frees_host_keeps_flag",
+        "restoring an evicted node frees its host pages but the node still claims them (seed 003)",
+        (
+            (
+                "                self.pool.adopt(node.slots)\n",
+                "                self.pool.adopt(node.slots)\n                self.host.release(node.host_slots or ())  # type: ignore[union-attr]\n",
+            ),
+        ),
+        page_sizes=(1,),
+        write_policies=("write_through",),
+    ),
+    Mutant(
+        "load_without_host_lock",
+        "load-back leaves the host copy unprotected until the ack",
+        (
+            (
+                '        self._lock_path(node, +1)\n        self.copies.append(Copy(self._next_copy, "load"',
+                '        self._host_lock_path(node, -1)\n        self._lock_path(node, +1)\n        self.copies.append(Copy(self._next_copy, "load"',
+            ),
+        ),
+        page_sizes=(1,),
+        write_policies=("write_through",),
+    ),
 )
 
 
@@ -225,22 +309,35 @@ def run_mutant(mutant: Mutant, *, examples: int, steps: int, seed: int, out_dir:
         policies=mutant.policies,
         out_dir=out_dir or Path("kvcert-failures/zoo"),
         fail_fast=True,
+        write_policies=mutant.write_policies,
+        device_cells=not mutant.write_policies,
     )
 
 
 def run_control(*, examples: int, steps: int, seed: int, out_dir: Optional[Path] = None) -> Certificate:
-    """The unmodified model over the union of the mutants' cells: it must pass."""
-    page_sizes = sorted({p for m in MUTANTS for p in m.page_sizes})
-    policies = sorted({p for m in MUTANTS for p in m.policies})
-    return certify(
-        "kvcert.refimpl:factory",
-        examples=examples,
-        steps=steps,
-        seed=seed,
-        page_sizes=page_sizes,
-        policies=policies,
-        out_dir=out_dir or Path("kvcert-failures/zoo"),
-    )
+    """The unmodified model on every cell some mutant runs: it must pass them all."""
+    caps = refcache.RefCache.capabilities
+    configs: list[CacheConfig] = []
+    for m in MUTANTS:
+        cells, _ = cells_for(
+            caps, m.page_sizes, m.policies, write_policies=m.write_policies, device_cells=not m.write_policies
+        )
+        configs += [c for c in cells if c not in configs]
+    cert = Certificate("kvcert.refimpl:factory", caps.name, seed, examples, steps, caps.strict_input)
+    for config in configs:
+        cert.cells.append(
+            run_cell(
+                refcache.factory,
+                caps,
+                config,
+                examples=examples,
+                steps=steps,
+                seed=seed,
+                target="kvcert.refimpl:factory",
+                out_dir=out_dir or Path("kvcert-failures/zoo"),
+            )
+        )
+    return cert
 
 
 def __getattr__(name: str) -> Factory:

@@ -181,8 +181,8 @@ class RefCache:
         self.copies: list[Copy] = []
         """Issued copies whose ack has not been consumed, in issue order."""
         self._next_copy = 0
-        self.choose_host: Optional[Chooser] = None
-        """Tie-break for host evictions made inside other operations (the harness may steer it)."""
+        self.steer: Optional[Chooser] = None
+        """Tie-break for evictions made inside other operations (write-backup, load-back); the harness steers it."""
 
     # ------------------------------------------------------------------ helpers
 
@@ -449,7 +449,7 @@ class RefCache:
         assert self.host is not None
         need = len(node.key) - len(self.host.free_list)
         if need > 0:
-            self.evict_host(need, choose=self.choose_host)
+            self.evict_host(need, choose=self.steer)
         if len(self.host.free_list) < len(node.key):
             return False
         node.host_slots = self.host.alloc(len(node.key))
@@ -500,7 +500,7 @@ class RefCache:
         self._host_lock_path(node, +1)  # the host copy must survive eviction made for room
         self._lock_path(anchor, +1)  # and so must the device path it hangs from
         if len(self.pool.free_list) < size:
-            self.evict(size - len(self.pool.free_list))
+            self.evict(size - len(self.pool.free_list), choose=self.steer)
         self._lock_path(anchor, -1)
         if len(self.pool.free_list) < size:
             self._host_lock_path(node, -1)

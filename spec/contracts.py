@@ -32,10 +32,36 @@ def node_paths(s: Snapshot) -> dict[int, Path]:
     return out
 
 
-def shape(s: Snapshot) -> dict[Path, tuple[int, int]]:
-    """The backend-independent tree: end path -> (edge length, lock_ref)."""
+@dataclass(frozen=True)
+class NodeShape:
+    """What the spec fixes about one node, whoever implements it."""
+
+    size: int
+    lock_ref: int
+    on_device: bool
+    backed_up: bool
+    host_lock_ref: int
+
+
+def shape(s: Snapshot) -> dict[Path, NodeShape]:
+    """The backend-independent tree: end path -> edge length, locks and residency."""
     nodes = s.by_id()
-    return {p: (len(nodes[i].key), nodes[i].lock_ref) for i, p in node_paths(s).items()}
+    return {
+        p: NodeShape(len(n.key), n.lock_ref, n.slots is not None, n.host_slots is not None, n.host_lock_ref)
+        for i, p in node_paths(s).items()
+        for n in (nodes[i],)
+    }
+
+
+def shape_difference(mine: NodeShape, spec: NodeShape) -> Optional[str]:
+    """The invariant a node breaks when its shape differs from the spec's (same size assumed)."""
+    if mine.lock_ref != spec.lock_ref:
+        return "INV-LOCK-2"
+    if (mine.on_device, mine.backed_up) != (spec.on_device, spec.backed_up):
+        return "INV-HOST-10"
+    if mine.host_lock_ref != spec.host_lock_ref:
+        return "INV-HOST-11"
+    return None
 
 
 def page_slots(s: Snapshot) -> dict[Path, tuple[int, ...]]:
@@ -65,6 +91,23 @@ def cached_prefix_len(s: Snapshot, namespace: Namespace, tokens: Sequence[int]) 
     while n + ps <= len(toks) and (namespace, toks[: n + ps]) in cached:
         n += ps
     return n
+
+
+def host_hit_len(s: Snapshot, namespace: Namespace, tokens: Sequence[int], device_len: int) -> int:
+    """Tokens past the device match that sit on the host only, page by page (INV-MATCH-3)."""
+    ps = s.page_size
+    nodes = s.by_id()
+    host_pages: set[Path] = set()
+    for nid, (ns, path) in node_paths(s).items():
+        node = nodes[nid]
+        if node.slots is None and node.host_slots is not None:
+            start = len(path) - len(node.key)
+            host_pages.update((ns, path[: start + i + ps]) for i in range(0, len(node.key), ps))
+    toks = tuple(tokens)
+    n = device_len
+    while n + ps <= len(toks) and (namespace, toks[: n + ps]) in host_pages:
+        n += ps
+    return n - device_len
 
 
 def prefix_slots(s: Snapshot, namespace: Namespace, tokens: Sequence[int], length: int) -> tuple[int, ...]:
@@ -132,6 +175,29 @@ def eviction_witness(nodes: Mapping[int, EvictNode], root: int, asked: int, remo
     if not removed <= set(nodes) - {root}:
         return None
     return search(frozenset(), 0)
+
+
+def host_eviction_bounds(before: Snapshot, after: Snapshot, reported: int) -> list[tuple[str, str]]:
+    """INV-HOST-8: host eviction removes only unprotected host-only nodes, leaves first, and counts them."""
+    out: list[tuple[str, str]] = []
+    paths_b, paths_a = node_paths(before), node_paths(after)
+    kept = set(paths_a.values())
+    nodes = before.by_id()
+    gone = {i for i, p in paths_b.items() if p not in kept}
+    for i in sorted(gone):
+        n = nodes[i]
+        if n.slots is not None or n.host_lock_ref > 0:
+            out.append(("INV-HOST-8", f"node {i} (on device {n.slots is not None}, host_lock_ref {n.host_lock_ref}) was host-evicted"))
+    kids = before.children()
+    for i in gone:
+        alive = [c for c in kids.get(i, []) if c not in gone]
+        if alive:
+            out.append(("INV-HOST-8", f"node {i} host-evicted while its child {alive[0]} stays"))
+    freed = sum(len(nodes[i].key) for i in gone)
+    grew = len(after.host_free_slots) - len(before.host_free_slots)
+    if not reported == freed == grew:
+        out.append(("INV-HOST-8", f"reported {reported}, host lost {freed}, host free list grew {grew}"))
+    return out
 
 
 def device_paths(s: Snapshot) -> dict[int, Path]:

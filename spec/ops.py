@@ -61,8 +61,34 @@ class Evict:
     n: Any
 
 
-Op = Union[Insert, Match, Lock, Unlock, Evict]
-OP_TYPES: dict[str, type] = {t.__name__: t for t in (Insert, Match, Lock, Unlock, Evict)}
+@dataclass(frozen=True)
+class EvictHost:
+    """Ask the cache to free at least `n` host tokens of host-only, unprotected KV."""
+
+    n: Any
+
+
+@dataclass(frozen=True)
+class LoadBack:
+    """Load back the host hit of the Match at op `handle` (its `host_node`)."""
+
+    handle: int
+
+
+@dataclass(frozen=True)
+class Complete:
+    """The copy engine finishes copy `copy`: the copy-th one issued in this trace (from 0)."""
+
+    copy: int
+
+
+@dataclass(frozen=True)
+class Poll:
+    """One scheduler tick of ack handling (SGLang's writing_check + loading_check)."""
+
+
+Op = Union[Insert, Match, Lock, Unlock, Evict, EvictHost, LoadBack, Complete, Poll]
+OP_TYPES: dict[str, type] = {t.__name__: t for t in (Insert, Match, Lock, Unlock, Evict, EvictHost, LoadBack, Complete, Poll)}
 HANDLE_PRODUCERS = (Insert, Match)
 
 

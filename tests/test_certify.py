@@ -22,9 +22,9 @@ MUTANT = next(m for m in zoo.MUTANTS if m.name == "evict_locked")
 def test_refimpl_certifies_on_every_declared_cell_it_is_asked_for(tmp_path: Path) -> None:
     cert = certify("kvcert.refimpl:factory", examples=15, steps=25, seed=3, page_sizes=[1, 4], out_dir=tmp_path)
     assert cert.passed
-    assert {(c.page_size, c.policy) for c in cert.cells} == {
-        (p, pol) for p in (1, 4) for pol in RefCache.capabilities.policies
-    }
+    device = {(p, pol, "") for p in (1, 4) for pol in RefCache.capabilities.policies}
+    host = {(p, "lru", wp) for p in (1, 4) for wp in RefCache.capabilities.write_policies}
+    assert {(c.page_size, c.policy, c.write_policy) for c in cert.cells} == device | host
     assert all(c.steps > 0 for c in cert.cells)
     assert not list(tmp_path.iterdir()), "a passing run saves no counterexample"
 
