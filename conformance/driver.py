@@ -195,16 +195,20 @@ class Harness:
             return None
         asked = op.n if isinstance(op.n, int) else 0
         host = isinstance(op, EvictHost)
-        if host:
-            out += [Violation(i, m) for i, m in contracts.host_eviction_bounds(before, after, got)]
+        if host:  # host eviction sees the host-only nodes and their host locks
+            bounds = contracts.host_eviction_bounds(before, after, got)
             paths_of = contracts.node_paths
-            keep = lambda n: n.slots is None  # noqa: E731  host eviction sees host-only nodes
-            locked = lambda n: n.host_lock_ref > 0  # noqa: E731
-        else:
-            out += [Violation(i, m) for i, m in contracts.eviction_bounds(before, after, asked, got)]
+        else:  # device eviction sees the device tree and its locks
+            bounds = contracts.eviction_bounds(before, after, asked, got)
             paths_of = contracts.device_paths
-            keep = lambda n: n.slots is not None  # noqa: E731  device eviction sees the device tree
-            locked = lambda n: n.lock_ref > 0  # noqa: E731
+        out += [Violation(i, m) for i, m in bounds]
+
+        def competes(n: Any) -> bool:
+            return n is self.oracle.root or (n.slots is None) == host
+
+        def locked(n: Any) -> bool:
+            return (n.host_lock_ref if host else n.lock_ref) > 0
+
         gone = set(paths_of(before).values()) - set(paths_of(after).values())
         oracle_snap = self.oracle.snapshot()
         removed = frozenset(i for i, p in paths_of(oracle_snap).items() if p in gone)
@@ -213,7 +217,7 @@ class Harness:
                 n.id, n.parent.id if n.parent else None, len(n.key), locked(n), self.oracle.rank(n)
             )
             for n in self.oracle.nodes.values()
-            if keep(n) or n is self.oracle.root
+            if competes(n)
         }
         witness = contracts.eviction_witness(view, oracle_snap.root, asked, removed)
         if witness is None:

@@ -151,13 +151,18 @@ class CacheMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.host() and bool(self.h.open_copies()))
     @rule(data=st.data(), oldest=st.booleans())
     def complete(self, data: st.DataObject, oldest: bool) -> None:
-        """Finish a copy: the oldest one, or any, so acks also finish out of order."""
+        """Finish a copy: the oldest one, or a later one, so acks also finish out of order."""
         open_copies = self.h.open_copies()
-        self.do(Complete(open_copies[0] if oldest else data.draw(st.sampled_from(open_copies), label="copy")))
+        later = open_copies[1:] or open_copies
+        self.do(Complete(open_copies[0] if oldest else data.draw(st.sampled_from(later), label="copy")))
 
     @precondition(lambda self: self.host())
-    @rule(data=st.data())
-    def poll(self, data: st.DataObject) -> None:
+    @rule(data=st.data(), settle=st.booleans())
+    def poll(self, data: st.DataObject, settle: bool) -> None:
+        """One tick of ack handling; `settle` first finishes every open copy, oldest first."""
+        if settle:
+            for k in self.h.open_copies():
+                self.do(Complete(k))
         self.do(Poll())
 
     @precondition(lambda self: self.host())

@@ -241,6 +241,8 @@ class HiCacheConfig:
     """Submit queued writes after insert and queued loads after init_load_back, as the scheduler does."""
     storage_dir: Optional[str] = None
     """Attach the L3 `file` backend at this directory (starts SGLang's storage threads)."""
+    host_tier: bool = True
+    """False: a device-only UnifiedRadixCache (``init_hicache`` is not called; no host pool, no copies)."""
 
 
 class Match(NamedTuple):
@@ -301,7 +303,7 @@ class SGLangHiCache:
             model_path="dummy",
             device="cpu",
             page_size=config.page_size,
-            enable_hierarchical_cache=True,
+            enable_hierarchical_cache=config.host_tier,
             hicache_ratio=config.host_ratio,
             hicache_io_backend="direct",
             hicache_mem_layout=config.layout,
@@ -350,7 +352,11 @@ class SGLangHiCache:
                 # the storage threads read it too.
                 runtime_context.get_parallel().override_permanently(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1)
             self.cache = UnifiedRadixCache(self.params)
-            self.cache.init_hicache(self.args, self.params)
+            if config.host_tier:
+                self.cache.init_hicache(self.args, self.params)
+        self.is_rust = type(self.cache.tree_core).__name__.startswith("Rust")
+        if not config.host_tier:
+            return
         # init_hicache registers cache.shutdown with atexit (unified_radix_cache.py:577), which pins every
         # cache (and its host pool) for the life of the process; the driver owns shutdown instead.
         atexit.unregister(self.cache.shutdown)
@@ -358,7 +364,6 @@ class SGLangHiCache:
         self.host_pool = self.cc.mem_pool_host
         self.cc.ack_write_queue = _AckQueue(self, "write")
         self.cc.ack_load_queue = _AckQueue(self, "load")
-        self.is_rust = type(self.cache.tree_core).__name__.startswith("Rust")
 
     # ------------------------------------------------------------------ plumbing
 
@@ -528,13 +533,16 @@ class SGLangHiCache:
         with self._in_sglang():
             return int(self.cache.evict_host(n))
 
-    def init_load_back(self, node_id: int, host_hit_len: int, mem_quota: Optional[int] = None) -> tuple[int, int]:
+    def init_load_back(
+        self, node_id: int, host_hit_len: int, mem_quota: Optional[int] = None, last_device: Optional[int] = None
+    ) -> tuple[int, int]:
         """Scheduler's load-back entry: returns (tokens loaded, new last device node).
 
-        `node_id` is the match's last_host_node (= best match); the request's `last_node` is the
-        device anchor of the most recent match_prefix, as the scheduler sets it.
+        `node_id` is the match's last_host_node (= best match); the request's `last_node` is
+        `last_device`, by default the device anchor of the most recent match_prefix, as the scheduler sets it.
         """
-        last_device = int(self.last_match.last_device_node) if hasattr(self, "last_match") else node_id
+        if last_device is None:
+            last_device = int(self.last_match.last_device_node) if hasattr(self, "last_match") else node_id
         params = _bpc.InitLoadBackParams(
             best_match_node=node_id, host_hit_length=host_hit_len, mem_quota=mem_quota, req=_Req(last_device)
         )

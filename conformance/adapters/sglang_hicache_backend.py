@@ -1,0 +1,276 @@
+"""SGLang's UnifiedRadixCache with HiCache (0.5.23) behind kvcert's HostTierBackend protocol.
+
+    kvcert certify kvcert.conformance.adapters.sglang_hicache_backend:factory
+
+A translation layer over the deterministic CPU driver in `sglang_hicache.py`
+(Python tree core, `layer_first` host layout, copies deferred until `complete`).
+No input checking (`strict_input=False`): the suite judges SGLang, not this file.
+
+Mapping (SPEC.md §9):
+
+* host pool: SGLang sizes it as ``(int(device_tokens * hicache_ratio) // P + 1) * P``
+  (`mem_cache/pool_host/base.py:224-228`), every slot usable; the adapter picks
+  ``hicache_ratio = (host_capacity - P + 0.5) / capacity`` so that this is exactly
+  ``config.host_capacity``. ``config.load_back_threshold`` is written to
+  ``cache.load_back_threshold`` (SGLang's default is 10, `URC:576`).
+* ``host_capacity == 0`` builds a device-only UnifiedRadixCache (no ``init_hicache``).
+* insert: the unified cache frees the duplicate prefix slots itself (`URC:1402-1405`),
+  whereas the harness, following RadixCache's contract, frees ``slots[:prefix_len]``
+  afterwards: after an insert every request slot is SGLang's (adopted or already freed), so
+  the caller's later free of them is a no-op. SGLang's ``prefix_len`` also counts the
+  host-only tokens it restored with the request's slots; the adapter reports the spec's
+  ``prefix_len`` (device duplicates) as SGLang's minus the request slots the tree adopted
+  inside it (see HICACHE_CALIBRATION.md, D1).
+* locks: the unified tree wants its lock receipt back; the adapter keeps a stack of
+  receipts per node id.
+* match_prefix: ``MatchOut(device_prefix_len, path slots, last_device_node,
+  host_hit_length, last_host_node)``.
+* load_back(node): ``init_load_back(best_match_node=node, host_hit_length=<host-only
+  tokens on node's path>, req.last_node=<its deepest device ancestor>)``, then the loads
+  are submitted (``ready_to_load_host_cache``) as the scheduler does.
+* copies: one pending copy per SGLang ack (a merged ``CacheOperation``), ids are the
+  driver's op ids in issue order; ``complete`` releases the held finish event,
+  ``poll`` runs ``check_hicache_events``.
+* time: SGLang stamps nodes from its own strictly increasing access counter (swapped
+  per driver); ``set_clock`` has nothing to set.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Optional
+
+import torch
+
+from kvcert.conformance.adapters._sglang_env import SGLANG_VERSION
+from kvcert.conformance.adapters.sglang_hicache import HiCacheConfig, SGLangHiCache
+from kvcert.spec.types import (
+    CacheConfig,
+    Capabilities,
+    InsertOut,
+    LockUnderflow,
+    MatchOut,
+    NodeView,
+    PendingCopy,
+    PoolExhausted,
+    Snapshot,
+    StaleHandle,
+    UnknownCopy,
+)
+
+__all__ = ["SGLangHiCacheBackend", "factory", "host_ratio_for"]
+
+
+def host_ratio_for(capacity: int, host_capacity: int, page_size: int) -> float:
+    """The hicache_ratio for which SGLang's host pool holds exactly `host_capacity` slots.
+
+    `pool_host/base.py:224-228`: size = (int(capacity * ratio) // P + 1) * P. With
+    ratio = (H - P + 0.5) / capacity, int(capacity * ratio) = H - P (the +0.5 absorbs
+    float rounding), so size = H.
+    """
+    if host_capacity < page_size or host_capacity % page_size:
+        raise ValueError(f"host_capacity {host_capacity} must be a positive multiple of page size {page_size}")
+    return (host_capacity - page_size + 0.5) / capacity
+
+
+class SGLangHiCacheBackend:
+    """One UnifiedRadixCache (+ HiCache when host_capacity > 0); node handles are SGLang NodeIds."""
+
+    def __init__(self, config: CacheConfig) -> None:
+        if config.capacity % config.page_size:
+            raise ValueError("capacity must be whole pages")
+        self.config = config
+        self.page_size = ps = config.page_size
+        self.host = config.host_capacity > 0
+        self.h = SGLangHiCache(
+            HiCacheConfig(
+                page_size=ps,
+                device_pages=config.capacity // ps,
+                host_ratio=host_ratio_for(config.capacity, config.host_capacity, ps) if self.host else 2.0,
+                write_policy=config.write_policy if self.host else "write_through",
+                core="python",
+                layout="layer_first",
+                eviction_policy=config.policy,
+                host_tier=self.host,
+            )
+        )
+        if self.host:
+            self.h.cache.load_back_threshold = config.load_back_threshold
+            pool = self.h.host_pool.anchor_entry.host_pool
+            assert pool.logical_size == config.host_capacity, (pool.logical_size, config.host_capacity)
+            self._host_pool = pool
+        self._receipts: dict[int, list[int]] = {}
+        """node id -> driver lock handles (receipts) taken on it, last first out."""
+        self._returned: set[int] = set()
+        """Request slots SGLang freed itself during an insert; the caller's free of them is a no-op."""
+
+    # ------------------------------------------------------------------ plumbing
+
+    def _tree(self) -> dict[int, dict[str, Any]]:
+        return self.h._snapshot_python()
+
+    def _device_free(self) -> set[int]:
+        ps = self.page_size
+        pages = self.h.allocator.get_all_free_pages().tolist()
+        return {int(p) * ps + i for p in pages for i in range(ps)}
+
+    def _live(self, node: int) -> dict[str, Any]:
+        tree = self._tree()
+        if not isinstance(node, int) or node not in tree:
+            raise StaleHandle(f"no node {node!r} in SGLang's tree")
+        return tree
+
+    # ------------------------------------------------------------------ Backend
+
+    def set_clock(self, now: int) -> None:
+        """SGLang stamps from its own strictly increasing counter; nothing to set."""
+
+    def alloc(self, n: int) -> tuple[int, ...]:
+        out = self.h.allocator.alloc(n)
+        if out is None:
+            raise PoolExhausted(f"SGLang allocator returned None for {n} slots")
+        slots = tuple(int(x) for x in out.tolist())
+        self._returned.difference_update(slots)
+        return slots
+
+    def free(self, slots: Sequence[int]) -> None:
+        mine = [int(s) for s in slots if s not in self._returned]
+        self._returned.difference_update(slots)
+        if mine:
+            self.h.allocator.free(torch.tensor(mine, dtype=torch.int64))
+
+    def match_prefix(self, namespace: Optional[str], tokens: Sequence[int]) -> MatchOut:
+        m = self.h.match_prefix(namespace, list(tokens))
+        slots = self.h.device_slots(m.last_device_node)[: m.device_len]
+        return MatchOut(
+            length=m.device_len,
+            slots=tuple(slots),
+            node=m.last_device_node,
+            host_length=m.host_hit_len,
+            host_node=m.last_host_node if self.host else None,
+        )
+
+    def insert(
+        self, namespace: Optional[str], tokens: Sequence[int], slots: Sequence[int], priority: int = 0
+    ) -> InsertOut:
+        matched, node = self.h.insert(namespace, list(tokens), list(slots))
+        # SGLang's prefix_len is every token the walk matched, host-only ones included: those it restores
+        # with the request's slots (`_unevict_node_on_insert`, UTC:1300-1308, `record_adopted_range`). The
+        # duplicates (the device part, spec's prefix_len) it frees itself (FreeDeviceKV, URC:1402-1405).
+        owned = {x for view in self._tree().values() for x in view["device"] or ()}
+        adopted = sum(1 for x in slots[:matched] if x in owned)
+        # Every request slot is SGLang's now (adopted, or freed by the insert): the caller's free is a no-op.
+        self._returned |= set(slots)
+        return InsertOut(prefix_len=matched - adopted, node=node)
+
+    def inc_lock_ref(self, node: int) -> None:
+        self._live(node)
+        self._receipts.setdefault(node, []).append(self.h.inc_lock_ref(node))
+
+    def dec_lock_ref(self, node: int) -> None:
+        stack = self._receipts.get(node)
+        if not stack:
+            raise LockUnderflow(f"node {node!r} holds no lock taken through this adapter")
+        self.h.dec_lock_ref(stack.pop())
+
+    def evict(self, n: int) -> int:
+        return self.h.evict(n)
+
+    # ------------------------------------------------------------------ HostTierBackend
+
+    def evict_host(self, n: int) -> int:
+        return self.h.evict_host(n) if self.host else 0
+
+    def load_back(self, node: int) -> int:
+        tree = self._live(node)
+        host_len, cur = 0, node
+        while tree[cur]["parent"] is not None and tree[cur]["device"] is None:
+            host_len += len(tree[cur]["key"])
+            cur = tree[cur]["parent"]
+        loaded, _ = self.h.init_load_back(node, host_len, last_device=cur)
+        return loaded
+
+    def complete(self, copy: int) -> None:
+        op = self.h.ops.get(copy) if isinstance(copy, int) else None
+        if op is None or op.released or copy not in self.h.pending():
+            raise UnknownCopy(f"no pending unfinished copy {copy!r}")
+        self.h.complete(copy, poll=False)
+
+    def poll(self) -> int:
+        before = set(self.h.pending())
+        self.h.poll()
+        return len(before - set(self.h.pending()))
+
+    # ------------------------------------------------------------------ observation
+
+    def _pending(self) -> tuple[PendingCopy, ...]:
+        if not self.host:
+            return ()
+        out = []
+        for kind, queue in (("write", self.h.cc.ack_write_queue), ("load", self.h.cc.ack_load_queue)):
+            for ack in queue:
+                op = ack.finish_event._op
+                out.append(PendingCopy(op.op_id, kind, tuple(int(n) for n in ack.node_ids), op.released))
+        return tuple(sorted(out, key=lambda c: c.id))
+
+    def snapshot(self) -> Snapshot:
+        ps = self.page_size
+        tree = self._tree()
+        root = int(self.h.cache.tree_core.root_node.id)
+        views = []
+        for nid, v in tree.items():
+            if v["parent"] is None:
+                views.append(NodeView(nid, None, None, (), (), v["lock_ref"]))
+                continue
+            views.append(
+                NodeView(
+                    id=nid,
+                    parent=v["parent"],
+                    namespace=v["namespace"],
+                    key=v["key"],
+                    slots=None if v["device"] is None else tuple(v["device"]),
+                    lock_ref=v["lock_ref"],
+                    host_slots=None if v["host"] is None else tuple(v["host"]),
+                    host_lock_ref=v["host_lock_ref"],
+                )
+            )
+        host_free: tuple[int, ...] = ()
+        if self.host:
+            used = self._host_pool.slot_used
+            host_free = tuple(int(i) for i in (~used).nonzero().flatten().tolist())
+        return Snapshot(
+            page_size=ps,
+            capacity=self.config.capacity,
+            slot_limit=self.config.capacity + ps,  # slot 0 / page 0 is SGLang's padding
+            root=root,
+            nodes=tuple(views),
+            free_slots=tuple(sorted(self._device_free())),
+            evictable_size=int(self.h.cache.evictable_size()),
+            protected_size=int(self.h.cache.protected_size()),
+            host_capacity=self.config.host_capacity,
+            host_free_slots=host_free,
+            write_policy=self.config.write_policy if self.host else "",
+            pending=self._pending(),
+        )
+
+    def close(self) -> None:
+        self.h.close()
+
+
+def factory(config: CacheConfig) -> SGLangHiCacheBackend:
+    """`kvcert certify kvcert.conformance.adapters.sglang_hicache_backend:factory` entry point."""
+    return SGLangHiCacheBackend(config)
+
+
+factory.capabilities = Capabilities(  # type: ignore[attr-defined]
+    name=f"sglang.UnifiedRadixCache+HiCache {SGLANG_VERSION}",
+    page_sizes=(1, 4),
+    policies=("lru",),
+    namespaces=True,
+    strict_input=False,
+    write_policies=("write_through", "write_through_selective", "write_back"),
+    notes=(
+        "Python tree core, layer_first host layout, direct io via torch shims on CPU; copies held until complete()",
+        "host pool sized exactly to host_capacity through hicache_ratio; load_back_threshold set on the cache",
+    ),
+)
