@@ -127,7 +127,7 @@ def replay_cmd(
 
 @app.command("selftest")
 def selftest_cmd(
-    examples: int = typer.Option(300, help="examples per cell for each mutant"),
+    examples: int = typer.Option(600, help="examples per cell for each mutant"),
     steps: int = typer.Option(50),
     seed: int = typer.Option(0),
     out: Path = typer.Option(Path("kvcert-failures/zoo")),

@@ -102,11 +102,19 @@ class CacheMachine(RuleBasedStateMachine):
     # ----------------------------------------------------------------- valid traffic
 
     def draw_key(self, data: st.DataObject, remember: bool) -> tuple[Optional[str], list[int]]:
-        """(namespace, page codes): mostly a cut of an inserted key plus a little, so prefixes recur."""
-        if self.seen and data.draw(st.integers(0, 3), label="reuse unless 0"):
+        """(namespace, page codes): often a cut of an inserted key plus a little, so prefixes recur.
+
+        Inserts (`remember`) reuse half the time and usually add pages, so they make new nodes and
+        copies; lookups reuse three times in four and often ask for a whole earlier key, so they
+        touch leaves and find host hits.
+        """
+        reuse = data.draw(st.integers(0, 1 if remember else 3), label="reuse unless 0")
+        if self.seen and reuse:
             ns, base = data.draw(st.sampled_from(self.seen), label="earlier key")
             cut = data.draw(st.one_of(st.just(len(base)), st.integers(0, len(base))), label="cut")
-            codes = base[:cut] + data.draw(st.lists(st.integers(0, 3), max_size=2), label="extension")
+            tail = st.lists(st.integers(0, 3), min_size=1, max_size=2)
+            more = st.one_of(tail, st.just([])) if remember else st.one_of(st.just([]), tail)
+            codes = base[:cut] + data.draw(more, label="extension")
         else:
             ns = data.draw(st.sampled_from(self.namespaces), label="namespace")
             codes = data.draw(st.lists(st.integers(0, 3), max_size=MAX_PAGES), label="pages")

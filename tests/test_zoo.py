@@ -9,7 +9,7 @@ import pytest
 
 from kvcert.conformance import zoo
 
-EXAMPLES, STEPS, SEED = 300, 50, 0  # kvcert selftest's defaults
+EXAMPLES, STEPS, SEED = 600, 50, 0  # kvcert selftest's defaults
 
 
 def test_every_edit_applies_once() -> None:
