@@ -17,7 +17,8 @@ from kvcert.conformance.driver import ConformanceFailure, Outcome, run_trace
 from kvcert.spec.ops import Op, Trace, op_to_json
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
-console = Console(highlight=False, soft_wrap=True)
+console = Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 160)
+"""Wide when piped (CI logs), so the certificate table is not squeezed to 80 columns."""
 
 
 def _cell_line(cell: CellResult) -> str:
