@@ -6,24 +6,17 @@ cannot be imported.
 
 from __future__ import annotations
 
-import importlib.util
 import random
 import sys
 
 import pytest
+from _sglang import require_sglang
 
-# Like pytest.importorskip, but through the shims: a bare `import sglang` needs triton and torchvision.
-if importlib.util.find_spec("sglang") is None:
-    pytest.skip(
-        "sglang not installed: run scripts/install_sglang.sh (requirements/sglang.txt)", allow_module_level=True
-    )
+require_sglang()
 
 from kvcert.conformance.adapters._sglang_env import import_sglang, install_shims  # noqa: E402
 
-try:
-    SG = import_sglang()
-except ImportError as exc:  # installed, but a pinned hard import is missing
-    pytest.skip(f"sglang cannot be imported: {exc}", allow_module_level=True)
+SG = import_sglang()
 
 from kvcert.conformance.adapters.sglang_radix import factory, factory_need_sort  # noqa: E402
 from kvcert.conformance.backend import Backend  # noqa: E402

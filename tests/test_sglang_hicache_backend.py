@@ -8,22 +8,15 @@ Skipped as a whole when sglang (the `sglang` extra) cannot be imported.
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Iterator
 
 import pytest
+from _sglang import require_sglang
 
-if importlib.util.find_spec("sglang") is None:
-    pytest.skip(
-        "sglang not installed: run scripts/install_sglang.sh (requirements/sglang.txt)", allow_module_level=True
-    )
+require_sglang()
 
-try:
-    from kvcert.conformance.adapters.sglang_hicache_backend import SGLangHiCacheBackend
-    from kvcert.conformance.adapters.sglang_hicache_backend import factory as _factory
-except ImportError as exc:  # installed, but a pinned hard import is missing
-    pytest.skip(f"sglang cannot be imported: {exc}", allow_module_level=True)
-
+from kvcert.conformance.adapters.sglang_hicache_backend import SGLangHiCacheBackend  # noqa: E402
+from kvcert.conformance.adapters.sglang_hicache_backend import factory as _factory  # noqa: E402
 from kvcert.conformance.backend import Backend, HostTierBackend  # noqa: E402
 from kvcert.conformance.driver import run_trace  # noqa: E402
 from kvcert.spec.invariants import check_snapshot  # noqa: E402

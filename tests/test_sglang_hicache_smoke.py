@@ -8,21 +8,14 @@ Skipped as a whole when sglang (the `sglang` extra) cannot be imported.
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
+from _sglang import require_sglang
 
-if importlib.util.find_spec("sglang") is None:
-    pytest.skip(
-        "sglang not installed: run scripts/install_sglang.sh (requirements/sglang.txt)", allow_module_level=True
-    )
-
-try:
-    from kvcert.conformance.adapters.sglang_hicache import HiCacheConfig, SGLangHiCache
-except ImportError as exc:  # installed, but a pinned hard import is missing
-    pytest.skip(f"sglang cannot be imported: {exc}", allow_module_level=True)
+require_sglang()
 
 import torch  # noqa: E402
+
+from kvcert.conformance.adapters.sglang_hicache import HiCacheConfig, SGLangHiCache  # noqa: E402
 
 pytestmark = pytest.mark.sglang
 

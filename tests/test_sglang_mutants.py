@@ -7,22 +7,18 @@ unmodified adapter over it. A pass here would mean the adapter hides bugs.
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
+from _sglang import require_sglang
 
-if importlib.util.find_spec("sglang") is None:
-    pytest.skip("sglang not installed: run scripts/install_sglang.sh", allow_module_level=True)
+require_sglang()
 
 from kvcert.conformance.adapters._sglang_env import import_sglang  # noqa: E402
 
-try:
-    SG = import_sglang()
-except ImportError as exc:
-    pytest.skip(f"sglang cannot be imported: {exc}", allow_module_level=True)
+SG = import_sglang()
 
 from kvcert.conformance.certify import certify  # noqa: E402
 
