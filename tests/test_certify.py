@@ -30,7 +30,7 @@ def test_refimpl_certifies_on_every_declared_cell_it_is_asked_for(tmp_path: Path
 
 
 def test_same_seed_same_counterexample(tmp_path: Path) -> None:
-    runs = [zoo.run_mutant(MUTANT, examples=100, steps=30, seed=11, out_dir=tmp_path / str(i)) for i in range(2)]
+    runs = [zoo.run_mutant(MUTANT, examples=600, steps=50, seed=11, out_dir=tmp_path / str(i)) for i in range(2)]
     failing = [[c for c in cert.cells if not c.passed] for cert in runs]
     assert failing[0], "the mutant must be killed"
     traces = [Path(cells[0].trace_path).read_text() for cells in failing]  # type: ignore[arg-type]
@@ -38,7 +38,7 @@ def test_same_seed_same_counterexample(tmp_path: Path) -> None:
 
 
 def test_failure_is_saved_minimal_and_replays(tmp_path: Path) -> None:
-    cert = zoo.run_mutant(MUTANT, examples=100, steps=30, seed=0, out_dir=tmp_path)
+    cert = zoo.run_mutant(MUTANT, examples=600, steps=50, seed=0, out_dir=tmp_path)
     cell = next(c for c in cert.cells if not c.passed)
     assert cell.reproduced is True and cell.trace_len is not None and cell.trace_len <= 12
     trace = Trace.from_json(Path(cell.trace_path).read_text())  # type: ignore[arg-type]
