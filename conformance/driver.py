@@ -173,19 +173,24 @@ class Harness:
 
     def _oracle_path(self, node_id: int) -> contracts.Path:
         node = self.oracle.nodes[node_id]
-        parts, ns = [], node.namespace
-        cur: Optional[Any] = node
-        while cur is not None and cur is not self.oracle.root:
-            parts.append(cur.key)
-            cur = cur.parent
-        return ns, tuple(t for part in reversed(parts) for t in part)
+        edges = reversed(self.oracle._path_to_root(node))
+        return node.namespace, tuple(t for n in edges for t in n.key)
 
     def _follow(self, before: Snapshot, after: Snapshot) -> Chooser:
-        """A tie-break for the oracle's internal evictions: prefer what the backend evicted."""
-        gone = (set(contracts.device_paths(before).values()) - set(contracts.device_paths(after).values())) | (
-            set(contracts.node_paths(before).values()) - set(contracts.node_paths(after).values())
-        )
-        return lambda tied: next((i for i in sorted(tied) if self._oracle_path(i) in gone), min(tied))
+        """A tie-break for the oracle's internal evictions: prefer what the backend evicted.
+
+        The evicted paths are computed on the first tie only: most operations evict nothing.
+        """
+        gone: list[set[contracts.Path]] = []
+
+        def choose(tied: list[int]) -> int:
+            if not gone:
+                lost_device = set(contracts.device_paths(before).values()) - set(contracts.device_paths(after).values())
+                left_tree = set(contracts.node_paths(before).values()) - set(contracts.node_paths(after).values())
+                gone.append(lost_device | left_tree)
+            return next((i for i in sorted(tied) if self._oracle_path(i) in gone[0]), min(tied))
+
+        return choose
 
     def _witness(
         self, op: Op, before: Snapshot, after: Snapshot, got: Outcome, out: list[Violation]
