@@ -31,6 +31,8 @@ CAPACITY_PAGES = 16
 """Pool size per cell, in pages: small, so eviction and exhaustion happen often."""
 HOST_PAGES = 24
 """Host pool size per host-tier cell, in pages: larger than the device, small enough to fill."""
+HOST_CELL_DEVICE_PAGES = 6
+"""Device pool of a host-tier cell, in pages: tight, so demotion, load-back and its refusal are common."""
 
 
 def _tier(config: CacheConfig) -> str:
@@ -207,7 +209,7 @@ def cells_for(
         CacheConfig(
             page_size=ps,
             policy=pol,
-            capacity=CAPACITY_PAGES * ps,
+            capacity=HOST_CELL_DEVICE_PAGES * ps,
             host_capacity=HOST_PAGES * ps,
             write_policy=wp,
             load_back_threshold=ps,

@@ -144,10 +144,11 @@ class Harness:
         violations: list[Violation] = []
         choose = self._witness(op, before, after, got, violations)
         self.oracle.steer = self._follow(before, after)
+        self.oracle.reclaim = self._reclaimed(before, after)
         try:
             want = self._run(self.oracle, op, 1, choose)
         finally:
-            self.oracle.steer = None
+            self.oracle.steer = self.oracle.reclaim = None
         self._compare(op, before, after, got, want, violations)
         if (
             isinstance(op, HANDLE_PRODUCERS)
@@ -192,6 +193,18 @@ class Harness:
 
         return choose
 
+    def _reclaimed(self, before: Snapshot, after: Snapshot) -> Chooser:
+        """Write-back host eviction drops duplicate backups in any order: prefer those the backend dropped."""
+        paths: list[set[contracts.Path]] = []
+
+        def choose(tied: list[int]) -> int:
+            if not paths:
+                of = contracts.node_paths(before)
+                paths.append({of[i] for i in contracts.host_reclaimed(before, after)})
+            return next((i for i in sorted(tied) if self._oracle_path(i) in paths[0]), min(tied))
+
+        return choose
+
     def _witness(
         self, op: Op, before: Snapshot, after: Snapshot, got: Outcome, out: list[Violation]
     ) -> Optional[Chooser]:
@@ -200,8 +213,10 @@ class Harness:
             return None
         asked = op.n if isinstance(op.n, int) else 0
         host = isinstance(op, EvictHost)
-        if host:  # host eviction sees the host-only nodes and their host locks
-            bounds = contracts.host_eviction_bounds(before, after, got)
+        if host:  # host eviction sees the host-only nodes and their locks, after write-back's reclaim
+            bounds = contracts.host_eviction_bounds(before, after, asked, got)
+            nodes = before.by_id()
+            asked = max(0, asked - sum(len(nodes[i].key) for i in contracts.host_reclaimed(before, after)))
             paths_of = contracts.node_paths
         else:  # device eviction sees the device tree and its locks
             bounds = contracts.eviction_bounds(before, after, asked, got)
@@ -212,7 +227,7 @@ class Harness:
             return n is self.oracle.root or (n.slots is None) == host
 
         def locked(n: Any) -> bool:
-            return (n.host_lock_ref if host else n.lock_ref) > 0
+            return n.lock_ref > 0 or (host and n.host_lock_ref > 0)
 
         gone = set(paths_of(before).values()) - set(paths_of(after).values())
         oracle_snap = self.oracle.snapshot()
@@ -346,8 +361,30 @@ class Harness:
                         f"pending copies {[(c.kind, c.finished) for c in snap.pending]}, spec says {theirs}",
                     )
                 )
+            else:
+                violations += self._copy_contents(snap)
         if violations:
             raise ConformanceFailure(index, op, violations)
+
+    def _copy_contents(self, snap: Snapshot) -> list[Violation]:
+        """INV-COPY-1: each pending copy moves the spec's nodes (by path), splits included."""
+        if not snap.pending:
+            return []
+        mine, spec = contracts.node_paths(snap), contracts.node_paths(self.oracle.snapshot())
+        for got, want in zip(snap.pending, self.oracle.copies):
+            have = {mine.get(i) for i in got.nodes}
+            need = {spec[n.id] for n in want.nodes}
+            if have != need:
+                missing = sorted(len(p[1]) for p in need - have if p is not None)
+                extra = sorted(len(p[1]) for p in have - need if p is not None)
+                return [
+                    Violation(
+                        "INV-COPY-1",
+                        f"pending {got.kind} copy {got.id} moves nodes ending at {sorted(len(p[1]) for p in have if p)}"
+                        f" tokens; the spec's moves {sorted(len(p[1]) for p in need)} (missing {missing}, extra {extra})",
+                    )
+                ]
+        return []
 
     # ------------------------------------------------------------------ helpers for rules
 

@@ -45,11 +45,11 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "size_units_mismatch",
-        "evictable size moved by tokens on lock but by pages on unlock",
+        "evictable size credited in pages but debited in tokens",
         (
             (
-                "                self.evictable_size += len(n.key)\n                self.protected_size -= len(n.key)",
-                "                self.evictable_size += len(n.key) // self.page_size\n                self.protected_size -= len(n.key)",
+                "            self.evictable_size += sign * len(node.key)\n",
+                "            self.evictable_size += sign * (len(node.key) // self.page_size if sign > 0 else len(node.key))\n",
             ),
         ),
         page_sizes=(4,),
@@ -201,14 +201,14 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "selective_ignores_threshold",
         "write_through_selective backs up on the first hit, like write_through",
-        (("            and node.hit_count >= threshold\n", "            and node.hit_count >= 1\n"),),
+        (("and node.hit_count >= threshold", "and node.hit_count >= 1"),),
         page_sizes=(1,),
         write_policies=("write_through_selective",),
     ),
     Mutant(
         "write_ack_keeps_lock",
         "a consumed write ack never releases its node: protected size grows forever",
-        (("                self._lock_path(copy.anchor, -1)\n", "                pass\n"),),
+        (("                    self._lock_path(anchor, -1)\n", "                    pass\n"),),
         page_sizes=(1,),
         write_policies=("write_through",),
     ),
@@ -229,8 +229,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "host eviction also takes backed-up leaves still on the device: their device KV is orphaned",
         (
             (
-                "if n is not self.root and n.slots is None and not n.children and n.host_lock_ref == 0",
-                "if n is not self.root and not n.children and n.host_lock_ref == 0",
+                "            and n.slots is None\n            and not n.children\n",
+                "            and not n.children\n",
             ),
         ),
         page_sizes=(1,),
@@ -265,10 +265,82 @@ MUTANTS: tuple[Mutant, ...] = (
         "load-back leaves the host copy unprotected until the ack",
         (
             (
-                '        self._lock_path(node, +1)\n        self.copies.append(Copy(self._next_copy, "load"',
-                '        self._host_lock_path(node, -1)\n        self._lock_path(node, +1)\n        self.copies.append(Copy(self._next_copy, "load"',
+                "        slots = self.pool.alloc(size)\n        self.pool.adopt(slots)\n",
+                "        slots = self.pool.alloc(size)\n        self.pool.adopt(slots)\n        node.host_lock_ref -= 1\n",
+            ),
+            ("                    n.host_lock_ref -= 1\n", "                    pass\n"),
+        ),
+        page_sizes=(1,),
+        write_policies=("write_through",),
+    ),
+    Mutant(
+        "load_back_refusal_leaks_lock",
+        "a load-back refused for lack of device room keeps its lock: the path is pinned forever (seed 003)",
+        (
+            (
+                "            self._lock_path(node, -1)\n            node.host_lock_ref -= 1\n            return 0\n",
+                "            node.host_lock_ref -= 1\n            return 0\n",
             ),
         ),
+        page_sizes=(1,),
+        write_policies=("write_through",),
+    ),
+    Mutant(
+        "match_crosses_evicted_node",
+        "the device match does not stop at an evicted node: host-only tokens count as device hits (seed 003)",
+        (
+            (
+                "        device = [n for n in path if n.slots is not None]  # a prefix of the path (INV-HOST-2)\n",
+                "        device = list(path)\n",
+            ),
+        ),
+        page_sizes=(1,),
+        write_policies=("write_through",),
+    ),
+    Mutant(
+        "restore_leaks_host_value",
+        "restoring an evicted node drops its host copy without freeing the host pages (seed 003)",
+        (
+            (
+                "                self.pool.adopt(node.slots)\n",
+                "                self.pool.adopt(node.slots)\n                node.host_slots = None\n",
+            ),
+        ),
+        page_sizes=(1,),
+        write_policies=("write_through",),
+    ),
+    Mutant(
+        "write_acks_drained_on_one_path",
+        "write acks are drained only when no load is pending: protected size grows while loads run",
+        (
+            (
+                '            for copy in [c for c in self.copies if c.kind == kind]:\n',
+                '            if kind == "write" and any(c.kind == "load" for c in self.copies):\n'
+                '                continue\n'
+                '            for copy in [c for c in self.copies if c.kind == kind]:\n',
+            ),
+        ),
+        page_sizes=(1,),
+        write_policies=("write_through",),
+    ),
+    Mutant(
+        "reclaim_during_inflight_load",
+        "write-back's host reclaim frees the host pages of a node whose load is still in flight",
+        (("            and id(n) not in moving\n", ""),),
+        page_sizes=(1,),
+        write_policies=("write_back",),
+    ),
+    Mutant(
+        "host_leaves_ignore_locks",
+        "the host-leaf set is computed from the host lock alone: a locked host-only node is host-evicted",
+        (("            and n.lock_ref == 0\n", ""),),
+        page_sizes=(1,),
+        write_policies=("write_back",),
+    ),
+    Mutant(
+        "split_copy_keeps_suffix",
+        "a split between a backup's issue and its ack leaves the new prefix half out of the copy",
+        (("            if child in copy.nodes:\n                copy.nodes.append(head)\n", ""),),
         page_sizes=(1,),
         write_policies=("write_through",),
     ),

@@ -123,8 +123,10 @@ class Copy:
     """"write" (device to host) or "load" (host to device)."""
     nodes: list[Node]
     """The nodes whose bytes it moves; a split of one of them adds the new half."""
-    anchor: Node
-    """The node whose lock (and, for a load, host lock) the ack releases."""
+    anchors: list[Node]
+    """The nodes whose path lock the ack releases."""
+    host_locked: list[Node] = field(default_factory=list)
+    """A load's host-lock segment: its node, and every head split off it while pending."""
     finished: bool = False
 
 
@@ -183,6 +185,8 @@ class RefCache:
         self._next_copy = 0
         self.steer: Optional[Chooser] = None
         """Tie-break for evictions made inside other operations (write-backup, load-back); the harness steers it."""
+        self.reclaim: Optional[Chooser] = None
+        """Which duplicate backup write-back's host eviction drops next (any order is legal); the harness steers it."""
 
     # ------------------------------------------------------------------ helpers
 
@@ -201,12 +205,6 @@ class RefCache:
         node = self.nodes.get(node_id) if isinstance(node_id, int) else None
         if node is None:
             raise StaleHandle(f"no live node {node_id!r}")
-        return node
-
-    def _on_device(self, node_id: object) -> Node:
-        node = self._live(node_id)
-        if node.slots is None:
-            raise StaleHandle(f"node {node_id} is on the host only: load it back first")
         return node
 
     def _split(self, child: Node, at: int) -> Node:
@@ -232,9 +230,11 @@ class RefCache:
         parent.children[self._selector(child.namespace, head_key)] = head
         child.key, child.slots, child.host_slots, child.parent = tail_key, child_slots, child_host, head
         head.children[self._selector(child.namespace, tail_key)] = child
-        for copy in self.copies:  # a copy in flight moves both halves
+        for copy in self.copies:  # a copy in flight moves both halves; a host lock covers both
             if child in copy.nodes:
                 copy.nodes.append(head)
+            if child in copy.host_locked:
+                copy.host_locked.append(head)
         return head
 
     def _walk(self, namespace: Namespace, key: Tokens, on_node: Callable[[Node], None]) -> tuple[int, list[Node]]:
@@ -268,19 +268,24 @@ class RefCache:
         return out
 
     def _lock_path(self, node: Node, delta: int) -> None:
-        """Move `node`'s path by one lock, keeping evictable/protected exact."""
-        for n in self._path_to_root(node):
-            if n.lock_ref == 0 and delta > 0:
-                self.evictable_size -= len(n.key)
-                self.protected_size += len(n.key)
-            n.lock_ref += delta
-            if n.lock_ref == 0 and delta < 0:
-                self.evictable_size += len(n.key)
-                self.protected_size -= len(n.key)
+        """Move `node`'s path by one lock, keeping evictable/protected exact.
 
-    def _host_lock_path(self, node: Node, delta: int) -> None:
+        Host-only nodes on the path take the lock too (SPEC.md §9.1) but hold no device
+        tokens, so only device-resident ones move between the counters.
+        """
         for n in self._path_to_root(node):
-            n.host_lock_ref += delta
+            if n.slots is not None:
+                self._account(n, -1)
+            n.lock_ref += delta
+            if n.slots is not None:
+                self._account(n, +1)
+
+    def _account(self, node: Node, sign: int) -> None:
+        """Add (+1) or remove (-1) a device-resident node's tokens to the counter its locks pick."""
+        if node.lock_ref > 0:
+            self.protected_size += sign * len(node.key)
+        else:
+            self.evictable_size += sign * len(node.key)
 
     def rank(self, node: Node) -> tuple[int, ...]:
         return pages.policy_rank(self.policy, node.last_access, node.hit_count, node.creation, node.priority)
@@ -337,7 +342,7 @@ class RefCache:
             if node.slots is None:  # evicted: the request's fresh KV restores it; the host copy stays
                 node.slots = tuple(slots[offset : offset + len(node.key)])
                 self.pool.adopt(node.slots)
-                self.evictable_size += len(node.key)
+                self._account(node, +1)
             elif offset == prefix_len:
                 prefix_len += len(node.key)
             offset += len(node.key)
@@ -355,15 +360,15 @@ class RefCache:
             )
             node.children[self._selector(namespace, leaf.key)] = leaf
             self.pool.adopt(leaf.slots or ())
-            self.evictable_size += len(leaf.key)
+            self._account(leaf, +1)
             path.append(leaf)
             node = leaf
-        for n in path:
-            self._maybe_write_through(n)
+        self._write_through([n for n in path if self._wants_backup(n)])
         return InsertOut(prefix_len=prefix_len, node=node.id)
 
     def inc_lock_ref(self, node_id: int) -> None:
-        node = self._on_device(node_id)
+        """Lock the path ending at `node_id`; a host-only node may be locked (SPEC.md §9.1)."""
+        node = self._live(node_id)
         node.own_locks += 1
         self._lock_path(node, +1)
 
@@ -392,7 +397,7 @@ class RefCache:
                 break
             victim = self._pick(leaves, choose)
             if victim.host_slots is None and self.write_policy == "write_back":
-                self._write_backup(victim, wait=True)
+                self._write_backup(victim)  # the engine waits for this copy (writing_check(write_back=True))
             if victim.host_slots is not None:
                 self._demote(victim)
             else:
@@ -402,9 +407,9 @@ class RefCache:
 
     def _demote(self, node: Node) -> None:
         """Free a backed-up node's device KV; it stays in the tree on the host."""
+        self._account(node, -1)
         self.pool.release(node.slots or ())
         node.slots = None
-        self.evictable_size -= len(node.key)
 
     def _delete_leaf(self, leaf: Node) -> None:
         """Remove a node without a backup (and whatever host-only subtree hangs below it)."""
@@ -413,8 +418,8 @@ class RefCache:
             self._delete_host_leaf(child)
         del leaf.parent.children[self._selector(leaf.namespace, leaf.key)]
         del self.nodes[leaf.id]
+        self._account(leaf, -1)
         self.pool.release(leaf.slots or ())
-        self.evictable_size -= len(leaf.key)
 
     def _delete_host_leaf(self, node: Node) -> None:
         for child in list(node.children.values()):
@@ -426,26 +431,30 @@ class RefCache:
 
     # ------------------------------------------------------------------ host tier (SPEC.md §9)
 
-    def _maybe_write_through(self, node: Node) -> None:
-        """Back a hot node up under write-through, parents first, so the host copy stays a prefix."""
+    def _wants_backup(self, node: Node) -> bool:
+        """Write-through: on the device, not backed up, hot enough (the parent is checked when it is written)."""
         threshold = WRITE_THROUGH_THRESHOLD.get(self.write_policy)
-        parent = node.parent
-        if (
-            threshold is not None
-            and node.slots is not None
-            and node.host_slots is None
-            and node.hit_count >= threshold
-            and parent is not None
-            and (parent is self.root or parent.host_slots is not None)
-        ):
-            self._write_backup(node, wait=False)
+        return threshold is not None and node.slots is not None and node.host_slots is None and node.hit_count >= threshold
 
-    def _write_backup(self, node: Node, wait: bool) -> bool:
-        """Give `node` host slots and copy its KV there; False if the host has no room.
+    def _write_through(self, path: list[Node]) -> None:
+        """Back up hot nodes of one insert, parents first, as one copy (SPEC.md §9.2).
 
-        `wait`: write-back at eviction, where the engine waits for the copy. Otherwise the
-        copy is pending and the node stays locked until its ack.
+        A node is written only if its parent is the root or backed up, so the host copy
+        stays a prefix. Every written node stays locked until the copy's one ack.
         """
+        written: list[Node] = []
+        for node in path:
+            parent = node.parent
+            if parent is not None and (parent is self.root or parent.host_slots is not None):
+                if self._write_backup(node):
+                    self._lock_path(node, +1)
+                    written.append(node)
+        if written:
+            self.copies.append(Copy(self._next_copy, "write", list(written), anchors=list(written)))
+            self._next_copy += 1
+
+    def _write_backup(self, node: Node) -> bool:
+        """Give `node` host slots for its KV; False if host eviction cannot make room."""
         assert self.host is not None
         need = len(node.key) - len(self.host.free_list)
         if need > 0:
@@ -454,24 +463,46 @@ class RefCache:
             return False
         node.host_slots = self.host.alloc(len(node.key))
         self.host.adopt(node.host_slots)
-        if not wait:
-            self.copies.append(Copy(self._next_copy, "write", [node], anchor=node))
-            self._next_copy += 1
-            self._lock_path(node, +1)
         return True
 
     def host_leaves(self) -> list[Node]:
-        """Host eviction candidates: on the host only, no children, no host protection."""
+        """Host eviction candidates: on the host only, no children, unlocked, no host protection."""
         return [
             n
             for n in self.nodes.values()
-            if n is not self.root and n.slots is None and not n.children and n.host_lock_ref == 0
+            if n is not self.root
+            and n.slots is None
+            and not n.children
+            and n.lock_ref == 0
+            and n.host_lock_ref == 0
+        ]
+
+    def host_duplicates(self) -> list[Node]:
+        """Write-back's first host victims: settled backups of device-resident nodes (SPEC.md §9.4)."""
+        moving = {id(n) for c in self.copies for n in c.nodes}
+        return [
+            n
+            for n in self.nodes.values()
+            if n is not self.root
+            and n.slots is not None
+            and n.host_slots is not None
+            and n.host_lock_ref == 0
+            and id(n) not in moving
         ]
 
     def evict_host(self, n: int, choose: Optional[Chooser] = None) -> int:
-        """Drop host-only leaves of minimal rank until `n` host tokens are freed or none is left."""
+        """Free `n` host tokens: write-back's duplicate backups (any order), then host-only leaves by rank."""
         _check_count(n)
         freed = 0
+        while freed < n and self.host is not None and self.write_policy == "write_back":
+            duplicates = self.host_duplicates()
+            if not duplicates:
+                break
+            ids = sorted(d.id for d in duplicates)
+            victim = self.nodes[self.reclaim(ids) if self.reclaim else ids[0]]
+            self.host.release(victim.host_slots or ())
+            victim.host_slots = None
+            freed += len(victim.key)
         while freed < n and self.host is not None:
             leaves = self.host_leaves()
             if not leaves:
@@ -495,15 +526,13 @@ class RefCache:
         size = sum(len(n.key) for n in chain)
         if size < self.load_back_threshold:
             return 0
-        anchor = chain[0].parent
-        assert anchor is not None
-        self._host_lock_path(node, +1)  # the host copy must survive eviction made for room
-        self._lock_path(anchor, +1)  # and so must the device path it hangs from
+        node.host_lock_ref += 1  # the host copy must survive eviction made for room
+        self._lock_path(node, +1)  # and so must the device path it hangs from
         if len(self.pool.free_list) < size:
             self.evict(size - len(self.pool.free_list), choose=self.steer)
-        self._lock_path(anchor, -1)
         if len(self.pool.free_list) < size:
-            self._host_lock_path(node, -1)
+            self._lock_path(node, -1)
+            node.host_lock_ref -= 1
             return 0
         slots = self.pool.alloc(size)
         self.pool.adopt(slots)
@@ -511,9 +540,8 @@ class RefCache:
         for n in chain:
             n.slots = tuple(slots[offset : offset + len(n.key)])
             offset += len(n.key)
-            self.evictable_size += len(n.key)
-        self._lock_path(node, +1)
-        self.copies.append(Copy(self._next_copy, "load", chain, anchor=node))
+            self._account(n, +1)  # locked: protected
+        self.copies.append(Copy(self._next_copy, "load", chain, anchors=[node], host_locked=[node]))
         self._next_copy += 1
         return size
 
@@ -533,9 +561,10 @@ class RefCache:
                 if not copy.finished:
                     break
                 self.copies.remove(copy)
-                self._lock_path(copy.anchor, -1)
-                if kind == "load":
-                    self._host_lock_path(copy.anchor, -1)
+                for anchor in copy.anchors:
+                    self._lock_path(anchor, -1)
+                for n in copy.host_locked:
+                    n.host_lock_ref -= 1
                 consumed += 1
         return consumed
 

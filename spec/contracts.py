@@ -177,8 +177,32 @@ def eviction_witness(nodes: Mapping[int, EvictNode], root: int, asked: int, remo
     return search(frozenset(), 0)
 
 
-def host_eviction_bounds(before: Snapshot, after: Snapshot, reported: int) -> list[tuple[str, str]]:
-    """INV-HOST-8: host eviction removes only unprotected host-only nodes, leaves first, and counts them."""
+def host_duplicates(s: Snapshot) -> set[int]:
+    """Write-back's first host victims: settled backups of nodes also on the device (SPEC.md §9.4)."""
+    if s.write_policy != "write_back":
+        return set()
+    moving = {nid for c in s.pending for nid in c.nodes}
+    return {
+        n.id
+        for n in s.nodes
+        if n.id != s.root and n.slots is not None and n.host_slots is not None and n.host_lock_ref == 0 and n.id not in moving
+    }
+
+
+def host_reclaimed(before: Snapshot, after: Snapshot) -> set[int]:
+    """Nodes of `before` that stay in the tree but lost their host copy."""
+    backed_after = {p for i, p in node_paths(after).items() if after.by_id()[i].host_slots is not None}
+    kept = set(node_paths(after).values())
+    nodes = before.by_id()
+    return {i for i, p in node_paths(before).items() if nodes[i].host_slots is not None and p in kept and p not in backed_after}
+
+
+def host_eviction_bounds(before: Snapshot, after: Snapshot, asked: int, reported: int) -> list[tuple[str, str]]:
+    """INV-HOST-8: what host eviction may free, in which phase, and that it counts it exactly.
+
+    Write-back first strips settled duplicate backups (any order) until `asked` is met; then
+    every policy removes unlocked, unprotected host-only nodes, leaves first.
+    """
     out: list[tuple[str, str]] = []
     paths_b, paths_a = node_paths(before), node_paths(after)
     kept = set(paths_a.values())
@@ -186,14 +210,29 @@ def host_eviction_bounds(before: Snapshot, after: Snapshot, reported: int) -> li
     gone = {i for i, p in paths_b.items() if p not in kept}
     for i in sorted(gone):
         n = nodes[i]
-        if n.slots is not None or n.host_lock_ref > 0:
-            out.append(("INV-HOST-8", f"node {i} (on device {n.slots is not None}, host_lock_ref {n.host_lock_ref}) was host-evicted"))
+        if n.slots is not None or n.host_lock_ref > 0 or n.lock_ref > 0:
+            out.append(
+                (
+                    "INV-HOST-8",
+                    f"node {i} (on device {n.slots is not None}, lock_ref {n.lock_ref}, "
+                    f"host_lock_ref {n.host_lock_ref}) was host-evicted",
+                )
+            )
     kids = before.children()
     for i in gone:
         alive = [c for c in kids.get(i, []) if c not in gone]
         if alive:
             out.append(("INV-HOST-8", f"node {i} host-evicted while its child {alive[0]} stays"))
-    freed = sum(len(nodes[i].key) for i in gone)
+    duplicates = host_duplicates(before)
+    reclaimed = host_reclaimed(before, after)
+    for i in sorted(reclaimed - duplicates):
+        out.append(("INV-HOST-8", f"node {i} lost its host copy but is not a settled write-back duplicate"))
+    sizes = [len(nodes[i].key) for i in reclaimed]
+    if sizes and sum(sizes) - max(sizes) >= asked:
+        out.append(("INV-HOST-8", f"reclaimed {sum(sizes)} duplicate tokens, past the {asked} asked by a whole node"))
+    if gone and duplicates - reclaimed:
+        out.append(("INV-HOST-8", f"host-evicted leaves while duplicate {min(duplicates - reclaimed)} kept its backup"))
+    freed = sum(len(nodes[i].key) for i in gone) + sum(sizes)
     grew = len(after.host_free_slots) - len(before.host_free_slots)
     if not reported == freed == grew:
         out.append(("INV-HOST-8", f"reported {reported}, host lost {freed}, host free list grew {grew}"))

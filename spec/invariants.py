@@ -12,7 +12,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvcert.spec.types import Snapshot
+from kvcert.spec.types import NodeView, Snapshot
 
 
 @dataclass(frozen=True)
@@ -213,8 +213,19 @@ def host_slots_owned_once(s: Snapshot) -> list[str]:
     return out
 
 
+def _depth(nodes: dict[int, NodeView], nid: int) -> int:
+    depth, cur = 0, nodes.get(nid)
+    while cur is not None and cur.parent is not None and depth <= len(nodes):
+        depth, cur = depth + 1, nodes.get(cur.parent)
+    return depth
+
+
 def copies_pinned(s: Snapshot) -> list[str]:
-    """INV-HOST-6: an unacknowledged copy pins both ends: its nodes are locked and hold both tiers' slots."""
+    """INV-HOST-6: an unacknowledged copy pins both ends: its nodes are locked and hold both tiers' slots.
+
+    A pending load also protects the host copy of the node it was issued for (the deepest
+    one it moves); the nodes above it are host-protected by having children (SPEC.md §9.7).
+    """
     nodes = s.by_id()
     out = []
     for copy in s.pending:
@@ -224,20 +235,20 @@ def copies_pinned(s: Snapshot) -> list[str]:
                 out.append(f"{copy.kind} copy {copy.id} moves node {nid}, which left the tree")
             elif n.lock_ref <= 0 or n.slots is None or n.host_slots is None:
                 out.append(f"{copy.kind} copy {copy.id}: node {nid} lock_ref {n.lock_ref}, on device {n.slots is not None}, backed up {n.host_slots is not None}")
-            elif copy.kind == "load" and n.host_lock_ref <= 0:
-                out.append(f"load copy {copy.id}: node {nid}'s host copy is not protected")
+        present = [nid for nid in copy.nodes if nid in nodes]
+        if copy.kind == "load" and present:
+            deepest = max(present, key=lambda nid: _depth(nodes, nid))
+            if nodes[deepest].host_lock_ref <= 0:
+                out.append(f"load copy {copy.id}: node {deepest}'s host copy is not protected")
     return out
 
 
 def host_locks_sane(s: Snapshot) -> list[str]:
-    """INV-HOST-7: host lock counts are non-negative and protect whole paths."""
-    nodes = s.by_id()
-    out = [f"node {n.id} host_lock_ref {n.host_lock_ref}" for n in _non_root(s) if n.host_lock_ref < 0]
-    for n in _non_root(s):
-        parent = nodes.get(n.parent) if n.parent is not None else None
-        if parent is not None and parent.id != s.root and n.host_lock_ref > parent.host_lock_ref:
-            out.append(f"node {n.id} host_lock_ref {n.host_lock_ref} above its parent's {parent.host_lock_ref}")
-    return out
+    """INV-HOST-7: host lock counts are non-negative.
+
+    Unlike `lock_ref` they are not path counts: a load protects one node's host copy (SPEC.md §9.1).
+    """
+    return [f"node {n.id} host_lock_ref {n.host_lock_ref}" for n in _non_root(s) if n.host_lock_ref < 0]
 
 
 SNAPSHOT_INVARIANTS: dict[str, Callable[[Snapshot], list[str]]] = {
