@@ -20,6 +20,7 @@ from kvcert.spec.contracts import (
     cached_prefix_len,
     eviction_bounds,
     eviction_witness,
+    host_eviction_bounds,
     node_paths,
     page_slots,
     prefix_slots,
@@ -423,3 +424,81 @@ def test_reference_evictions_have_witnesses(policy, keys, locks, asked, rng) -> 
     removed = frozenset(i for i in view if i not in cache.nodes)
     witness = eviction_witness(view, cache.root.id, asked, removed)
     assert witness is not None and _legal(view, cache.root.id, asked, witness)
+
+
+# ----------------------------------------------------------------- host eviction (SPEC.md §9.4, INV-HOST-8)
+
+
+def _host_scene(write_policy: str) -> RefCache:
+    """[1,2] settled on both tiers (a duplicate under write-back) and [3,4] on the host only."""
+    c = RefCache(CacheConfig(capacity=8, host_capacity=8, write_policy=write_policy, load_back_threshold=1))
+    _put(c, None, [1, 2])
+    c.evict(2)  # write-back backs it up here; write-through backed it up on insert
+    for pending in list(c.copies):
+        c.complete(pending.id)
+    c.poll()
+    _put(c, None, [1, 2])  # restored from the request: on both tiers
+    _put(c, None, [3, 4])
+    for pending in list(c.copies):
+        c.complete(pending.id)
+    c.poll()
+    c.set_clock(9)
+    c.match_prefix(None, [1, 2])
+    c.evict(2)  # [3, 4] is the LRU device leaf
+    return c
+
+
+def _host_bounds(before: Snapshot, after: Snapshot, asked: int, reported: int) -> set[str]:
+    return {inv for inv, _ in host_eviction_bounds(before, after, asked, reported)}
+
+
+def _strip_backup(s: Snapshot, node: NodeView) -> Snapshot:
+    nodes = tuple(replace(n, host_slots=None) if n.id == node.id else n for n in s.nodes)
+    return replace(s, nodes=nodes, host_free_slots=tuple(sorted(s.host_free_slots + (node.host_slots or ()))))
+
+
+def test_host_scene_is_what_the_cases_assume() -> None:
+    for wp in ("write_back", "write_through"):
+        s = _host_scene(wp).snapshot()
+        dup, leaf = _node(s, None, (1, 2)), _node(s, None, (3, 4))
+        assert dup.slots is not None and dup.host_slots is not None and not s.pending
+        assert leaf.slots is None and leaf.host_slots is not None
+
+
+def test_write_back_reclaims_duplicates_before_leaves() -> None:
+    c = _host_scene("write_back")
+    before = c.snapshot()
+    assert c.evict_host(2) == 2
+    after = c.snapshot()
+    assert _node(after, None, (1, 2)).host_slots is None and _host_bounds(before, after, 2, 2) == set()
+    dup = _node(before, None, (1, 2))
+    assert _host_bounds(before, _strip_backup(before, dup), 2, 2) == set()
+    leaf = _node(before, None, (3, 4))
+    leaf_gone = _without(before, leaf, free=False)
+    leaf_gone = replace(leaf_gone, host_free_slots=tuple(sorted(before.host_free_slots + (leaf.host_slots or ()))))
+    assert "INV-HOST-8" in _host_bounds(before, leaf_gone, 2, 2), "a leaf went while a duplicate kept its backup"
+
+
+def test_reclaiming_past_the_asked_count_by_a_whole_node_is_flagged() -> None:
+    c = _host_scene("write_back")
+    before = c.snapshot()
+    dup = _node(before, None, (1, 2))
+    assert "INV-HOST-8" in _host_bounds(before, _strip_backup(before, dup), 0, 2)
+
+
+def test_write_through_never_strips_a_device_nodes_backup() -> None:
+    before = _host_scene("write_through").snapshot()
+    dup = _node(before, None, (1, 2))
+    assert "INV-HOST-8" in _host_bounds(before, _strip_backup(before, dup), 2, 2)
+
+
+def test_a_locked_host_only_node_is_not_host_evictable() -> None:
+    c = _host_scene("write_through")
+    leaf = _node(c.snapshot(), None, (3, 4))
+    c.inc_lock_ref(leaf.id)
+    before = c.snapshot()
+    gone = replace(
+        _without(before, _node(before, None, (3, 4)), free=False),
+        host_free_slots=tuple(sorted(before.host_free_slots + (leaf.host_slots or ()))),
+    )
+    assert "INV-HOST-8" in _host_bounds(before, gone, 2, 2)

@@ -183,6 +183,9 @@ CASES += [
     Corruption(
         "INV-HOST-6", "a pending write whose node is unlocked", _host(lambda s: _edit(s, H_WRITING, lock_ref=0))
     ),
+    Corruption(
+        "INV-HOST-6", "a pending load whose node's host copy is unprotected", _host(lambda s: _edit(s, H_LOADING, host_lock_ref=0))
+    ),
     Corruption("INV-HOST-7", "negative host lock", _host(lambda s: _edit(s, H_TAIL, host_lock_ref=-1)), only=True),
 ]
 

@@ -153,3 +153,92 @@ def test_residency_and_host_lock_differences_name_their_invariants() -> None:
     assert shape_difference(NodeShape(2, 1, True, True, 0), spec) == "INV-LOCK-2"
     assert shape_difference(NodeShape(2, 0, False, True, 0), spec) == "INV-HOST-10"
     assert shape_difference(NodeShape(2, 0, True, True, 1), spec) == "INV-HOST-11"
+
+
+# ----------------------------------------------------------------- decided by calibration (SPEC.md §9.1, §9.2, §9.4)
+
+
+def test_one_insert_issues_one_write_copy_for_every_node_it_backs_up() -> None:
+    c = make("write_through_selective")
+    put(c, [1, 1])
+    c.match_prefix(None, [1])  # splits [1] | [1]
+    put(c, [1, 1])  # both halves reach two hits
+    assert len(c.copies) == 1, "the writes of one operation form one copy"
+    head, tail = sorted((n for n in c.nodes.values() if n is not c.root), key=lambda n: n.id)[::-1]
+    assert set(c.snapshot().pending[0].nodes) == {head.id, tail.id}
+    assert head.lock_ref == 2 and tail.lock_ref == 1
+    settle(c)
+    assert head.lock_ref == tail.lock_ref == 0 and c.protected_size == 0 and c.evictable_size == 2
+
+
+def test_a_host_only_node_can_be_locked_and_then_is_neither_evictable_nor_host_evictable() -> None:
+    c = make()
+    node = c.nodes[put(c, [1, 2])]
+    settle(c)
+    c.evict(2)
+    assert node.slots is None
+    c.inc_lock_ref(node.id)
+    assert node.lock_ref == 1 and c.protected_size == 0 and c.evictable_size == 0, "no device tokens to count"
+    assert c.evict_host(2) == 0 and node.id in c.nodes, "a locked host-only node is not a host leaf"
+    c.dec_lock_ref(node.id)
+    assert c.evict_host(2) == 2 and node.id not in c.nodes
+
+
+def test_a_node_restored_while_locked_counts_as_protected() -> None:
+    c = make()
+    node = c.nodes[put(c, [1, 2])]
+    settle(c)
+    c.evict(2)
+    c.inc_lock_ref(node.id)
+    put(c, [1, 2])  # restores it with the request's slots
+    assert node.slots is not None and c.protected_size == 2 and c.evictable_size == 0
+    c.dec_lock_ref(node.id)
+    assert c.protected_size == 0 and c.evictable_size == 2
+
+
+def test_a_split_of_a_loading_node_host_locks_both_halves_and_the_ack_releases_both() -> None:
+    c = make()
+    node = c.nodes[put(c, [1, 2, 3, 4])]
+    settle(c)
+    c.evict(4)
+    assert c.load_back(node.id) == 4 and node.host_lock_ref == 1
+    put(c, [1, 2])  # splits the loading node
+    head = node.parent
+    assert head is not None and head is not c.root and head.host_lock_ref == 1 and node.host_lock_ref == 1
+    assert set(c.snapshot().pending[0].nodes) == {head.id, node.id}
+    settle(c)
+    assert head.host_lock_ref == node.host_lock_ref == 0 and head.lock_ref == node.lock_ref == 0
+
+
+def test_load_back_host_protects_only_the_node_it_loads() -> None:
+    c = make()
+    upper = c.nodes[put(c, [1, 2])]
+    lower = c.nodes[put(c, [1, 2, 3, 4])]
+    settle(c)
+    c.evict(4)
+    assert upper.slots is None and lower.slots is None
+    assert c.load_back(lower.id) == 4
+    assert lower.host_lock_ref == 1 and upper.host_lock_ref == 0 and upper.lock_ref == 1
+
+
+def test_write_back_host_eviction_first_drops_settled_duplicates() -> None:
+    c = make("write_back", capacity=8, host=4)
+    d = c.nodes[put(c, [1, 2])]
+    c.evict(2)  # backed up at eviction, demoted
+    put(c, [1, 2])  # restored: on both tiers, settled
+    h = c.nodes[put(c, [3, 4])]
+    c.set_clock(5)
+    c.match_prefix(None, [1, 2])  # `d` is now the most recent: `h` is evicted next
+    c.evict(2)
+    assert h.slots is None and h.host_slots is not None and d.slots is not None and d.host_slots is not None
+    assert c.evict_host(2) == 2
+    assert d.host_slots is None and d.slots is not None and h.id in c.nodes, "the duplicate goes before the leaf"
+    assert c.evict_host(2) == 2 and h.id not in c.nodes
+    assert check_snapshot(c.snapshot()) == []
+
+
+def test_write_through_keeps_duplicates_and_evicts_host_only_leaves() -> None:
+    c = make("write_through", capacity=8, host=4)
+    d = c.nodes[put(c, [1, 2])]
+    settle(c)
+    assert c.evict_host(2) == 0 and d.host_slots is not None, "write-through never strips a device node's backup"
