@@ -13,9 +13,10 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Optional, Protocol, runtime_checkable
 
+from kvcert.spec.storage import StorageBackend
 from kvcert.spec.types import CacheConfig, Capabilities, InsertOut, MatchOut, Snapshot
 
-__all__ = ["Backend", "Factory", "HostTierBackend", "InsertOut", "MatchOut", "capabilities_of"]
+__all__ = ["Backend", "Factory", "HostTierBackend", "InsertOut", "MatchOut", "StorageTierBackend", "capabilities_of"]
 
 
 @runtime_checkable
@@ -62,6 +63,31 @@ class HostTierBackend(Backend, Protocol):
 
     def poll(self) -> int:
         """Consume finished acks in issue order; return how many."""
+
+
+@runtime_checkable
+class StorageTierBackend(HostTierBackend, Protocol):
+    """A cache with an L3 storage tier (SPEC.md §10); declared by `Capabilities.prefetch_policies`.
+
+    Storage-call discipline, so that faults armed by the harness land alike on every
+    conforming backend: a store copy's `complete` is one `batch_set` of its pages, a
+    `prefetch` one `batch_exists`, a `fetch` one `batch_get` of one page.
+    """
+
+    def attach_storage(self, storage: StorageBackend) -> None:
+        """Use `storage` as L3 (the harness owns it and injects its faults)."""
+
+    def prefetch(self, node: int, namespace: Optional[str], tokens: Sequence[int]) -> int:
+        """Start fetching the stored pages of `tokens` that follow `node`'s path; return their tokens (0: none)."""
+
+    def fetch(self, prefetch: int) -> None:
+        """Storage delivers the next page of prefetch `prefetch` (an id from `Snapshot.prefetches`)."""
+
+    def check_prefetch(self, prefetch: int) -> Optional[int]:
+        """End the prefetch if its stop policy allows: the tokens it added to the tree, or None (still running)."""
+
+    def abort_prefetch(self, prefetch: int) -> None:
+        """End the prefetch, keeping nothing."""
 
 
 Factory = Callable[[CacheConfig], Backend]

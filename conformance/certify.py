@@ -35,8 +35,14 @@ HOST_CELL_DEVICE_PAGES = 6
 """Device pool of a host-tier cell, in pages: tight, so demotion, load-back and its refusal are common."""
 
 
+STORAGE_PAGE_SIZES = (1, 4, 16)
+"""Page sizes of the storage cells (write policy x prefetch stop policy x page size)."""
+
+
 def _tier(config: CacheConfig) -> str:
-    return config.write_policy if config.host_capacity else ""
+    if not config.host_capacity:
+        return ""
+    return f"{config.write_policy}+{config.prefetch_policy}" if config.prefetch_policy else config.write_policy
 
 
 def load_factory(target: str) -> Factory:
@@ -141,7 +147,7 @@ def run_cell(
             config=config, ops=tuple(ops), target=target, note=str(failure).splitlines()[-1].strip() if failure else ""
         )
         out_dir.mkdir(parents=True, exist_ok=True)
-        tier = f"-{config.write_policy}" if config.host_capacity else ""
+        tier = f"-{_tier(config)}" if config.host_capacity else ""
         path = out_dir / f"{_slug(target)}-ps{config.page_size}-{config.policy}{tier}-seed{seed}.json"
         path.write_text(trace.to_json())
         result.passed, result.failure, result.trace_path, result.trace_len = False, str(failure), str(path), len(ops)
@@ -184,11 +190,15 @@ def cells_for(
     bad_input: Optional[bool] = None,
     write_policies: Optional[Iterable[str]] = None,
     device_cells: bool = True,
+    prefetch_policies: Optional[Iterable[str]] = None,
+    host_cells: bool = True,
 ) -> tuple[list[CacheConfig], list[str]]:
     """The cells to run, and what was asked for but not declared.
 
     Device-only cells: every page size x policy. Host-tier cells (backends that declare
     write policies): every page size x write policy, under LRU unless policies are named.
+    Storage cells (backends that declare prefetch policies): write policy x prefetch policy x
+    page size in STORAGE_PAGE_SIZES, faults on.
     """
     want_ps = [p for p in (page_sizes or capabilities.page_sizes)]
     want_pol = list(policies) if policies else list(capabilities.policies)
@@ -216,7 +226,27 @@ def cells_for(
         )
         for ps in sizes
         for wp in want_wp
+        if wp in capabilities.write_policies and host_cells
+        for pol in host_pols
+    ]
+    want_pf = list(capabilities.prefetch_policies if prefetch_policies is None else prefetch_policies)
+    skipped += [f"prefetch_policy={p}: not declared" for p in want_pf if p not in capabilities.prefetch_policies]
+    configs += [
+        CacheConfig(
+            page_size=ps,
+            policy=pol,
+            capacity=HOST_CELL_DEVICE_PAGES * ps,
+            host_capacity=HOST_PAGES * ps,
+            write_policy=wp,
+            load_back_threshold=ps,
+            prefetch_policy=pf,
+        )
+        for ps in sizes
+        if ps in STORAGE_PAGE_SIZES or page_sizes
+        for wp in want_wp
         if wp in capabilities.write_policies
+        for pf in want_pf
+        if pf in capabilities.prefetch_policies
         for pol in host_pols
     ]
     if not capabilities.write_policies:
@@ -245,11 +275,15 @@ def certify(
     fail_fast: bool = False,
     write_policies: Optional[Iterable[str]] = None,
     device_cells: bool = True,
+    prefetch_policies: Optional[Iterable[str]] = None,
+    host_cells: bool = True,
 ) -> Certificate:
     """Run every cell; the certificate passes only if every cell does. `fail_fast` stops at the first failing cell."""
     factory = factory or load_factory(target)
     caps = capabilities_of(factory)
-    configs, skipped = cells_for(caps, page_sizes, policies, bad_input, write_policies, device_cells)
+    configs, skipped = cells_for(
+        caps, page_sizes, policies, bad_input, write_policies, device_cells, prefetch_policies, host_cells
+    )
     cert = Certificate(target, caps.name, seed, examples, steps, caps.strict_input, skipped=skipped)
     for config in configs:
         cell = run_cell(

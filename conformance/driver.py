@@ -14,21 +14,29 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
 from kvcert.conformance.backend import Backend
+from kvcert.conformance.storage import FaultyStorage, MemoryStorage
 from kvcert.refimpl import RefCache
 from kvcert.refimpl.cache import Chooser
 from kvcert.spec import contracts
+from kvcert.spec import storage as l3
 from kvcert.spec.invariants import Violation, check_snapshot
 from kvcert.spec.ops import (
     HANDLE_PRODUCERS,
+    AbortPrefetch,
+    CheckPrefetch,
     Complete,
     Evict,
     EvictHost,
+    Fetch,
     Insert,
     LoadBack,
     Lock,
     Match,
     Op,
     Poll,
+    Prefetch,
+    Publish,
+    StorageFault,
     Unlock,
 )
 from kvcert.spec.types import CacheConfig, Capabilities, InsertOut, KVCertError, MatchOut, Snapshot
@@ -67,10 +75,18 @@ class Harness:
     copies: list[tuple[int, int]] = field(default_factory=list)
     """Copies in issue order: (backend copy id, oracle copy id); `Complete(k)` names the k-th."""
     _oracle_copy_ids: set[int] = field(default_factory=set)
+    prefetches: list[tuple[int, int]] = field(default_factory=list)
+    """Prefetches in issue order: (backend id, oracle id); `Fetch(k)` names the k-th."""
+    storages: tuple[FaultyStorage, ...] = ()
+    """(backend's, oracle's) L3 stores when the config has a storage tier; faults hit both alike."""
     trace_hook: Optional[Callable[[int, Op, Outcome], None]] = None
 
     def __post_init__(self) -> None:
         self.oracle = RefCache(self.config)
+        if self.config.prefetch_policy:
+            self.storages = (FaultyStorage(MemoryStorage()), FaultyStorage(MemoryStorage()))
+            self.backend.attach_storage(self.storages[0])  # type: ignore[attr-defined]
+            self.oracle.attach_storage(self.storages[1])
         self.check(0, None, self.backend.snapshot(), [])
 
     # ------------------------------------------------------------------ running
@@ -85,6 +101,32 @@ class Harness:
         if isinstance(k, int) and not isinstance(k, bool) and 0 <= k < len(self.copies):
             return self.copies[k][side]
         return UNKNOWN_NODE
+
+    def _prefetch(self, k: Any, side: int) -> int:
+        if isinstance(k, int) and not isinstance(k, bool) and 0 <= k < len(self.prefetches):
+            return self.prefetches[k][side]
+        return UNKNOWN_NODE
+
+    def _publish(self, op: Publish) -> None:
+        """Write `op.tokens`' canonical pages into both stores, as a peer engine would."""
+        tokens = tuple(t for t in op.tokens if isinstance(t, int) and not isinstance(t, bool) and t >= 0)
+        digest = l3.canonical_digest(self.config.page_size, self.config.model_id)
+        pairs = l3.stored_pages(op.namespace, tokens, self.config.page_size, self.config.kv_layers, digest)
+        for store in self.storages:
+            store.inner.batch_set([k for k, _ in pairs], [v for _, v in pairs])
+
+    def _fault(self, op: StorageFault) -> None:
+        """Damage both stores alike; a page fault picks the `at`-th of the oracle's keys."""
+        if op.kind in ("corrupt", "drop"):
+            keys = sorted(self.storages[1].inner.contents())
+            if not keys:
+                return
+            key = keys[op.at % len(keys)]
+            for store in self.storages:
+                store.corrupt(key) if op.kind == "corrupt" else store.drop(key)
+            return
+        for store in self.storages:
+            store.arm(op.kind, at=op.at)
 
     @staticmethod
     def _insert(cache: Any, op: Insert) -> InsertOut:
@@ -122,6 +164,19 @@ class Harness:
                 return cache.complete(self._copy(op.copy, side))
             if isinstance(op, Poll):
                 return int(cache.poll())
+            if isinstance(op, Prefetch):
+                request = self.ops[op.handle] if isinstance(op.handle, int) and 0 <= op.handle < len(self.ops) else None
+                node = self._node(op.handle, side, self.host_handles)
+                if not isinstance(request, Match):
+                    return cache.prefetch(node, None, ())  # an unknown handle: the cache rejects the node
+                return int(cache.prefetch(node, request.namespace, request.tokens))
+            if isinstance(op, Fetch):
+                return cache.fetch(self._prefetch(op.prefetch, side))
+            if isinstance(op, CheckPrefetch):
+                got: Optional[int] = cache.check_prefetch(self._prefetch(op.prefetch, side))
+                return got
+            if isinstance(op, AbortPrefetch):
+                return cache.abort_prefetch(self._prefetch(op.prefetch, side))
             raise TypeError(f"not an op: {op!r}")
         except KVCertError as err:
             return err
@@ -134,6 +189,11 @@ class Harness:
         self.backend.set_clock(self.clock)
         self.oracle.set_clock(self.clock)
         before = self.backend.snapshot()
+        if isinstance(op, (StorageFault, Publish)):  # storage-side events: no cache call
+            if self.storages:
+                self._fault(op) if isinstance(op, StorageFault) else self._publish(op)
+            self.check(index, op, before, [])
+            return None
         try:
             got = self._run(self.backend, op, 0)
         except Exception as err:  # a crash is a finding, not a harness error
@@ -167,6 +227,7 @@ class Harness:
                 UNKNOWN_NODE if want.host_node is None else want.host_node,
             )
         self._track_copies(before, after, violations)
+        self._track_prefetches(before, after)
         if self.trace_hook is not None:
             self.trace_hook(index, op, got)
         self.check(index, op, after, violations)
@@ -263,6 +324,13 @@ class Harness:
             self.copies.append((b.id, o.id))
             self._oracle_copy_ids.add(o.id)
 
+    def _track_prefetches(self, before: Snapshot, after: Snapshot) -> None:
+        """Number the prefetches this op issued on both sides (their lists are compared in `check`)."""
+        mine = [p.id for p in after.prefetches if p.id not in {b.id for b in before.prefetches}]
+        known = {o for _, o in self.prefetches}
+        theirs = [p.id for p in self.oracle.prefetches if p.id not in known]
+        self.prefetches += list(zip(mine, theirs))
+
     # ------------------------------------------------------------------ checking
 
     def _compare(
@@ -293,6 +361,17 @@ class Harness:
         if isinstance(op, Poll) and got != want:
             out.append(
                 Violation("INV-COPY-2", f"consumed {got} acks, the spec consumes {want} (finished, in issue order)")
+            )
+        if isinstance(op, Prefetch) and got != want:
+            out.append(Violation("INV-PF-2", f"prefetch asked storage for {got} tokens, the spec asks {want}"))
+        if isinstance(op, CheckPrefetch) and got != want:
+            say = {None: "kept it running"}
+            out.append(
+                Violation(
+                    "INV-PF-3",
+                    f"check_prefetch {say.get(got, f'ended it adding {got} tokens')}; "  # type: ignore[arg-type]
+                    f"the spec {say.get(want, f'ends it adding {want} tokens')}",  # type: ignore[arg-type]
+                )
             )
 
     def _check_handle(self, after: Snapshot, node: int, namespace: Any, tokens: tuple, out: list[Violation]) -> None:
@@ -363,6 +442,13 @@ class Harness:
                 )
             else:
                 violations += self._copy_contents(snap)
+            mine_pf = [(p.requested, p.fetched, p.failed) for p in snap.prefetches]
+            spec_pf = [(p.requested, p.fetched, p.failed) for p in self.oracle.snapshot().prefetches]
+            if mine_pf != spec_pf:
+                violations.append(
+                    Violation("INV-PF-3", f"prefetches (requested, fetched, failed) {mine_pf}, spec says {spec_pf}")
+                )
+            violations += self._storage_contents()
         if violations:
             raise ConformanceFailure(index, op, violations)
 
@@ -385,6 +471,23 @@ class Harness:
                     )
                 ]
         return []
+
+    def _storage_contents(self) -> list[Violation]:
+        """INV-STORE-1: the backend stored exactly the spec's pages, under the spec's keys, with its bytes."""
+        if not self.storages:
+            return []
+        mine, spec = self.storages[0].inner.contents(), self.storages[1].inner.contents()
+        if mine == spec:
+            return []
+        extra, missing = sorted(set(mine) - set(spec)), sorted(set(spec) - set(mine))
+        wrong = sorted(k for k in set(mine) & set(spec) if mine[k] != spec[k])
+        return [
+            Violation(
+                "INV-STORE-1",
+                f"storage differs from the spec's: {len(extra)} extra keys, {len(missing)} missing, "
+                f"{len(wrong)} with other bytes" + (f" (e.g. {(extra + missing + wrong)[0][:16]}…)"),
+            )
+        ]
 
     # ------------------------------------------------------------------ helpers for rules
 
@@ -423,18 +526,48 @@ class Harness:
             if o in self.oracle.nodes and self.oracle.nodes[o].slots is None
         ]
 
-    def quiesce(self) -> None:
-        """Finish every copy, consume every ack, release every lock, evict both tiers: all must come back."""
-        for k, (_, oracle_id) in enumerate(self.copies):
-            if any(c.id == oracle_id and not c.finished for c in self.oracle.copies):
-                self.step(Complete(k))
-        if self.oracle.copies:
+    def prefetch_anchors(self) -> list[int]:
+        """Match ops whose host node is still in the tree: prefetch requests."""
+        return [k for k, (_, o) in self.host_handles.items() if o in self.oracle.nodes]
+
+    def open_prefetches(self) -> list[int]:
+        """Trace indices of prefetches still running."""
+        running = {p.id for p in self.oracle.prefetches}
+        return [k for k, (_, o) in enumerate(self.prefetches) if o in running]
+
+    def fetchable(self) -> list[int]:
+        """Running prefetches with a page left to fetch."""
+        live = {p.id: p for p in self.oracle.prefetches}
+        return [
+            k
+            for k, (_, o) in enumerate(self.prefetches)
+            if o in live and not live[o].failed and live[o].fetched < len(live[o].keys)
+        ]
+
+    def _drain(self) -> None:
+        """Complete every copy and consume every ack, until none is left (a write ack may issue a store)."""
+        while self.oracle.copies:
+            for k, (_, oracle_id) in enumerate(self.copies):
+                if any(c.id == oracle_id and not c.finished for c in self.oracle.copies):
+                    self.step(Complete(k))
             self.step(Poll())
+
+    def quiesce(self) -> None:
+        """Finish every copy and prefetch, consume every ack, release every lock, evict both tiers.
+
+        Afterwards nothing may be left: no node, no slot on either tier, no copy, no prefetch.
+        """
+        for k in self.open_prefetches():
+            while k in self.fetchable():
+                self.step(Fetch(k))
+            self.step(CheckPrefetch(k))
+        self._drain()
         for k in self.locked_handles():
             for _ in range(self.oracle.nodes[self.handles[k][1]].own_locks):
                 self.step(Unlock(k))
         self.step(Evict(self.config.capacity))
         if self.config.host_capacity:
+            self._drain()  # write-back's backups at eviction issue store copies
             self.step(EvictHost(self.config.host_capacity))
         snap = self.backend.snapshot()
         left = {
@@ -442,6 +575,7 @@ class Harness:
             "device slots": snap.capacity - len(snap.free_slots),
             "host slots": snap.host_capacity - len(snap.host_free_slots),
             "pending copies": len(snap.pending),
+            "prefetches": len(snap.prefetches),
         }
         if any(left.values()):
             raise ConformanceFailure(

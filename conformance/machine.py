@@ -19,10 +19,29 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition,
 
 from kvcert.conformance.backend import Factory
 from kvcert.conformance.driver import Harness
-from kvcert.spec.ops import Complete, Evict, EvictHost, Insert, LoadBack, Lock, Match, Op, Poll, Unlock
+from kvcert.spec.ops import (
+    AbortPrefetch,
+    CheckPrefetch,
+    Complete,
+    Evict,
+    EvictHost,
+    Fetch,
+    Insert,
+    LoadBack,
+    Lock,
+    Match,
+    Op,
+    Poll,
+    Prefetch,
+    Publish,
+    StorageFault,
+    Unlock,
+)
 from kvcert.spec.types import CacheConfig, Capabilities
 
 NAMESPACES: tuple[Optional[str], ...] = (None, "lora-a")
+STORAGE_FAULTS = ("error", "partial_write", "torn_write", "corrupt", "drop")
+"""Storage fault kinds; each run switches a random subset on (swarm testing)."""
 MAX_PAGES = 5
 
 
@@ -65,6 +84,7 @@ class CacheMachine(RuleBasedStateMachine):
         self.namespaces = NAMESPACES if self.capabilities.namespaces else (None,)
         self.failed = False
         self.seen: list[tuple[Optional[str], list[int]]] = []
+        self.faults: list[str] = []
 
     bad_input: bool = False
 
@@ -95,9 +115,12 @@ class CacheMachine(RuleBasedStateMachine):
             self.failed = True
             raise
 
-    @initialize()
-    def start(self) -> None:
-        pass
+    @initialize(data=st.data())
+    def start(self, data: st.DataObject) -> None:
+        """Pick this run's fault kinds: a few kinds often beat all kinds always (swarm testing)."""
+        self.faults: list[str] = []
+        if self.storage():
+            self.faults = sorted(data.draw(st.sets(st.sampled_from(STORAGE_FAULTS)), label="fault kinds"))
 
     # ----------------------------------------------------------------- valid traffic
 
@@ -168,9 +191,11 @@ class CacheMachine(RuleBasedStateMachine):
     @rule(data=st.data(), settle=st.booleans())
     def poll(self, data: st.DataObject, settle: bool) -> None:
         """One tick of ack handling; `settle` first finishes every open copy, oldest first."""
-        if settle:
-            for k in self.h.open_copies():
-                self.do(Complete(k))
+        if settle:  # the engine goes idle: every copy lands, including stores issued by write acks
+            while self.h.open_copies():
+                for k in self.h.open_copies():
+                    self.do(Complete(k))
+                self.do(Poll())
         self.do(Poll())
 
     @precondition(lambda self: self.host())
@@ -184,6 +209,48 @@ class CacheMachine(RuleBasedStateMachine):
     def load_back(self, data: st.DataObject) -> None:
         self.do(LoadBack(data.draw(st.sampled_from(self.h.host_hits()), label="match")))
 
+    # ----------------------------------------------------------------- storage tier (SPEC.md §10)
+
+    def storage(self) -> bool:
+        return bool(self.config.prefetch_policy)
+
+    @precondition(lambda self: self.storage())
+    @rule(data=st.data())
+    def prefetch(self, data: st.DataObject) -> None:
+        """A request arrives: match it, then prefetch what follows its host hit from storage."""
+        ns, codes = self.draw_key(data, remember=False)
+        self.do(Match(ns, tokens_of(codes, self.config.page_size)))
+        self.do(Prefetch(len(self.h.ops) - 1))
+
+    @precondition(lambda self: self.storage())
+    @rule(data=st.data())
+    def publish(self, data: st.DataObject) -> None:
+        """A peer engine sharing the store (a prefill node, say) writes a prefix's pages to L3."""
+        ns, codes = self.draw_key(data, remember=True)
+        self.do(Publish(ns, tokens_of(codes, self.config.page_size)))
+
+    @precondition(lambda self: self.storage() and bool(self.h.fetchable()))
+    @rule(data=st.data(), pages=st.integers(1, 3))
+    def fetch(self, data: st.DataObject, pages: int) -> None:
+        """Storage delivers one or a few pages of one prefetch."""
+        k = data.draw(st.sampled_from(self.h.fetchable()), label="prefetch")
+        for _ in range(pages):
+            if k in self.h.fetchable():
+                self.do(Fetch(k))
+
+    @precondition(lambda self: self.storage() and bool(self.h.open_prefetches()))
+    @rule(data=st.data(), abort=st.booleans())
+    def end_prefetch(self, data: st.DataObject, abort: bool) -> None:
+        """check_prefetch_progress, or the request is aborted."""
+        k = data.draw(st.sampled_from(self.h.open_prefetches()), label="prefetch")
+        self.do(AbortPrefetch(k) if abort else CheckPrefetch(k))
+
+    @precondition(lambda self: self.storage() and bool(self.faults))
+    @rule(data=st.data())
+    def storage_fault(self, data: st.DataObject) -> None:
+        kind = data.draw(st.sampled_from(self.faults), label="fault")
+        self.do(StorageFault(kind, data.draw(st.integers(0, 7), label="at")))
+
     # ----------------------------------------------------------------- bad input (strict backends)
 
     def strict(self) -> bool:
@@ -195,8 +262,11 @@ class CacheMachine(RuleBasedStateMachine):
         """One rule for every kind of bad input, so valid traffic keeps most of the steps."""
         ps = self.config.page_size
         if kind == "host" and self.host():
-            bad = data.draw(st.sampled_from(["copy", "evict_host", "load_back"]), label="host defect")
-            if bad == "copy":
+            defects = ["copy", "evict_host", "load_back"] + (["prefetch"] if self.storage() else [])
+            bad = data.draw(st.sampled_from(defects), label="host defect")
+            if bad == "prefetch":
+                self.do(Fetch(10_000) if data.draw(st.booleans(), label="fetch?") else CheckPrefetch(-1))
+            elif bad == "copy":
                 self.do(Complete(data.draw(st.sampled_from([10_000, -1, *self.h.finished_copies()]), label="copy")))
             elif bad == "evict_host":
                 self.do(EvictHost(data.draw(st.sampled_from([-1, 2.5]), label="bad count")))

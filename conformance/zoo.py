@@ -30,6 +30,8 @@ class Mutant:
     policies: tuple[str, ...] = ("lru",)
     write_policies: tuple[str, ...] = ()
     """Host-tier cells to run; () runs the device-only cells."""
+    prefetch_policies: tuple[str, ...] = ()
+    """Storage cells to run (with `write_policies`) instead of the plain host-tier cells."""
 
 
 MUTANTS: tuple[Mutant, ...] = (
@@ -383,6 +385,8 @@ def run_mutant(mutant: Mutant, *, examples: int, steps: int, seed: int, out_dir:
         fail_fast=True,
         write_policies=mutant.write_policies,
         device_cells=not mutant.write_policies,
+        prefetch_policies=mutant.prefetch_policies,
+        host_cells=not mutant.prefetch_policies,
     )
 
 
@@ -392,7 +396,13 @@ def run_control(*, examples: int, steps: int, seed: int, out_dir: Optional[Path]
     configs: list[CacheConfig] = []
     for m in MUTANTS:
         cells, _ = cells_for(
-            caps, m.page_sizes, m.policies, write_policies=m.write_policies, device_cells=not m.write_policies
+            caps,
+            m.page_sizes,
+            m.policies,
+            write_policies=m.write_policies,
+            device_cells=not m.write_policies,
+            prefetch_policies=m.prefetch_policies,
+            host_cells=not m.prefetch_policies,
         )
         configs += [c for c in cells if c not in configs]
     cert = Certificate("kvcert.refimpl:factory", caps.name, seed, examples, steps, caps.strict_input)

@@ -17,8 +17,10 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from kvcert.spec import pages
+from kvcert.spec import storage as l3
 from kvcert.spec.types import (
     POLICIES,
+    PREFETCH_POLICIES,
     WRITE_POLICIES,
     WRITE_THROUGH_THRESHOLD,
     CacheConfig,
@@ -32,6 +34,7 @@ from kvcert.spec.types import (
     Namespace,
     NodeView,
     PendingCopy,
+    PendingPrefetch,
     PoolExhausted,
     SlotNotOwned,
     Snapshot,
@@ -39,6 +42,7 @@ from kvcert.spec.types import (
     Tokens,
     UnalignedKey,
     UnknownCopy,
+    UnknownPrefetch,
 )
 
 _DEFAULT_CONFIG = CacheConfig()
@@ -130,6 +134,25 @@ class Copy:
     finished: bool = False
 
 
+@dataclass(eq=False)
+class Prefetching:
+    """A storage prefetch: host slots reserved for `keys`, filled page by page (SPEC.md §10.4)."""
+
+    id: int
+    anchor: Node
+    namespace: Namespace
+    tokens: Tokens
+    """The anchor's path followed by the requested pages."""
+    start: int
+    """Where the requested pages begin in `tokens` (the anchor path's length)."""
+    keys: tuple[str, ...]
+    host_slots: tuple[int, ...]
+    issued_at: int
+    fetched: int = 0
+    """Pages fetched and verified, from the first."""
+    failed: bool = False
+
+
 def _check_count(n: object) -> None:
     if not isinstance(n, int) or isinstance(n, bool) or n < 0:
         raise InvalidCount(f"count must be a non-negative int, got {n!r}")
@@ -159,6 +182,7 @@ class RefCache:
         namespaces=True,
         strict_input=True,
         write_policies=WRITE_POLICIES,
+        prefetch_policies=PREFETCH_POLICIES,
     )
 
     def __init__(self, config: CacheConfig = _DEFAULT_CONFIG) -> None:
@@ -168,6 +192,8 @@ class RefCache:
             raise ValueError("capacities must be whole pages")
         if config.host_capacity and config.write_policy not in WRITE_POLICIES:
             raise ValueError(f"unknown write policy {config.write_policy!r}")
+        if config.prefetch_policy and (config.prefetch_policy not in PREFETCH_POLICIES or not config.host_capacity):
+            raise ValueError(f"prefetch policy {config.prefetch_policy!r} needs a host tier and one of {PREFETCH_POLICIES}")
         self.page_size = config.page_size
         self.policy = config.policy
         self.pool = SlotPool(config.capacity, config.page_size)
@@ -187,6 +213,13 @@ class RefCache:
         """Tie-break for evictions made inside other operations (write-backup, load-back); the harness steers it."""
         self.reclaim: Optional[Chooser] = None
         """Which duplicate backup write-back's host eviction drops next (any order is legal); the harness steers it."""
+        self.prefetch_policy = config.prefetch_policy
+        self.timeout = (config.prefetch_timeout_base, config.prefetch_timeout_per_page)
+        self.kv_layers = config.kv_layers
+        self.digest = l3.canonical_digest(config.page_size, config.model_id)
+        self.storage: Optional[l3.StorageBackend] = None
+        self.prefetches: list[Prefetching] = []
+        self._next_prefetch = 0
 
     # ------------------------------------------------------------------ helpers
 
@@ -397,7 +430,8 @@ class RefCache:
                 break
             victim = self._pick(leaves, choose)
             if victim.host_slots is None and self.write_policy == "write_back":
-                self._write_backup(victim)  # the engine waits for this copy (writing_check(write_back=True))
+                if self._write_backup(victim):  # the engine waits for this copy (writing_check(write_back=True))
+                    self._store([victim])
             if victim.host_slots is not None:
                 self._demote(victim)
             else:
@@ -546,17 +580,26 @@ class RefCache:
         return size
 
     def complete(self, copy_id: int) -> None:
-        """The copy engine finished copy `copy_id`; its ack waits for `poll`."""
+        """The copy engine finished copy `copy_id`; its ack waits for `poll`.
+
+        A store copy writes its pages to storage now, in one `batch_set` (SPEC.md §10.3).
+        """
         ok = isinstance(copy_id, int) and not isinstance(copy_id, bool)
         copy = next((c for c in self.copies if ok and c.id == copy_id and not c.finished), None)
         if copy is None:
             raise UnknownCopy(f"no pending copy {copy_id!r}")
         copy.finished = True
+        if copy.kind == "store" and self.storage is not None:
+            keys, values = self._pages_of(copy.nodes)
+            try:
+                self.storage.batch_set(keys, values)
+            except l3.StorageError:
+                pass  # a failed write is simply not stored: later lookups miss
 
     def poll(self) -> int:
         """Consume finished acks in issue order, per kind, stopping at the first unfinished one."""
         consumed = 0
-        for kind in ("write", "load"):
+        for kind in ("write", "load", "store"):
             for copy in [c for c in self.copies if c.kind == kind]:
                 if not copy.finished:
                     break
@@ -566,7 +609,153 @@ class RefCache:
                 for n in copy.host_locked:
                     n.host_lock_ref -= 1
                 consumed += 1
+                if kind == "write":
+                    self._store(copy.nodes)
         return consumed
+
+    # ------------------------------------------------------------------ storage tier (SPEC.md §10)
+
+    def attach_storage(self, storage: l3.StorageBackend) -> None:
+        """The harness hands over the L3 store (it owns it, to inject faults)."""
+        self.storage = storage
+
+    def _full_path(self, node: Node) -> Tokens:
+        return tuple(t for n in reversed(self._path_to_root(node)) for t in n.key)
+
+    def _pages_of(self, nodes: list[Node]) -> tuple[list[str], list[bytes]]:
+        """Keys and records of every page of `nodes`, shallowest first."""
+        keys: list[str] = []
+        values: list[bytes] = []
+        for node in sorted((n for n in nodes if n.id in self.nodes), key=lambda n: len(self._full_path(n))):
+            path = self._full_path(node)
+            all_keys = l3.page_keys(node.namespace, path, self.page_size, self.digest)
+            for page in range((len(path) - len(node.key)) // self.page_size, len(path) // self.page_size):
+                payload = l3.page_payload(node.namespace, path, page, self.page_size, self.kv_layers)
+                keys.append(all_keys[page])
+                values.append(l3.encode_page(all_keys[page], payload))
+        return keys, values
+
+    def _store(self, nodes: list[Node]) -> None:
+        """Back freshly written host copies up to storage: one store copy, host-locking its nodes."""
+        if self.storage is None or not nodes:
+            return
+        for n in nodes:
+            n.host_lock_ref += 1
+        self.copies.append(Copy(self._next_copy, "store", list(nodes), anchors=[], host_locked=list(nodes)))
+        self._next_copy += 1
+
+    def _prefetching(self, prefetch_id: object) -> Prefetching:
+        ok = isinstance(prefetch_id, int) and not isinstance(prefetch_id, bool)
+        found = next((p for p in self.prefetches if ok and p.id == prefetch_id), None)
+        if found is None:
+            raise UnknownPrefetch(f"no running prefetch {prefetch_id!r}")
+        return found
+
+    def prefetch(self, node_id: int, namespace: Namespace, tokens: Sequence[int]) -> int:
+        """Reserve host room for the stored pages that follow `node_id`'s path in `tokens`.
+
+        Returns the tokens requested: the run of consecutive pages storage holds, or 0
+        (nothing stored, or no host room even after host eviction: declined). The anchor
+        is host-protected until the prefetch ends.
+        """
+        anchor = self._live(node_id)
+        key = _check_tokens(tokens)
+        key = key[: pages.page_floor(len(key), self.page_size)]
+        start = len(self._full_path(anchor))
+        if self.storage is None or key[:start] != self._full_path(anchor) or len(key) <= start:
+            return 0
+        if anchor is not self.root and anchor.namespace != namespace:
+            return 0
+        keys = l3.page_keys(namespace, key, self.page_size, self.digest)[start // self.page_size :]
+        hit = self.storage.batch_exists(keys)
+        size = hit * self.page_size
+        if size == 0 or self.host is None:
+            return 0
+        if anchor is not self.root:
+            anchor.host_lock_ref += 1  # before making room: the anchor must not be the room made
+        if len(self.host.free_list) < size:
+            self.evict_host(size - len(self.host.free_list), choose=self.steer)
+        if len(self.host.free_list) < size:
+            if anchor is not self.root:
+                anchor.host_lock_ref -= 1
+            return 0
+        slots = self.host.alloc(size)
+        self.host.adopt(slots)
+        self.prefetches.append(
+            Prefetching(self._next_prefetch, anchor, namespace, key[: start + size], start, keys[:hit], slots, self.now)
+        )
+        self._next_prefetch += 1
+        return size
+
+    def fetch(self, prefetch_id: int) -> None:
+        """Storage delivers the prefetch's next page: one `batch_get`, verified before it counts."""
+        p = self._prefetching(prefetch_id)
+        if p.failed or p.fetched == len(p.keys):
+            raise UnknownPrefetch(f"prefetch {prefetch_id} has no page left to fetch")
+        assert self.storage is not None
+        key = p.keys[p.fetched]
+        page = p.start // self.page_size + p.fetched
+        try:
+            blob = self.storage.batch_get([key])[0]
+        except l3.StorageError:
+            blob = None
+        payload = l3.decode_page(key, blob)
+        if payload is not None and payload == l3.page_payload(p.namespace, p.tokens, page, self.page_size, self.kv_layers):
+            p.fetched += 1
+        else:
+            p.failed = True  # a miss, a torn or corrupt page: never wrong KV
+
+    def check_prefetch(self, prefetch_id: int) -> Optional[int]:
+        """End the prefetch if its stop policy allows; then insert what was fetched.
+
+        None: still running. Otherwise the tokens added to the tree as host-only nodes.
+        """
+        p = self._prefetching(prefetch_id)
+        done = p.failed or p.fetched == len(p.keys)
+        base, per_page = self.timeout
+        if not (
+            done
+            or self.prefetch_policy == "best_effort"
+            or (self.prefetch_policy == "timeout" and self.now - p.issued_at > base + per_page * len(p.keys))
+        ):
+            return None
+        return self._end_prefetch(p, keep=p.fetched * self.page_size)
+
+    def abort_prefetch(self, prefetch_id: int) -> None:
+        """The request is gone: release everything, insert nothing."""
+        self._end_prefetch(self._prefetching(prefetch_id), keep=0)
+
+    def _end_prefetch(self, p: Prefetching, keep: int) -> int:
+        """Insert the first `keep` prefetched tokens below the anchor as host-only nodes; free the rest."""
+        assert self.host is not None
+        self.prefetches.remove(p)
+        if p.anchor is not self.root:
+            p.anchor.host_lock_ref -= 1
+        node, at, added = p.anchor, p.start, 0
+        end = p.start + keep
+        while at < end:
+            child = node.children.get(self._selector(p.namespace, p.tokens[at:end]))
+            if child is None:
+                leaf = self._new_node(
+                    parent=node,
+                    namespace=p.namespace,
+                    key=p.tokens[at:end],
+                    slots=None,
+                    host_slots=p.host_slots[at - p.start : keep],
+                    last_access=self.now,
+                    creation=self.now,
+                )
+                node.children[self._selector(p.namespace, leaf.key)] = leaf
+                added, at = end - at, end
+                break
+            n = pages.match_len(child.key, p.tokens[at:end], self.page_size)
+            if n < len(child.key):
+                child = self._split(child, n)
+            if child.host_slots is None:
+                break  # a device node without a backup: nothing may hang below it on the host alone
+            node, at = child, at + n
+        self.host.release(p.host_slots[: at - p.start - added] + p.host_slots[at - p.start :])
+        return added
 
     # ------------------------------------------------------------------ observation
 
@@ -597,6 +786,12 @@ class RefCache:
             host_free_slots=self.host.free_slots() if self.host else (),
             write_policy=self.write_policy,
             pending=tuple(PendingCopy(c.id, c.kind, tuple(n.id for n in c.nodes), c.finished) for c in self.copies),
+            prefetches=tuple(
+                PendingPrefetch(
+                    p.id, p.anchor.id, len(p.keys) * self.page_size, p.fetched * self.page_size, p.failed, p.host_slots
+                )
+                for p in self.prefetches
+            ),
         )
 
 

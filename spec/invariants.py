@@ -192,12 +192,16 @@ def host_prefix_closed(s: Snapshot) -> list[str]:
 
 
 def host_pool_closes(s: Snapshot) -> list[str]:
-    """INV-HOST-4: free host slots + host slots held by the tree == host capacity."""
+    """INV-HOST-4: free host slots + host slots held by the tree + prefetch reservations == host capacity."""
     held = sum(len(n.host_slots or ()) for n in _non_root(s))
-    total = held + len(s.host_free_slots)
+    reserved = sum(len(p.host_slots) for p in s.prefetches)
+    total = held + reserved + len(s.host_free_slots)
     if total == s.host_capacity:
         return []
-    return [f"host free {len(s.host_free_slots)} + tree {held} = {total} != host capacity {s.host_capacity}"]
+    return [
+        f"host free {len(s.host_free_slots)} + tree {held} + prefetch {reserved} = {total} "
+        f"!= host capacity {s.host_capacity}"
+    ]
 
 
 def host_slots_owned_once(s: Snapshot) -> list[str]:
@@ -205,11 +209,35 @@ def host_slots_owned_once(s: Snapshot) -> list[str]:
     owners: Counter[int] = Counter(s.host_free_slots)
     for n in _non_root(s):
         owners.update(n.host_slots or ())
+    for p in s.prefetches:
+        owners.update(p.host_slots)
     out = [f"host slot {x} owned {c} times" for x, c in sorted(owners.items()) if c > 1]
     out += [f"host slot {x} outside [0, {s.host_capacity})" for x in sorted(owners) if not 0 <= x < s.host_capacity]
     if s.page_size > 1:
         owned = [(n.id, n.host_slots) for n in _non_root(s) if n.host_slots is not None]
+        owned += [(-1 - p.id, p.host_slots) for p in s.prefetches]
         out += [f"host: {m}" for m in _paged(s.page_size, owned, s.host_free_slots)]
+    return out
+
+
+def prefetches_sane(s: Snapshot) -> list[str]:
+    """INV-PF-1: a running prefetch hangs from a live, host-protected anchor and reserves whole pages.
+
+    Its anchor is the root or a backed-up node; `fetched` never exceeds `requested`, and it
+    reserves exactly `requested` host slots.
+    """
+    nodes = s.by_id()
+    out = []
+    for p in s.prefetches:
+        anchor = nodes.get(p.anchor)
+        if anchor is None:
+            out.append(f"prefetch {p.id}: anchor {p.anchor} left the tree")
+        elif anchor.id != s.root and (anchor.host_slots is None or anchor.host_lock_ref <= 0):
+            out.append(f"prefetch {p.id}: anchor {p.anchor} is not a host-protected backup")
+        if not 0 <= p.fetched <= p.requested or p.requested % s.page_size or p.fetched % s.page_size:
+            out.append(f"prefetch {p.id}: fetched {p.fetched} of {p.requested} tokens")
+        if len(p.host_slots) != p.requested:
+            out.append(f"prefetch {p.id}: reserves {len(p.host_slots)} host slots for {p.requested} tokens")
     return out
 
 
@@ -233,6 +261,9 @@ def copies_pinned(s: Snapshot) -> list[str]:
             n = nodes.get(nid)
             if n is None:
                 out.append(f"{copy.kind} copy {copy.id} moves node {nid}, which left the tree")
+            elif copy.kind == "store":
+                if n.host_slots is None or n.host_lock_ref <= 0:
+                    out.append(f"store copy {copy.id}: node {nid} backed up {n.host_slots is not None}, host_lock_ref {n.host_lock_ref}")
             elif n.lock_ref <= 0 or n.slots is None or n.host_slots is None:
                 out.append(f"{copy.kind} copy {copy.id}: node {nid} lock_ref {n.lock_ref}, on device {n.slots is not None}, backed up {n.host_slots is not None}")
         present = [nid for nid in copy.nodes if nid in nodes]
@@ -271,6 +302,7 @@ SNAPSHOT_INVARIANTS: dict[str, Callable[[Snapshot], list[str]]] = {
     "INV-HOST-5": host_slots_owned_once,
     "INV-HOST-6": copies_pinned,
     "INV-HOST-7": host_locks_sane,
+    "INV-PF-1": prefetches_sane,
 }
 
 

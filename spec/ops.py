@@ -87,8 +87,91 @@ class Poll:
     """One scheduler tick of ack handling (SGLang's writing_check + loading_check)."""
 
 
-Op = Union[Insert, Match, Lock, Unlock, Evict, EvictHost, LoadBack, Complete, Poll]
-OP_TYPES: dict[str, type] = {t.__name__: t for t in (Insert, Match, Lock, Unlock, Evict, EvictHost, LoadBack, Complete, Poll)}
+@dataclass(frozen=True)
+class Prefetch:
+    """Prefetch from storage the rest of the Match at op `handle`, below its `host_node`."""
+
+    handle: int
+
+
+@dataclass(frozen=True)
+class Fetch:
+    """Storage delivers the next page of prefetch `prefetch` (the prefetch-th issued, from 0)."""
+
+    prefetch: int
+
+
+@dataclass(frozen=True)
+class CheckPrefetch:
+    """check_prefetch_progress on prefetch `prefetch`: end it if its stop policy says so."""
+
+    prefetch: int
+
+
+@dataclass(frozen=True)
+class AbortPrefetch:
+    """The request behind prefetch `prefetch` is aborted: end it, keeping nothing."""
+
+    prefetch: int
+
+
+@dataclass(frozen=True)
+class Publish:
+    """Another engine sharing the L3 store stored `tokens`' pages (canonical records, both sides alike)."""
+
+    namespace: Optional[str]
+    tokens: tuple[Any, ...]
+
+
+@dataclass(frozen=True)
+class StorageFault:
+    """Damage storage on both sides alike: arm a call fault, or corrupt / drop the `at`-th stored page.
+
+    `kind` is "error", "partial_write" or "torn_write" (the next storage call that can
+    fail does), or "corrupt" / "drop" (page `at` of the oracle's stored keys, sorted).
+    """
+
+    kind: str
+    at: int = 0
+
+
+Op = Union[
+    Insert,
+    Match,
+    Lock,
+    Unlock,
+    Evict,
+    EvictHost,
+    LoadBack,
+    Complete,
+    Poll,
+    Prefetch,
+    Fetch,
+    CheckPrefetch,
+    AbortPrefetch,
+    Publish,
+    StorageFault,
+]
+OP_TYPES: dict[str, type] = {
+    t.__name__: t
+    for t in (
+        Insert,
+        Match,
+        Lock,
+        Unlock,
+        Evict,
+        EvictHost,
+        LoadBack,
+        Complete,
+        Poll,
+        Prefetch,
+        Fetch,
+        CheckPrefetch,
+        AbortPrefetch,
+        Publish,
+        StorageFault,
+    )
+}
 HANDLE_PRODUCERS = (Insert, Match)
 
 

@@ -20,6 +20,9 @@ POLICIES: tuple[str, ...] = ("lru", "lfu", "fifo", "mru", "priority")
 WRITE_POLICIES: tuple[str, ...] = ("write_through", "write_through_selective", "write_back")
 """Host-tier write policies (SPEC.md §9.2)."""
 
+PREFETCH_POLICIES: tuple[str, ...] = ("best_effort", "wait_complete", "timeout")
+"""When `check_prefetch` ends a storage prefetch (SPEC.md §10.4; SGLang's prefetch stop policies)."""
+
 WRITE_THROUGH_THRESHOLD = {"write_through": 1, "write_through_selective": 2}
 """Hits after which a node is backed up, per write-through policy (SGLang's defaults)."""
 
@@ -65,6 +68,10 @@ class LockUnderflow(BadInput):
 
 class SlotNotOwned(BadInput):
     """A slot passed to free/insert is not the caller's (free already, or the tree's)."""
+
+
+class UnknownPrefetch(BadInput):
+    """fetch/check_prefetch/abort_prefetch named a prefetch that is not running (or has no page left)."""
 
 
 class PoolExhausted(KVCertError):
@@ -120,6 +127,8 @@ class Snapshot:
     """The write policy in force ("" for a device-only cache)."""
     pending: tuple[PendingCopy, ...] = ()
     """Copies issued and not yet acknowledged, in issue order."""
+    prefetches: tuple[PendingPrefetch, ...] = ()
+    """Storage prefetches issued and not yet ended, in issue order (SPEC.md §10)."""
 
     def by_id(self) -> dict[int, NodeView]:
         return {n.id: n for n in self.nodes}
@@ -155,10 +164,27 @@ class PendingCopy:
 
     id: int
     kind: str
-    """"write" (device to host) or "load" (host to device)."""
+    """"write" (device to host), "load" (host to device) or "store" (host to storage)."""
     nodes: tuple[int, ...]
     finished: bool = False
     """The copy engine has finished; the cache has not yet consumed the ack."""
+
+
+@dataclass(frozen=True)
+class PendingPrefetch:
+    """A storage prefetch in flight: pages reserved on the host, fetched one by one (SPEC.md §10.4)."""
+
+    id: int
+    anchor: int
+    """The node the fetched pages will hang below (host-protected meanwhile)."""
+    requested: int
+    """Tokens asked of storage (whole pages)."""
+    fetched: int
+    """Tokens fetched and verified so far, from the start."""
+    failed: bool
+    """A page came back missing or corrupt: nothing after it will be used."""
+    host_slots: tuple[int, ...]
+    """Host slots reserved for the requested pages."""
 
 
 # --------------------------------------------------------------------------- results
@@ -206,6 +232,15 @@ class CacheConfig:
     """write_through, write_through_selective or write_back (with a host tier)."""
     load_back_threshold: int = 1
     """load_back refuses fewer host tokens than this (SGLang: 10)."""
+    prefetch_policy: str = ""
+    """A storage tier's stop policy (PREFETCH_POLICIES); "" builds a cache without storage."""
+    prefetch_timeout_base: int = 4
+    """timeout policy: a prefetch may be ended after base + per_page * pages ticks of the logical clock."""
+    prefetch_timeout_per_page: int = 1
+    model_id: str = "kvcert-synthetic"
+    """Part of the storage compatibility digest: caches of different models never share pages."""
+    kv_layers: int = 2
+    """Layers of synthetic KV per token in stored pages (`kvcert.spec.storage.page_payload`)."""
 
 
 @dataclass(frozen=True)
@@ -220,4 +255,6 @@ class Capabilities:
     """True: bad input raises a `BadInput` subclass and changes nothing."""
     write_policies: tuple[str, ...] = ()
     """Host-tier write policies supported; () for a device-only cache."""
+    prefetch_policies: tuple[str, ...] = ()
+    """Storage-tier stop policies supported; () for a cache without storage."""
     notes: tuple[str, ...] = field(default_factory=tuple)
