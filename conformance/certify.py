@@ -37,6 +37,8 @@ HOST_CELL_DEVICE_PAGES = 6
 
 STORAGE_PAGE_SIZES = (1, 4, 16)
 """Page sizes of the storage cells (write policy x prefetch stop policy x page size)."""
+STORAGE_HOST_PAGES = 8
+"""Host pool of a storage cell, in pages: small, so pages live in storage alone and prefetch finds them."""
 
 
 def _tier(config: CacheConfig) -> str:
@@ -236,7 +238,7 @@ def cells_for(
             page_size=ps,
             policy=pol,
             capacity=HOST_CELL_DEVICE_PAGES * ps,
-            host_capacity=HOST_PAGES * ps,
+            host_capacity=STORAGE_HOST_PAGES * ps,
             write_policy=wp,
             load_back_threshold=ps,
             prefetch_policy=pf,

@@ -288,7 +288,9 @@ class Harness:
             return n is self.oracle.root or (n.slots is None) == host
 
         def locked(n: Any) -> bool:
-            return n.lock_ref > 0 or (host and n.host_lock_ref > 0)
+            if host:
+                return n.lock_ref > 0 or n.host_lock_ref > 0
+            return n.lock_ref > 0 or (n.host_slots is None and self.oracle.pins_subtree(n))
 
         gone = set(paths_of(before).values()) - set(paths_of(after).values())
         oracle_snap = self.oracle.snapshot()

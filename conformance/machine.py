@@ -218,7 +218,7 @@ class CacheMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def prefetch(self, data: st.DataObject) -> None:
         """A request arrives: match it, then prefetch what follows its host hit from storage."""
-        ns, codes = self.draw_key(data, remember=False)
+        ns, codes = self.draw_key(data, remember=True)
         self.do(Match(ns, tokens_of(codes, self.config.page_size)))
         self.do(Prefetch(len(self.h.ops) - 1))
 
@@ -228,6 +228,13 @@ class CacheMachine(RuleBasedStateMachine):
         """A peer engine sharing the store (a prefill node, say) writes a prefix's pages to L3."""
         ns, codes = self.draw_key(data, remember=True)
         self.do(Publish(ns, tokens_of(codes, self.config.page_size)))
+
+    @precondition(lambda self: self.storage())
+    @rule()
+    def pressure(self) -> None:
+        """A load spike empties both memory tiers; only storage keeps the pages (and locks keep theirs)."""
+        self.do(Evict(self.config.capacity))
+        self.do(EvictHost(self.config.host_capacity))
 
     @precondition(lambda self: self.storage() and bool(self.h.fetchable()))
     @rule(data=st.data(), pages=st.integers(1, 3))

@@ -133,8 +133,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "eviction candidates ignore lock_ref: a node in use is freed",
         (
             (
-                "if n is not self.root and n.slots is not None and n.lock_ref == 0",
-                "if n is not self.root and n.slots is not None",
+                "            and n.slots is not None\n            and n.lock_ref == 0\n            and not any(",
+                "            and n.slots is not None\n            and not any(",
             ),
         ),
     ),
@@ -335,7 +335,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "host_leaves_ignore_locks",
         "the host-leaf set is computed from the host lock alone: a locked host-only node is host-evicted",
-        (("            and n.lock_ref == 0\n", ""),),
+        (("            and not n.children\n            and n.lock_ref == 0\n", "            and not n.children\n"),),
         page_sizes=(1,),
         write_policies=("write_back",),
     ),
@@ -345,6 +345,90 @@ MUTANTS: tuple[Mutant, ...] = (
         (("            if child in copy.nodes:\n                copy.nodes.append(head)\n", ""),),
         page_sizes=(1,),
         write_policies=("write_through",),
+    ),
+    # ------------------------------------------------------------------ storage tier (SPEC.md §10)
+    Mutant(
+        "prefetch_zero_of_zero",
+        "a prefetch with no stored page is issued anyway and reports '0 of 0 pages' complete",
+        (("        if size == 0 or self.host is None:\n", "        if self.host is None:\n"),),
+        page_sizes=(1,),
+        write_policies=("write_through",),
+        prefetch_policies=("wait_complete",),
+    ),
+    Mutant(
+        "failed_store_visible",
+        "the cache indexes pages it meant to store, so a failed storage write stays visible to lookups",
+        (
+            (
+                "                self.storage.batch_set(keys, values)\n",
+                "                self._index = getattr(self, '_index', set()) | set(keys)\n"
+                "                self.storage.batch_set(keys, values)\n",
+            ),
+            (
+                "        hit = self.storage.batch_exists(keys)\n",
+                "        hit = next((i for i, k in enumerate(keys) if k not in getattr(self, '_index', set())"
+                " and not self.storage.batch_exists([k])), len(keys))\n",
+            ),
+        ),
+        page_sizes=(1,),
+        write_policies=("write_through",),
+        prefetch_policies=("wait_complete",),
+    ),
+    Mutant(
+        "prefetch_evicts_own_anchor",
+        "a prefetch makes host room before protecting its anchor, and may evict the anchor itself",
+        (
+            (
+                "        if anchor is not self.root:\n"
+                "            anchor.host_lock_ref += 1  # before making room: the anchor must not be the room made\n",
+                "",
+            ),
+            (
+                "            if anchor is not self.root:\n                anchor.host_lock_ref -= 1\n            return 0\n",
+                "            return 0\n",
+            ),
+            (
+                "        slots = self.host.alloc(size)\n        self.host.adopt(slots)\n",
+                "        slots = self.host.alloc(size)\n        self.host.adopt(slots)\n"
+                "        if anchor is not self.root:\n            anchor.host_lock_ref += 1\n",
+            ),
+        ),
+        page_sizes=(1,),
+        write_policies=("write_through",),
+        prefetch_policies=("best_effort",),
+    ),
+    Mutant(
+        "fetch_trusts_storage",
+        "a fetched page is used without its checksum and content check: a torn or corrupt page becomes KV",
+        (
+            (
+                "        if payload is not None and payload == l3.page_payload(",
+                "        if blob is not None or payload == l3.page_payload(",
+            ),
+        ),
+        page_sizes=(1,),
+        write_policies=("write_through",),
+        prefetch_policies=("wait_complete",),
+    ),
+    Mutant(
+        "deferred_prefetch_never_retriggered",
+        "a request whose prefetch found nothing is never prefetched again, even once storage has it (seed 003)",
+        (
+            (
+                "        if size == 0 or self.host is None:\n            return 0\n",
+                "        if size == 0 or self.host is None:\n"
+                "            self._tried = getattr(self, '_tried', set()) | {(namespace, key)}\n"
+                "            return 0\n",
+            ),
+            (
+                "        keys = l3.page_keys(namespace, key, self.page_size, self.digest)[start // self.page_size :]\n",
+                "        if (namespace, key) in getattr(self, '_tried', set()):\n            return 0\n"
+                "        keys = l3.page_keys(namespace, key, self.page_size, self.digest)[start // self.page_size :]\n",
+            ),
+        ),
+        page_sizes=(1,),
+        write_policies=("write_through",),
+        prefetch_policies=("best_effort",),
     ),
 )
 

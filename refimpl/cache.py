@@ -148,6 +148,8 @@ class Prefetching:
     keys: tuple[str, ...]
     host_slots: tuple[int, ...]
     issued_at: int
+    host_locked: list[Node] = field(default_factory=list)
+    """The anchor's host-lock segment: the anchor, and every head split off it meanwhile."""
     fetched: int = 0
     """Pages fetched and verified, from the first."""
     failed: bool = False
@@ -268,6 +270,9 @@ class RefCache:
                 copy.nodes.append(head)
             if child in copy.host_locked:
                 copy.host_locked.append(head)
+        for p in self.prefetches:  # so does a prefetch's protection of its anchor
+            if child in p.host_locked:
+                p.host_locked.append(head)
         return head
 
     def _walk(self, namespace: Namespace, key: Tokens, on_node: Callable[[Node], None]) -> tuple[int, list[Node]]:
@@ -413,12 +418,26 @@ class RefCache:
         self._lock_path(node, -1)
 
     def evictable_leaves(self) -> list[Node]:
-        """Device eviction candidates: unlocked, on device, no child on device."""
+        """Device eviction candidates: unlocked, on device, no child on device.
+
+        A node without a backup is dropped with its host-only subtree, so it is no
+        candidate while that subtree holds a protected host copy (SPEC.md §9.3).
+        """
         return [
             n
             for n in self.nodes.values()
-            if n is not self.root and n.slots is not None and n.lock_ref == 0 and not any(c.slots is not None for c in n.children.values())
+            if n is not self.root
+            and n.slots is not None
+            and n.lock_ref == 0
+            and not any(c.slots is not None for c in n.children.values())
+            and (n.host_slots is not None or not self.pins_subtree(n))
         ]
+
+    def pins_subtree(self, node: Node) -> bool:
+        """Whether a host-only node below `node` is locked or host-protected."""
+        return any(
+            c.lock_ref > 0 or c.host_lock_ref > 0 or self.pins_subtree(c) for c in node.children.values() if c.slots is None
+        )
 
     def evict(self, n: int, choose: Optional[Chooser] = None) -> int:
         """Free device KV of minimal-rank candidates until `n` tokens are freed or none is left."""
@@ -430,8 +449,7 @@ class RefCache:
                 break
             victim = self._pick(leaves, choose)
             if victim.host_slots is None and self.write_policy == "write_back":
-                if self._write_backup(victim):  # the engine waits for this copy (writing_check(write_back=True))
-                    self._store([victim])
+                self._write_backup(victim)  # the engine waits for this copy (writing_check(write_back=True))
             if victim.host_slots is not None:
                 self._demote(victim)
             else:
@@ -681,8 +699,11 @@ class RefCache:
             return 0
         slots = self.host.alloc(size)
         self.host.adopt(slots)
+        locked = [anchor] if anchor is not self.root else []
         self.prefetches.append(
-            Prefetching(self._next_prefetch, anchor, namespace, key[: start + size], start, keys[:hit], slots, self.now)
+            Prefetching(
+                self._next_prefetch, anchor, namespace, key[: start + size], start, keys[:hit], slots, self.now, locked
+            )
         )
         self._next_prefetch += 1
         return size
@@ -729,8 +750,8 @@ class RefCache:
         """Insert the first `keep` prefetched tokens below the anchor as host-only nodes; free the rest."""
         assert self.host is not None
         self.prefetches.remove(p)
-        if p.anchor is not self.root:
-            p.anchor.host_lock_ref -= 1
+        for n in p.host_locked:
+            n.host_lock_ref -= 1
         node, at, added = p.anchor, p.start, 0
         end = p.start + keep
         while at < end:

@@ -37,6 +37,13 @@ counters and restores them afterwards, so ids and stamps depend only on this
 driver's op sequence. The Rust core mints ids per instance (root is 1) and
 keeps its own counters. Not thread-safe; no L3 storage threads unless
 ``storage_dir`` is set.
+
+Observation. The Python core is read off its node objects. The Rust core has
+none; it is read through the tree-core interface only (``_snapshot_interface``,
+SGLANG_HICACHE_NOTES.md §8), and what that interface hides is kept in ledgers
+of SGLang's own calls into the core: ``host_lock_ref`` (:class:`HostLockLedger`)
+and the nodes an in-flight load moves (:class:`LoadLedger`). Both are held to
+the Python core's node objects by the smoke tests.
 """
 
 from __future__ import annotations
@@ -294,8 +301,10 @@ class SGLangHiCache:
             for ct, i in _comp_base._COMPONENT_UUID_RANGE_INDEX.items()
         }
         self._op_counter = 0
-        self._known_paths: dict[int, tuple[Optional[str], tuple[int, ...]]] = {}
-        """Rust core: a node id -> (namespace, tokens of a key whose walk ends at or below it)."""
+        self._inserted: dict[Optional[str], set[tuple[int, ...]]] = {}
+        """Every key inserted, per namespace: the candidates for the tokens of a node (_snapshot_interface)."""
+        self._paths: dict[int, tuple[Optional[str], tuple[int, ...]]] = {}
+        """Interface reader: node id -> (namespace, its root path), once learned (a node's path never changes)."""
         self._tmp = tempfile.TemporaryDirectory(prefix="kvcert-hicache-") if config.storage_dir == "" else None
         storage_dir = self._tmp.name if self._tmp is not None else config.storage_dir
 
@@ -355,6 +364,10 @@ class SGLangHiCache:
             if config.host_tier:
                 self.cache.init_hicache(self.args, self.params)
         self.is_rust = type(self.cache.tree_core).__name__.startswith("Rust")
+        self.host_lock_ledger = HostLockLedger(self.cache.tree_core)
+        """host_lock_ref as SGLang's own inc/dec_host_lock_ref calls leave it (the Rust core hides the counter)."""
+        self.load_ledger = LoadLedger(self.cache.tree_core)
+        """The nodes each in-flight load moves (its ack names only the anchor)."""
         if not config.host_tier:
             return
         # init_hicache registers cache.shutdown with atexit (unified_radix_cache.py:577), which pins every
@@ -465,7 +478,7 @@ class SGLangHiCache:
         return int(self.allocator.available_size())
 
     def host_free(self) -> int:
-        return int(self.host_pool.available_size())
+        return int(self.host_pool.available_size()) if self.config.host_tier else 0
 
     # ------------------------------------------------------------------ cache ops
 
@@ -479,17 +492,14 @@ class SGLangHiCache:
             res = self.cache.insert(params)
             if self.config.auto_submit:
                 self.cache.flush_pending_backups()
-        node = int(res.last_device_node)
-        self._known_paths[node] = (ns, tuple(tokens))
-        return int(res.prefix_len), node
+        self._inserted.setdefault(ns, set()).add(tuple(int(t) for t in tokens))
+        return int(res.prefix_len), int(res.last_device_node)
 
     def match_prefix(self, ns: Optional[str], tokens: Sequence[int]) -> Match:
         """Longest cached prefix; may split a node (and touch LRU stamps) as a side effect."""
         with self._in_sglang():
             res = self.cache.match_prefix(SG.MatchPrefixParams(key=self._key(ns, tokens)))
         self.last_match = res
-        for node in (res.last_device_node, res.last_host_node):
-            self._known_paths.setdefault(int(node), (ns, tuple(tokens)))
         return Match(
             int(res.device_prefix_len), int(res.host_hit_length), int(res.last_device_node), int(res.last_host_node)
         )
@@ -574,8 +584,41 @@ class SGLangHiCache:
 
     def pending(self) -> list[int]:
         """Op ids whose acks SGLang has not consumed yet, oldest first."""
+        if not self.config.host_tier:
+            return []
         live = [ack.finish_event._op.op_id for ack in (*self.cc.ack_write_queue, *self.cc.ack_load_queue)]
         return sorted(live)
+
+    def copies(self, parents: Optional[dict[int, int]] = None) -> list[tuple[int, str, tuple[int, ...], bool]]:
+        """Unconsumed acks, oldest first: (op id, "write" | "load", the nodes the copy moves, finished).
+
+        A write ack's ``node_ids`` are write-through ack ids; the nodes are SGLang's own
+        ``ongoing_write_through[ack_id].publish_node_ids`` (ancestors first, rewritten by SGLang on a split).
+        A load ack's ``node_ids`` are anchors; the nodes come from :class:`LoadLedger`. `parents` (id ->
+        parent id, root absent) saves a tree read.
+        """
+        if not self.config.host_tier:
+            return []
+        if parents is None:
+            parents = {nid: v["parent"] for nid, v in self.nodes().items() if v["parent"] is not None}
+        out = []
+        for ack in self.cc.ack_write_queue:
+            nodes: list[int] = []
+            for ack_id in ack.node_ids:
+                pending = self.cache.ongoing_write_through.get(ack_id)
+                nodes += [int(ack_id)] if pending is None else [int(n) for n in pending.publish_node_ids]
+            op = ack.finish_event._op
+            out.append((op.op_id, "write", tuple(nodes), op.released))
+        anchors: set[int] = set()
+        for ack in self.cc.ack_load_queue:
+            nodes = []
+            for anchor in ack.node_ids:
+                anchors.add(int(anchor))
+                nodes += self.load_ledger.nodes(int(anchor), parents)
+            op = ack.finish_event._op
+            out.append((op.op_id, "load", tuple(nodes), op.released))
+        self.load_ledger.forget_except(anchors)
+        return sorted(out)
 
     def sanity_check(self) -> None:
         with self._in_sglang():
@@ -593,12 +636,11 @@ class SGLangHiCache:
     def snapshot(self) -> dict[str, Any]:
         """Plain-data view of the tree and pools.
 
-        nodes: id -> {parent, namespace, key, device, host, lock_ref, host_lock_ref, backed_up, in_flight}.
-        Python core: read off the nodes. Rust core: rebuilt from pretty_print (structure, lock_ref,
-        device presence) plus per-node queries; host_lock_ref is not exposed there (None), and keys
-        come from the storage-backup spec (backed-up nodes) or from recorded insert/match paths.
+        nodes: id -> {parent, namespace, key, device, host, lock_ref, host_lock_ref, backed_up, hash,
+        last_access_time, hit_count, in_flight}; see :meth:`nodes`. copies: see :meth:`copies`.
         """
-        nodes = self._snapshot_rust() if self.is_rust else self._snapshot_python()
+        nodes = self.nodes()
+        parents = {nid: v["parent"] for nid, v in nodes.items() if v["parent"] is not None}
         writes = {int(n): ack for ack, wt in self.cache.ongoing_write_through.items() for n in wt.publish_node_ids}
         loads = {int(n) for n in self.cache.ongoing_load_back}
         for nid, view in nodes.items():
@@ -612,7 +654,17 @@ class SGLangHiCache:
             "evictable_size": int(self.cache.evictable_size()),
             "protected_size": int(self.cache.protected_size()),
             "pending_ops": self.pending(),
+            "copies": self.copies(parents),
         }
+
+    def nodes(self) -> dict[int, dict[str, Any]]:
+        """Every node of the tree: the Python core's node objects, or the Rust core through its interface.
+
+        Python core: read off the node objects (:meth:`_snapshot_python`). Rust core: the backend-neutral
+        reader :meth:`_snapshot_interface` (node objects do not exist there); it reports
+        ``host_lock_ref`` from the host-lock ledger and ``last_access_time`` / ``hit_count`` as None.
+        """
+        return self._snapshot_interface() if self.is_rust else self._snapshot_python()
 
     def _snapshot_python(self) -> dict[int, dict[str, Any]]:
         core = self.cache.tree_core
@@ -630,77 +682,255 @@ class SGLangHiCache:
                 "lock_ref": int(cd.lock_ref),
                 "host_lock_ref": int(cd.host_lock_ref),
                 "backed_up": bool(node.backuped),
-                "hash": None if node.hash_value is None else list(node.hash_value),
+                "hash": list(node.hash_value) if node.hash_value else None,
                 "last_access_time": float(node.last_access_time),
                 "hit_count": int(node.hit_count),
             }
             stack.extend(reversed(list(node.children.values())))
         return out
 
-    def _rust_pretty(self) -> str:
-        """Capture the Rust core's pretty_print, which writes to fd 1 from Rust."""
+    def _pretty(self) -> str:
+        """The tree core's pretty_print: Rust writes to fd 1, Python through print()."""
         sys.stdout.flush()
+        captured = io.StringIO()
         with tempfile.TemporaryFile(mode="w+b") as tmp:
             saved = os.dup(1)
             try:
                 os.dup2(tmp.fileno(), 1)
-                with contextlib.redirect_stdout(io.StringIO()):
+                with contextlib.redirect_stdout(captured):
                     self.cache.tree_core.pretty_print()
             finally:
                 os.dup2(saved, 1)
                 os.close(saved)
             tmp.seek(0)
-            return tmp.read().decode()
+            return tmp.read().decode() + captured.getvalue()
 
-    def _snapshot_rust(self) -> dict[int, dict[str, Any]]:
+    def _snapshot_interface(self) -> dict[int, dict[str, Any]]:
+        """The tree read through the tree-core interface only (what the Rust core offers); see NOTES §8.
+
+        * ids, tree order and the FULL ``lock_ref``: ``pretty_print`` (the only enumerator; ``full_lock=``);
+        * parent and the node's span on its root path: ``collect_path_info``;
+        * device slots: ``get_component_device_value(id, FULL)`` (None when evicted; unlike
+          ``collect_full_device_indices`` it does not panic on an evicted node, hazard H4);
+        * backed up, host slots and, for a backed-up node, its own tokens: ``is_backuped`` and
+          ``build_storage_backup_spec`` (host_value, token_ids);
+        * namespace: ``prefetch_anchor_info`` (the key's extra_key);
+        * tokens of a node that is not backed up (it is on the device, and so is its whole path): the
+          candidates are the keys this driver inserted; a candidate is accepted only when the core's own
+          read-only ``match_full_device_prefix`` walks it to exactly this node and this depth. A node's
+          root path never changes (a split gives the prefix a new id), so it is cached per id.
+        * ``host_lock_ref``: not exposed by the Rust core; taken from :attr:`host_lock_ledger`.
+        """
         core = self.cache.tree_core
-        out: dict[int, dict[str, Any]] = {}
-        parents: list[tuple[int, int]] = []  # (indent, id) stack
-        for line in self._rust_pretty().splitlines():
+        root = int(core.root_node_handle())
+        listed: list[tuple[int, int]] = []  # (id, lock_ref) in pretty_print (preorder) order
+        for line in self._pretty().splitlines():
             m = _PRETTY.match(line)
-            if m is None:
-                continue
-            indent, nid = len(m.group(1)), int(m.group(2))
-            while parents and parents[-1][0] >= indent:
-                parents.pop()
-            parent = parents[-1][1] if parents else None
-            parents.append((indent, nid))
-            out[nid] = {
-                "parent": parent,
+            if m is not None:
+                listed.append((int(m.group(2)), int(m.group(4))))
+        ids = [nid for nid, _ in listed]
+        assert ids and ids[0] == root, f"pretty_print does not start at the root {root}: {ids[:3]}"
+        # Only ids pretty_print listed are queried: a Rust panic on a bad id poisons the core (H4).
+        spans = {int(i.node_id): i for path in core.collect_path_info(ids[1:]) for i in path}
+        host_refs = self.host_lock_ledger.counts({nid: int(spans[nid].parent_id) for nid in ids[1:]})
+        self._paths = {nid: p for nid, p in self._paths.items() if nid in spans}
+        out: dict[int, dict[str, Any]] = {}
+        for nid, lock_ref in listed:
+            view: dict[str, Any] = {
+                "parent": None,
                 "namespace": None,
-                "key": None,
-                "key_len": int(m.group(3)),
-                "device": [] if parent is None else None,
+                "key": (),
+                "device": [],
                 "host": None,
-                "lock_ref": int(m.group(4)),
-                "host_lock_ref": None,
+                "lock_ref": lock_ref,
+                "host_lock_ref": host_refs.get(nid, 0),
                 "backed_up": False,
                 "hash": None,
+                "last_access_time": None,  # not exposed by the Rust core
+                "hit_count": None,  # not exposed by the Rust core
             }
-            if parent is not None and m.group(5) == "yes":
-                idx = core.collect_full_device_indices(nid, parent)
-                out[nid]["device"] = [int(x) for x in idx.tolist()]
-        for nid, view in out.items():
-            if view["parent"] is None:
-                view["key"] = ()
+            out[nid] = view
+            if nid == root:
                 continue
-            # Only ids present in the tree: a Rust panic poisons the core for good.
+            info = spans[nid]
+            parent, start, end = int(info.parent_id), int(info.path_start), int(info.path_end)
+            view["parent"] = parent
+            view["namespace"] = core.prefetch_anchor_info(nid)[0]
+            value = core.get_component_device_value(nid, FULL)
+            view["device"] = None if value is None else [int(x) for x in value.tolist()]
+            assert (value is None) == (info.full_value_len is None), (nid, info)
             view["backed_up"] = bool(core.is_backuped(nid))
+            hashes = core.get_hash_values(nid)
+            view["hash"] = list(hashes) if hashes else None
+            own: Optional[tuple[int, ...]] = None
             if view["backed_up"]:
                 spec = core.build_storage_backup_spec(nid, False)
-                if spec is not None:
-                    view["host"] = [int(x) for x in spec.host_value.tolist()]
-                    view["key"] = tuple(int(t) for t in spec.token_ids)
-        for anchor, (ns, tokens) in self._known_paths.items():
-            if anchor not in out:
-                continue
-            for info in core.collect_path_info([anchor])[0]:
-                view = out.get(int(info.node_id))
-                if view is not None:
-                    view["namespace"] = ns
-                    if view["key"] is None and info.path_end <= len(tokens):
-                        view["key"] = tokens[info.path_start : info.path_end]
+                view["host"] = [int(x) for x in spec.host_value.tolist()]
+                own = tuple(int(t) for t in spec.token_ids)
+            view["key"] = self._node_key(nid, view["namespace"], parent, root, start, end, own)
         return out
+
+    def _node_key(
+        self,
+        nid: int,
+        ns: Optional[str],
+        parent: int,
+        root: int,
+        start: int,
+        end: int,
+        own: Optional[tuple[int, ...]],
+    ) -> tuple[int, ...]:
+        """The node's own tokens (path[start:end]); learns and caches its root path (see _snapshot_interface)."""
+        known = self._paths.get(nid)
+        if known is not None:
+            assert known[0] == ns and len(known[1]) == end, (nid, known, ns, end)
+            key = known[1][start:end]
+            assert own is None or own == key, f"node {nid}: backup tokens {own} != learned {key}"
+            return key
+        prefix: tuple[int, ...] = () if parent == root else self._paths[parent][1]
+        assert len(prefix) == start, (nid, parent, len(prefix), start)
+        if own is not None:
+            assert len(own) == end - start, (nid, own, start, end)
+            self._paths[nid] = (ns, prefix + own)
+            return own
+        for cand in sorted({k[start:end] for k in self._inserted.get(ns, ()) if len(k) >= end and k[:start] == prefix}):
+            path = prefix + cand
+            matched, node, _ = self.cache.tree_core.match_full_device_prefix(self._key(ns, path))
+            if int(matched) == end and int(node) == nid:
+                self._paths[nid] = (ns, path)
+                return cand
+        raise AssertionError(f"the tokens of node {nid} ({ns!r}, span {start}:{end}) match no inserted key")
+
+
+class _Segment:
+    """Contiguous nodes on one anchor's root path, anchor first: a host lock's segment, or what a load moves.
+
+    Splits keep the deeper half's id and put a fresh node above it, with the same state (lock counts,
+    pending ids): a split inside the segment lands between anchor and top, and a split of the top node
+    puts a node directly above the top that was not on the anchor's path before. :meth:`update` takes
+    both in; nothing else can add a node to a locked, in-flight path (evicting it is refused).
+    """
+
+    __slots__ = ("anchor", "nodes", "chain")
+
+    def __init__(self, anchor: int, nodes: Sequence[int], chain: Sequence[int]) -> None:
+        self.anchor = anchor
+        self.nodes = list(nodes)
+        """Anchor first; the last one is the top (a host lock's boundary, the node holding its uuid)."""
+        self.chain = set(chain)
+        """Ids on the anchor's root path when the segment was last brought up to date."""
+
+    def update(self, parents: dict[int, int]) -> list[int]:
+        """Bring the segment up to date with the tree (`parents`: id -> parent id, root absent)."""
+        assert self.anchor in parents, f"segment anchor {self.anchor} left the tree"
+        top, nodes, cur = self.nodes[-1], [self.anchor], self.anchor
+        while cur != top:  # nodes split off inside the segment lie between anchor and top
+            cur = parents[cur]
+            assert cur in parents, f"segment top {top} is not above anchor {self.anchor}"
+            nodes.append(cur)
+        while parents[cur] in parents and parents[cur] not in self.chain:  # split off the top
+            cur = parents[cur]
+            nodes.append(cur)
+        chain, node = set(), self.anchor
+        while node in parents:
+            chain.add(node)
+            node = parents[node]
+        self.nodes, self.chain = nodes, chain
+        return nodes
+
+
+def _root_path(core: Any, node_id: int) -> list[int]:
+    """Ids root-excluded, root first, on the path to `node_id` (collect_path_info: read-only on both cores)."""
+    return [int(i.node_id) for i in core.collect_path_info([node_id])[0]]
+
+
+class HostLockLedger:
+    """``host_lock_ref`` per node, derived from the host locks SGLang takes and releases on the tree core.
+
+    The Rust core keeps ``host_lock_ref`` but has no accessor for it (not in ``pretty_print``, no getter;
+    see NOTES §8). The ledger wraps the core's ``inc_host_lock_ref`` / ``dec_host_lock_ref`` (every caller,
+    load-back and L3, goes through them) and applies the FULL component's segment rule
+    (``components/full.py`` acquire/release/``redistribute_on_node_split``, which the Rust port mirrors: same
+    receipts, same uuid boundary, same "release hit host_lock_ref=0" message):
+
+    * a lock is taken iff the receipt names a FULL host uuid; it covers its anchor only;
+    * a split copies ``host_lock_ref`` to the new parent and moves the boundary uuid there, so a node that
+      appears directly above a segment's boundary (i.e. between it and its old parent) joins the segment;
+    * a release walks anchor -> boundary, so it removes the lock from every node of its segment.
+
+    Checked against the Python core's real counters (tests/test_sglang_hicache_smoke.py).
+    """
+
+    def __init__(self, core: Any) -> None:
+        self.locks: list[tuple[int, _Segment]] = []
+        """(receipt uuid, segment) of every host lock taken and not released, oldest first."""
+        inc, dec = core.inc_host_lock_ref, core.dec_host_lock_ref
+
+        def inc_host_lock_ref(node_id: int) -> Any:
+            result = inc(node_id)
+            uuid = result.component_host_lock_uuids.get(FULL)
+            if uuid is not None:
+                self.locks.append((int(uuid), _Segment(int(node_id), [int(node_id)], _root_path(core, node_id))))
+            return result
+
+        def dec_host_lock_ref(node_id: int, params: Any) -> Any:
+            result = dec(node_id, params)
+            uuid = params.component_host_lock_uuids.get(FULL)
+            if uuid is not None:
+                for i, (held, segment) in enumerate(self.locks):
+                    if segment.anchor == int(node_id) and held == int(uuid):
+                        del self.locks[i]
+                        break
+                else:
+                    raise AssertionError(f"host lock release on {node_id} (uuid {uuid}) that the ledger never saw")
+            return result
+
+        core.inc_host_lock_ref = inc_host_lock_ref
+        core.dec_host_lock_ref = dec_host_lock_ref
+
+    def counts(self, parents: dict[int, int]) -> dict[int, int]:
+        """host_lock_ref of every node that has one (`parents`: id -> parent id, root absent)."""
+        out: dict[int, int] = {}
+        for _, segment in self.locks:
+            for node in segment.update(parents):
+                out[node] = out.get(node, 0) + 1
+        return out
+
+
+class LoadLedger:
+    """The nodes each in-flight load-back moves, by anchor.
+
+    SGLang's load ack names only the anchor (``HiCacheAck.node_ids``). The nodes are the transfer's
+    ``nodes_to_load`` (``tree_core.commit_load_back(anchor, ..., kv_xfer, ...)``, recorded by a wrapper)
+    plus the fragments later splits cut from them (:class:`_Segment`); that is the set ``finish_load_back``
+    walks ("split fragments stay on the path") and, under write_back, the nodes pinned with
+    ``load_back_pending_id`` (checked against the Python core).
+    """
+
+    def __init__(self, core: Any) -> None:
+        self.loads: dict[int, _Segment] = {}
+        commit = core.commit_load_back
+
+        def commit_load_back(node_id: int, device_indices: Any, kv_xfer: Any, comp_xfers: Any) -> Any:
+            result = commit(node_id, device_indices, kv_xfer, comp_xfers)
+            chain = _root_path(core, node_id)
+            moved = {int(n) for n in kv_xfer.nodes_to_load or ()}
+            nodes = [n for n in reversed(chain) if n in moved]
+            assert nodes and nodes[0] == int(node_id) and nodes == list(reversed(chain))[: len(nodes)], (
+                f"load of {node_id}: nodes_to_load {sorted(moved)} are not the bottom of its path {chain}"
+            )
+            self.loads[int(node_id)] = _Segment(int(node_id), nodes, chain)
+            return result
+
+        core.commit_load_back = commit_load_back
+
+    def nodes(self, anchor: int, parents: dict[int, int]) -> list[int]:
+        segment = self.loads.get(anchor)
+        return [anchor] if segment is None else segment.update(parents)
+
+    def forget_except(self, anchors: set[int]) -> None:
+        for anchor in [a for a in self.loads if a not in anchors]:
+            del self.loads[anchor]
 
 
 def _comp_base_node_cls() -> Any:

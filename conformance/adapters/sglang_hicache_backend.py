@@ -1,9 +1,13 @@
 """SGLang's UnifiedRadixCache with HiCache (0.5.23) behind kvcert's HostTierBackend protocol.
 
-    kvcert certify kvcert.conformance.adapters.sglang_hicache_backend:factory
+    kvcert certify kvcert.conformance.adapters.sglang_hicache_backend:factory             # Python core
+    kvcert certify kvcert.conformance.adapters.sglang_hicache_backend:factory_rust        # Rust core
+    kvcert certify kvcert.conformance.adapters.sglang_hicache_backend:factory_page_first  # page_first_direct
 
 A translation layer over the deterministic CPU driver in `sglang_hicache.py`
-(Python tree core, `layer_first` host layout, copies deferred until `complete`).
+(copies deferred until `complete`). Each factory fixes the tree core (``tree_core_backend``
+"python" or "rust", the compiled default) and the host layout (``layer_first`` or
+``page_first_direct``); :func:`make_factory` builds the other combinations.
 No input checking (`strict_input=False`): the suite judges SGLang, not this file.
 
 Mapping (SPEC.md §9):
@@ -30,9 +34,18 @@ Mapping (SPEC.md §9):
   are submitted (``ready_to_load_host_cache``) as the scheduler does.
 * copies: one pending copy per SGLang ack (a merged ``CacheOperation``), ids are the
   driver's op ids in issue order; ``complete`` releases the held finish event,
-  ``poll`` runs ``check_hicache_events``.
+  ``poll`` runs ``check_hicache_events``. A copy's nodes: for a write, SGLang's own
+  ``publish_node_ids`` of each write-through ack id in the ack (split fragments included);
+  for a load, the transfer's ``nodes_to_load`` plus later split fragments (the ack names
+  only the anchor; ``SGLangHiCache.copies``).
 * time: SGLang stamps nodes from its own strictly increasing access counter (swapped
   per driver); ``set_clock`` has nothing to set.
+* snapshots: Python core, read off the node objects; Rust core, read through the tree-core
+  interface (``SGLangHiCache._snapshot_interface``). The Rust core does not expose
+  ``host_lock_ref``: it comes from the driver's ledger of SGLang's own
+  ``inc/dec_host_lock_ref`` calls (``HostLockLedger``; SGLANG_HICACHE_NOTES.md §8).
+* layout: ``page_first_direct`` changes only where host bytes live; the driver's
+  ``read_host_kv`` reads both layouts.
 """
 
 from __future__ import annotations
@@ -43,7 +56,7 @@ from typing import Any, Optional
 import torch
 
 from kvcert.conformance.adapters._sglang_env import SGLANG_VERSION
-from kvcert.conformance.adapters.sglang_hicache import HiCacheConfig, SGLangHiCache
+from kvcert.conformance.adapters.sglang_hicache import CORES, LAYOUTS, HiCacheConfig, SGLangHiCache
 from kvcert.spec.types import (
     CacheConfig,
     Capabilities,
@@ -58,7 +71,15 @@ from kvcert.spec.types import (
     UnknownCopy,
 )
 
-__all__ = ["SGLangHiCacheBackend", "factory", "host_ratio_for"]
+__all__ = [
+    "SGLangHiCacheBackend",
+    "factory",
+    "factory_page_first",
+    "factory_rust",
+    "factory_rust_page_first",
+    "host_ratio_for",
+    "make_factory",
+]
 
 
 def host_ratio_for(capacity: int, host_capacity: int, page_size: int) -> float:
@@ -76,10 +97,11 @@ def host_ratio_for(capacity: int, host_capacity: int, page_size: int) -> float:
 class SGLangHiCacheBackend:
     """One UnifiedRadixCache (+ HiCache when host_capacity > 0); node handles are SGLang NodeIds."""
 
-    def __init__(self, config: CacheConfig) -> None:
+    def __init__(self, config: CacheConfig, core: str = "python", layout: str = "layer_first") -> None:
         if config.capacity % config.page_size:
             raise ValueError("capacity must be whole pages")
         self.config = config
+        self.core, self.layout = core, layout
         self.page_size = ps = config.page_size
         self.host = config.host_capacity > 0
         self.h = SGLangHiCache(
@@ -88,12 +110,13 @@ class SGLangHiCacheBackend:
                 device_pages=config.capacity // ps,
                 host_ratio=host_ratio_for(config.capacity, config.host_capacity, ps) if self.host else 2.0,
                 write_policy=config.write_policy if self.host else "write_through",
-                core="python",
-                layout="layer_first",
+                core=core,
+                layout=layout,
                 eviction_policy=config.policy,
                 host_tier=self.host,
             )
         )
+        assert self.h.is_rust == (core == "rust"), f"asked for the {core} tree core, SGLang built another"
         if self.host:
             self.h.cache.load_back_threshold = config.load_back_threshold
             pool = self.h.host_pool.anchor_entry.host_pool
@@ -107,7 +130,7 @@ class SGLangHiCacheBackend:
     # ------------------------------------------------------------------ plumbing
 
     def _tree(self) -> dict[int, dict[str, Any]]:
-        return self.h._snapshot_python()
+        return self.h.nodes()
 
     def _device_free(self) -> set[int]:
         ps = self.page_size
@@ -203,20 +226,16 @@ class SGLangHiCacheBackend:
 
     # ------------------------------------------------------------------ observation
 
-    def _pending(self) -> tuple[PendingCopy, ...]:
+    def _pending(self, tree: dict[int, dict[str, Any]]) -> tuple[PendingCopy, ...]:
         if not self.host:
             return ()
-        out = []
-        for kind, queue in (("write", self.h.cc.ack_write_queue), ("load", self.h.cc.ack_load_queue)):
-            for ack in queue:
-                op = ack.finish_event._op
-                out.append(PendingCopy(op.op_id, kind, tuple(int(n) for n in ack.node_ids), op.released))
-        return tuple(sorted(out, key=lambda c: c.id))
+        parents = {nid: v["parent"] for nid, v in tree.items() if v["parent"] is not None}
+        return tuple(PendingCopy(*copy) for copy in self.h.copies(parents))
 
     def snapshot(self) -> Snapshot:
         ps = self.page_size
         tree = self._tree()
-        root = int(self.h.cache.tree_core.root_node.id)
+        root = int(self.h.cache.root_node_handle())
         views = []
         for nid, v in tree.items():
             if v["parent"] is None:
@@ -250,27 +269,58 @@ class SGLangHiCacheBackend:
             host_capacity=self.config.host_capacity,
             host_free_slots=host_free,
             write_policy=self.config.write_policy if self.host else "",
-            pending=self._pending(),
+            pending=self._pending(tree),
         )
 
     def close(self) -> None:
         self.h.close()
 
 
-def factory(config: CacheConfig) -> SGLangHiCacheBackend:
-    """`kvcert certify kvcert.conformance.adapters.sglang_hicache_backend:factory` entry point."""
-    return SGLangHiCacheBackend(config)
+def make_factory(core: str = "python", layout: str = "layer_first") -> Any:
+    """A kvcert factory for one tree core ("python" | "rust") and host layout ("layer_first" | "page_first_direct")."""
+    if core not in CORES or layout not in LAYOUTS:
+        raise ValueError(f"core must be one of {CORES}, layout one of {LAYOUTS}")
+
+    def factory(config: CacheConfig) -> SGLangHiCacheBackend:
+        return SGLangHiCacheBackend(config, core=core, layout=layout)
+
+    factory.__name__ = factory.__qualname__ = (
+        "factory"
+        + {
+            ("python", "layer_first"): "",
+            ("rust", "layer_first"): "_rust",
+            ("python", "page_first_direct"): "_page_first",
+            ("rust", "page_first_direct"): "_rust_page_first",
+        }[core, layout]
+    )
+    factory.__doc__ = f"SGLang UnifiedRadixCache + HiCache, {core} tree core, {layout} host layout."
+    snapshot_note = (
+        "snapshots read off the Python node objects"
+        if core == "python"
+        else "snapshots read through the Rust core's interface; host_lock_ref from the ledger of SGLang's own "
+        "inc/dec_host_lock_ref calls (the Rust core has no accessor for it)"
+    )
+    factory.capabilities = Capabilities(  # type: ignore[attr-defined]
+        name=f"sglang.UnifiedRadixCache+HiCache {SGLANG_VERSION} ({core} tree core, {layout})",
+        page_sizes=(1, 4),
+        policies=("lru",),
+        namespaces=True,
+        strict_input=False,
+        write_policies=("write_through", "write_through_selective", "write_back"),
+        notes=(
+            f"{core} tree core, {layout} host layout, direct io via torch shims on CPU; copies held until complete()",
+            "host pool sized exactly to host_capacity through hicache_ratio; load_back_threshold set on the cache",
+            snapshot_note,
+        ),
+    )
+    return factory
 
 
-factory.capabilities = Capabilities(  # type: ignore[attr-defined]
-    name=f"sglang.UnifiedRadixCache+HiCache {SGLANG_VERSION}",
-    page_sizes=(1, 4),
-    policies=("lru",),
-    namespaces=True,
-    strict_input=False,
-    write_policies=("write_through", "write_through_selective", "write_back"),
-    notes=(
-        "Python tree core, layer_first host layout, direct io via torch shims on CPU; copies held until complete()",
-        "host pool sized exactly to host_capacity through hicache_ratio; load_back_threshold set on the cache",
-    ),
-)
+factory = make_factory("python", "layer_first")
+"""`kvcert certify kvcert.conformance.adapters.sglang_hicache_backend:factory`: Python core, layer_first."""
+factory_rust = make_factory("rust", "layer_first")
+"""`...:factory_rust`: the compiled Rust tree core (SGLang's default), layer_first."""
+factory_page_first = make_factory("python", "page_first_direct")
+"""`...:factory_page_first`: Python core, page_first_direct host layout."""
+factory_rust_page_first = make_factory("rust", "page_first_direct")
+"""`...:factory_rust_page_first`: Rust core, page_first_direct host layout."""
