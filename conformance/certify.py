@@ -37,7 +37,7 @@ HOST_CELL_DEVICE_PAGES = 6
 
 STORAGE_PAGE_SIZES = (1, 4, 16)
 """Page sizes of the storage cells (write policy x prefetch stop policy x page size)."""
-STORAGE_HOST_PAGES = 8
+STORAGE_HOST_PAGES = 6
 """Host pool of a storage cell, in pages: small, so pages live in storage alone and prefetch finds them."""
 
 

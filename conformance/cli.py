@@ -24,7 +24,7 @@ console = Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isat
 def _cell_line(cell: CellResult) -> str:
     verdict = "[green]PASS[/]" if cell.passed else "[red]FAIL[/]"
     rate = cell.steps / max(cell.seconds, 1e-9)
-    tier = f" host={cell.write_policy:<23}" if cell.write_policy else " device-only" + " " * 17
+    tier = f" host={cell.write_policy:<37}" if cell.write_policy else " device-only" + " " * 31
     line = f"  page_size={cell.page_size:<3} policy={cell.policy:<8}{tier} {verdict}  {cell.examples} examples, {cell.steps} steps, {rate:,.0f} steps/s"
     if not cell.passed:
         line += f"\n    {cell.failure}"
@@ -44,7 +44,9 @@ def print_certificate(cert: Certificate) -> None:
         table.add_row(
             str(c.page_size),
             c.policy,
-            f"device+host, {c.write_policy}" if c.write_policy else "device",
+            ("device+host+storage, " if "+" in c.write_policy else "device+host, ") + c.write_policy
+            if c.write_policy
+            else "device",
             "[green]pass[/]" if c.passed else "[red]FAIL[/]",
             str(c.examples),
             str(c.steps),
@@ -72,7 +74,11 @@ def certify_cmd(
     write_policy: Optional[list[str]] = typer.Option(
         None, "--write-policy", help="host-tier cells: these write policies"
     ),
-    device_only: bool = typer.Option(False, "--device-only", help="skip the host-tier cells"),
+    device_only: bool = typer.Option(False, "--device-only", help="skip the host-tier and storage cells"),
+    prefetch_policy: Optional[list[str]] = typer.Option(
+        None, "--prefetch-policy", help="storage cells: these prefetch stop policies"
+    ),
+    no_storage: bool = typer.Option(False, "--no-storage", help="skip the storage cells"),
     bad_input: Optional[bool] = typer.Option(
         None,
         "--bad-input/--no-bad-input",
@@ -91,6 +97,7 @@ def certify_cmd(
         on_cell=lambda c: console.print(_cell_line(c)),
         bad_input=bad_input,
         write_policies=[] if device_only else write_policy,
+        prefetch_policies=[] if device_only or no_storage else prefetch_policy,
     )
     print_certificate(cert)
     if json_path is not None:

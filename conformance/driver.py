@@ -71,7 +71,12 @@ class Harness:
     handles: dict[int, tuple[int, int]] = field(default_factory=dict)
     """op index -> (backend node id, oracle node id) of the node that op returned."""
     host_handles: dict[int, tuple[int, int]] = field(default_factory=dict)
-    """Match op index -> (backend, oracle) id of its `host_node`, for LoadBack."""
+    """Match op index -> (backend, oracle) id of its `host_node`, for LoadBack: matches with a host hit only.
+
+    Without a host hit `host_node` is backend-defined (SGLang: the deepest matched node; the
+    spec: the deepest backed-up one), so such a match names nothing to load (StaleHandle)."""
+    anchors: dict[int, tuple[int, int]] = field(default_factory=dict)
+    """Match op index -> (backend, oracle) `host_node` of every match: prefetch anchors."""
     copies: list[tuple[int, int]] = field(default_factory=list)
     """Copies in issue order: (backend copy id, oracle copy id); `Complete(k)` names the k-th."""
     _oracle_copy_ids: set[int] = field(default_factory=set)
@@ -166,7 +171,7 @@ class Harness:
                 return int(cache.poll())
             if isinstance(op, Prefetch):
                 request = self.ops[op.handle] if isinstance(op.handle, int) and 0 <= op.handle < len(self.ops) else None
-                node = self._node(op.handle, side, self.host_handles)
+                node = self._node(op.handle, side, self.anchors)
                 if not isinstance(request, Match):
                     return cache.prefetch(node, None, ())  # an unknown handle: the cache rejects the node
                 return int(cache.prefetch(node, request.namespace, request.tokens))
@@ -222,10 +227,13 @@ class Harness:
             and isinstance(want, MatchOut)
             and self.config.host_capacity
         ):
-            self.host_handles[index] = (
+            pair = (
                 UNKNOWN_NODE if got.host_node is None else got.host_node,
                 UNKNOWN_NODE if want.host_node is None else want.host_node,
             )
+            self.anchors[index] = pair
+            if want.host_length > 0:
+                self.host_handles[index] = pair
         self._track_copies(before, after, violations)
         self._track_prefetches(before, after)
         if self.trace_hook is not None:
@@ -310,7 +318,8 @@ class Harness:
             )
             return None
         order = iter(witness)
-        return lambda tied: next(order)
+        # Past the witness (the oracle's own reclaim differed): any pick; the comparison reports it.
+        return lambda tied: next(order, min(tied))
 
     def _track_copies(self, before: Snapshot, after: Snapshot, out: list[Violation]) -> None:
         """Number the copies this op issued, in issue order, on both sides (INV-COPY-1)."""
@@ -530,7 +539,7 @@ class Harness:
 
     def prefetch_anchors(self) -> list[int]:
         """Match ops whose host node is still in the tree: prefetch requests."""
-        return [k for k, (_, o) in self.host_handles.items() if o in self.oracle.nodes]
+        return [k for k, (_, o) in self.anchors.items() if o in self.oracle.nodes]
 
     def open_prefetches(self) -> list[int]:
         """Trace indices of prefetches still running."""

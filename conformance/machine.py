@@ -42,6 +42,9 @@ from kvcert.spec.types import CacheConfig, Capabilities
 NAMESPACES: tuple[Optional[str], ...] = (None, "lora-a")
 STORAGE_FAULTS = ("error", "partial_write", "torn_write", "corrupt", "drop")
 """Storage fault kinds; each run switches a random subset on (swarm testing)."""
+SWARM_RULES = ("lock", "evict", "evict_host", "load_back", "publish", "pressure", "malformed")
+"""Rules a storage run may switch off (swarm testing): with fewer kinds of step, each run goes
+deeper into the ones it keeps (Groce et al., "Swarm Testing", ISSTA 2012)."""
 MAX_PAGES = 5
 
 
@@ -85,6 +88,7 @@ class CacheMachine(RuleBasedStateMachine):
         self.failed = False
         self.seen: list[tuple[Optional[str], list[int]]] = []
         self.faults: list[str] = []
+        self.off: set[str] = set()
 
     bad_input: bool = False
 
@@ -118,9 +122,13 @@ class CacheMachine(RuleBasedStateMachine):
     @initialize(data=st.data())
     def start(self, data: st.DataObject) -> None:
         """Pick this run's fault kinds: a few kinds often beat all kinds always (swarm testing)."""
-        self.faults: list[str] = []
         if self.storage():
             self.faults = sorted(data.draw(st.sets(st.sampled_from(STORAGE_FAULTS)), label="fault kinds"))
+            self.off = data.draw(st.sets(st.sampled_from(SWARM_RULES)), label="rules switched off")
+
+    def on(self, rule: str) -> bool:
+        """Whether this run uses `rule` (every rule is on outside the storage cells)."""
+        return rule not in self.off
 
     # ----------------------------------------------------------------- valid traffic
 
@@ -159,7 +167,7 @@ class CacheMachine(RuleBasedStateMachine):
         tail = data.draw(st.integers(0, self.config.page_size - 1), label="unaligned tail")
         self.do(Match(ns, tokens_of(codes, self.config.page_size, tail)))
 
-    @precondition(lambda self: bool(self.h.live_handles()))
+    @precondition(lambda self: self.on("lock") and bool(self.h.live_handles()))
     @rule(data=st.data())
     def lock(self, data: st.DataObject) -> None:
         self.do(Lock(data.draw(st.sampled_from(self.h.live_handles()), label="handle")))
@@ -169,6 +177,7 @@ class CacheMachine(RuleBasedStateMachine):
     def unlock(self, data: st.DataObject) -> None:
         self.do(Unlock(data.draw(st.sampled_from(self.h.locked_handles()), label="handle")))
 
+    @precondition(lambda self: self.on("evict"))
     @rule(data=st.data(), small=st.booleans())
     def evict(self, data: st.DataObject, small: bool) -> None:
         high = 2 * self.config.page_size if small else self.config.capacity
@@ -198,13 +207,13 @@ class CacheMachine(RuleBasedStateMachine):
                 self.do(Poll())
         self.do(Poll())
 
-    @precondition(lambda self: self.host())
+    @precondition(lambda self: self.host() and self.on("evict_host"))
     @rule(data=st.data(), small=st.booleans())
     def evict_host(self, data: st.DataObject, small: bool) -> None:
         high = 2 * self.config.page_size if small else self.config.host_capacity
         self.do(EvictHost(data.draw(st.integers(1 if small else 0, high), label="host tokens")))
 
-    @precondition(lambda self: self.host() and bool(self.h.host_hits()))
+    @precondition(lambda self: self.host() and self.on("load_back") and bool(self.h.host_hits()))
     @rule(data=st.data())
     def load_back(self, data: st.DataObject) -> None:
         self.do(LoadBack(data.draw(st.sampled_from(self.h.host_hits()), label="match")))
@@ -215,21 +224,42 @@ class CacheMachine(RuleBasedStateMachine):
         return bool(self.config.prefetch_policy)
 
     @precondition(lambda self: self.storage())
-    @rule(data=st.data())
-    def prefetch(self, data: st.DataObject) -> None:
-        """A request arrives: match it, then prefetch what follows its host hit from storage."""
-        ns, codes = self.draw_key(data, remember=True)
-        self.do(Match(ns, tokens_of(codes, self.config.page_size)))
-        self.do(Prefetch(len(self.h.ops) - 1))
+    @rule(data=st.data(), fresh=st.booleans())
+    def prefetch(self, data: st.DataObject, fresh: bool) -> None:
+        """A request prefetches what follows its host hit from storage: a new request (match, then
+        prefetch), or one matched earlier that the scheduler deferred until now."""
+        earlier = self.h.prefetch_anchors()
+        if fresh or not earlier:
+            ns, codes = self.draw_key(data, remember=True)
+            self.do(Match(ns, tokens_of(codes, self.config.page_size)))
+            self.do(Prefetch(len(self.h.ops) - 1))
+        else:
+            self.do(Prefetch(data.draw(st.sampled_from(earlier), label="deferred match")))
 
     @precondition(lambda self: self.storage())
+    @rule(data=st.data())
+    def request(self, data: st.DataObject) -> None:
+        """A whole cold request in one step: match, prefetch, every page arrives, check, then insert."""
+        ns, codes = self.draw_key(data, remember=True)
+        tokens = tokens_of(codes, self.config.page_size)
+        self.do(Match(ns, tokens))
+        self.do(Prefetch(len(self.h.ops) - 1))
+        k = len(self.h.prefetches) - 1
+        if k >= 0 and k in self.h.open_prefetches():
+            while k in self.h.fetchable():
+                self.do(Fetch(k))
+            self.do(CheckPrefetch(k))
+        if data.draw(st.booleans(), label="then insert"):
+            self.do(Insert(ns, tokens))
+
+    @precondition(lambda self: self.storage() and self.on("publish"))
     @rule(data=st.data())
     def publish(self, data: st.DataObject) -> None:
         """A peer engine sharing the store (a prefill node, say) writes a prefix's pages to L3."""
         ns, codes = self.draw_key(data, remember=True)
         self.do(Publish(ns, tokens_of(codes, self.config.page_size)))
 
-    @precondition(lambda self: self.storage())
+    @precondition(lambda self: self.storage() and self.on("pressure"))
     @rule()
     def pressure(self) -> None:
         """A load spike empties both memory tiers; only storage keeps the pages (and locks keep theirs)."""
@@ -263,7 +293,7 @@ class CacheMachine(RuleBasedStateMachine):
     def strict(self) -> bool:
         return self.bad_input
 
-    @precondition(lambda self: self.strict())
+    @precondition(lambda self: self.strict() and self.on("malformed"))
     @rule(data=st.data(), kind=st.sampled_from(["insert", "match", "handle", "evict", "host"]))
     def malformed(self, data: st.DataObject, kind: str) -> None:
         """One rule for every kind of bad input, so valid traffic keeps most of the steps."""
@@ -304,5 +334,10 @@ class CacheMachine(RuleBasedStateMachine):
             self.do(Evict(data.draw(st.sampled_from([-1, -8, 1.5, "4"]), label="bad count")))
 
     def teardown(self) -> None:
-        if not self.failed:  # after a failure, the first broken rule is the report
-            self.h.quiesce()
+        try:
+            if not self.failed:  # after a failure, the first broken rule is the report
+                self.h.quiesce()
+        finally:
+            close = getattr(self.h.backend, "close", None)
+            if callable(close):  # optional: adapters over real engines release their pools
+                close()

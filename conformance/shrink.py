@@ -12,19 +12,22 @@ from collections.abc import Callable, Iterator
 from dataclasses import replace
 from typing import Optional
 
-from kvcert.spec.ops import Evict, Insert, Lock, Match, Op, Unlock
+from kvcert.spec.ops import Evict, EvictHost, Insert, LoadBack, Lock, Match, Op, Prefetch, Publish, Unlock
+
+BY_HANDLE = (Lock, Unlock, LoadBack, Prefetch)
+"""Ops that name an earlier op by position (its node, or its match's host node)."""
 
 Verdict = Callable[[list[Op]], Optional[list[str]]]
 """Replays a trace; returns the broken invariant IDs in report order, or None if it passes."""
 
 
 def without(ops: list[Op], i: int) -> list[Op]:
-    """`ops` minus op i, and minus the lock ops that named op i's node."""
+    """`ops` minus op i, and minus the ops that named it by position; later positions renumbered."""
     out: list[Op] = []
     for j, op in enumerate(ops):
         if j == i:
             continue
-        if isinstance(op, (Lock, Unlock)) and isinstance(op.handle, int) and not isinstance(op.handle, bool):
+        if isinstance(op, BY_HANDLE) and isinstance(op.handle, int) and not isinstance(op.handle, bool):
             if op.handle == i:
                 continue
             if op.handle > i:
@@ -49,7 +52,9 @@ def simpler(op: Op, page_size: int) -> Iterator[Op]:
             yield replace(op, namespace=None)
         if op.tokens:
             yield replace(op, tokens=op.tokens[:-1])
-    elif isinstance(op, Evict) and isinstance(op.n, int) and not isinstance(op.n, bool) and op.n > 0:
+    elif isinstance(op, Publish) and len(op.tokens) >= page_size:
+        yield replace(op, tokens=op.tokens[:-page_size])
+    elif isinstance(op, (Evict, EvictHost)) and isinstance(op.n, int) and not isinstance(op.n, bool) and op.n > 0:
         yield from (replace(op, n=n) for n in sorted({0, op.n // 2, op.n - 1}) if n < op.n)
 
 

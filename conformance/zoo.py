@@ -375,8 +375,8 @@ MUTANTS: tuple[Mutant, ...] = (
         prefetch_policies=("wait_complete",),
     ),
     Mutant(
-        "prefetch_evicts_own_anchor",
-        "a prefetch makes host room before protecting its anchor, and may evict the anchor itself",
+        "prefetch_anchor_unpinned",
+        "a running prefetch does not protect its anchor: host eviction frees the node its pages hang from",
         (
             (
                 "        if anchor is not self.root:\n"
@@ -387,15 +387,11 @@ MUTANTS: tuple[Mutant, ...] = (
                 "            if anchor is not self.root:\n                anchor.host_lock_ref -= 1\n            return 0\n",
                 "            return 0\n",
             ),
-            (
-                "        slots = self.host.alloc(size)\n        self.host.adopt(slots)\n",
-                "        slots = self.host.alloc(size)\n        self.host.adopt(slots)\n"
-                "        if anchor is not self.root:\n            anchor.host_lock_ref += 1\n",
-            ),
+            ("        locked = [anchor] if anchor is not self.root else []\n", "        locked: list[Node] = []\n"),
         ),
         page_sizes=(1,),
         write_policies=("write_through",),
-        prefetch_policies=("best_effort",),
+        prefetch_policies=("wait_complete",),
     ),
     Mutant(
         "fetch_trusts_storage",

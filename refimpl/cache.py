@@ -769,12 +769,12 @@ class RefCache:
                 node.children[self._selector(p.namespace, leaf.key)] = leaf
                 added, at = end - at, end
                 break
-            n = pages.match_len(child.key, p.tokens[at:end], self.page_size)
-            if n < len(child.key):
-                child = self._split(child, n)
+            run = pages.match_len(child.key, p.tokens[at:end], self.page_size)
+            if run < len(child.key):
+                child = self._split(child, run)
             if child.host_slots is None:
                 break  # a device node without a backup: nothing may hang below it on the host alone
-            node, at = child, at + n
+            node, at = child, at + run
         self.host.release(p.host_slots[: at - p.start - added] + p.host_slots[at - p.start :])
         return added
 

@@ -8,9 +8,10 @@ V="$ROOT/.venv/bin"
 
 echo "== ruff"
 "$V/ruff" check .
-echo "== mypy spec refimpl"
-"$V/mypy" spec refimpl
+echo "== mypy kvcert.spec kvcert.refimpl"
+scripts/typecheck.sh
 echo "== crosshair (spec contracts)"
 PYTHON="$V/python" scripts/crosshair.sh
+PYTHON="$V/python" scripts/crosshair.sh spec/storage.py
 echo "== pytest"
 "$V/pytest" -q "$@"

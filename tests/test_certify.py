@@ -24,7 +24,13 @@ def test_refimpl_certifies_on_every_declared_cell_it_is_asked_for(tmp_path: Path
     assert cert.passed
     device = {(p, pol, "") for p in (1, 4) for pol in RefCache.capabilities.policies}
     host = {(p, "lru", wp) for p in (1, 4) for wp in RefCache.capabilities.write_policies}
-    assert {(c.page_size, c.policy, c.write_policy) for c in cert.cells} == device | host
+    storage = {
+        (p, "lru", f"{wp}+{pf}")
+        for p in (1, 4)
+        for wp in RefCache.capabilities.write_policies
+        for pf in RefCache.capabilities.prefetch_policies
+    }
+    assert {(c.page_size, c.policy, c.write_policy) for c in cert.cells} == device | host | storage
     assert all(c.steps > 0 for c in cert.cells)
     assert not list(tmp_path.iterdir()), "a passing run saves no counterexample"
 

@@ -11,7 +11,9 @@ from dataclasses import dataclass, replace
 
 import pytest
 
+from kvcert.conformance.storage import FaultyStorage, MemoryStorage
 from kvcert.refimpl import RefCache
+from kvcert.spec import storage as l3
 from kvcert.spec.contracts import node_paths
 from kvcert.spec.invariants import SNAPSHOT_INVARIANTS, Violation, check_snapshot
 from kvcert.spec.types import CacheConfig, Namespace, NodeView, Snapshot
@@ -188,6 +190,68 @@ CASES += [
     ),
     Corruption("INV-HOST-7", "negative host lock", _host(lambda s: _edit(s, H_TAIL, host_lock_ref=-1)), only=True),
 ]
+
+
+def _prefetch_base() -> Snapshot:
+    """A storage tier mid-flight: a prefetch of two stored pages below a host-only anchor."""
+    config = CacheConfig(page_size=PS, capacity=32, host_capacity=48, write_policy="write_through", prefetch_policy="wait_complete")
+    cache = RefCache(config)
+    store = FaultyStorage(MemoryStorage())
+    cache.attach_storage(store)
+    anchor = list(range(1, 1 + PS))
+    _put(cache, None, anchor)
+    cache.complete(0)
+    cache.poll()  # issues the store copy 1
+    cache.complete(1)
+    cache.poll()
+    cache.evict(PS)
+    request = anchor + list(range(50, 50 + 2 * PS))
+    pairs = l3.stored_pages(None, request, PS, 2, cache.digest)
+    store.inner.batch_set([k for k, _ in pairs], [v for _, v in pairs])
+    assert cache.prefetch(cache.match_prefix(None, request).host_node or 0, None, request) == 2 * PS
+    cache.fetch(0)
+    return cache.snapshot()
+
+
+PF_BASE = _prefetch_base()
+
+
+def _pf(corrupt: Callable[[Snapshot], Snapshot]) -> Callable[[Snapshot], Snapshot]:
+    return lambda _: corrupt(PF_BASE)
+
+
+def _pf_edit(**changes: object) -> Callable[[Snapshot], Snapshot]:
+    return _pf(lambda s: replace(s, prefetches=(replace(s.prefetches[0], **changes),)))
+
+
+def _pf_anchor(**changes: object) -> Callable[[Snapshot], Snapshot]:
+    return _pf(lambda s: _edit(s, s.by_id()[s.prefetches[0].anchor], **changes))
+
+
+def _pf_short(s: Snapshot) -> Snapshot:
+    """The prefetch reserves one page less than it asked for; that page is free instead."""
+    p = s.prefetches[0]
+    return replace(
+        s,
+        prefetches=(replace(p, host_slots=p.host_slots[PS:]),),
+        host_free_slots=tuple(sorted(s.host_free_slots + p.host_slots[:PS])),
+    )
+
+
+CASES += [
+    Corruption("INV-PF-1", "the prefetch's anchor lost its host protection", _pf_anchor(host_lock_ref=0), only=True),
+    Corruption("INV-PF-1", "the prefetch's anchor left the tree", _pf_edit(anchor=9_999), only=True),
+    Corruption("INV-PF-1", "fetched more than requested", _pf_edit(fetched=3 * PS), only=True),
+    Corruption("INV-PF-1", "reserves less than it requested", _pf(_pf_short), only=True),
+    Corruption("INV-HOST-4", "prefetch reservation leaked", _pf(lambda s: replace(s, host_free_slots=s.host_free_slots[PS:]))),
+]
+
+
+def test_prefetch_base_is_what_the_cases_assume() -> None:
+    assert check_snapshot(PF_BASE) == []
+    (p,) = PF_BASE.prefetches
+    assert p.requested == 2 * PS and p.fetched == PS and not p.failed and len(p.host_slots) == 2 * PS
+    assert PF_BASE.by_id()[p.anchor].host_lock_ref == 1
 
 
 def test_host_base_is_what_the_cases_assume() -> None:

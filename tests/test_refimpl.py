@@ -29,6 +29,7 @@ from kvcert.spec.types import (
     StaleHandle,
     UnalignedKey,
     UnknownCopy,
+    UnknownPrefetch,
 )
 
 
@@ -393,6 +394,11 @@ BAD_INPUTS: list[tuple[str, type[KVCertError], Callable[[Scene], object]]] = [
     ("complete: a copy never issued", UnknownCopy, lambda s: s.cache.complete(0)),
     ("complete: a bool copy id", UnknownCopy, lambda s: s.cache.complete(True)),
     ("load_back: unknown handle", StaleHandle, lambda s: s.cache.load_back(10_000)),
+    ("prefetch: unknown handle", StaleHandle, lambda s: s.cache.prefetch(10_000, None, [1, 2, 3, 4])),
+    ("prefetch: negative token", InvalidToken, lambda s: s.cache.prefetch(s.cache.root.id, None, [1, 2, 3, -4])),
+    ("fetch: a prefetch never issued", UnknownPrefetch, lambda s: s.cache.fetch(0)),
+    ("check_prefetch: a bool prefetch id", UnknownPrefetch, lambda s: s.cache.check_prefetch(True)),
+    ("abort_prefetch: a negative prefetch id", UnknownPrefetch, lambda s: s.cache.abort_prefetch(-1)),
     ("evict: float count", InvalidCount, lambda s: s.cache.evict(1.5)),
     ("evict: str count", InvalidCount, lambda s: s.cache.evict("4")),
     ("evict: bool count", InvalidCount, lambda s: s.cache.evict(True)),

@@ -98,6 +98,15 @@ STRATEGIES: dict[str, st.SearchStrategy[dict[str, Any]]] = {
             "layers": st.integers(0, 3),
         }
     ),
+    "stored_pages": st.fixed_dictionaries(
+        {
+            "namespace": namespaces,
+            "tokens": st.lists(st.integers(0, 5), max_size=12),
+            "page_size": st.integers(0, 3),
+            "layers": st.integers(0, 2),
+            "digest": st.text(max_size=6),
+        }
+    ),
     "encode_page": st.fixed_dictionaries({"key": st.text(max_size=8), "payload": st.binary(max_size=40)}),
     "decode_page": st.fixed_dictionaries(
         {"key": st.text(max_size=6), "blob": st.one_of(st.none(), st.binary(max_size=60), _records)}

@@ -1,0 +1,149 @@
+"""The storage tier of the reference model (SPEC.md §10), one rule per test.
+
+Expected pages come from `kvcert.spec.storage` directly (keys, records, content), never
+from the model under test.
+"""
+
+from __future__ import annotations
+
+from kvcert.conformance.storage import FaultyStorage, MemoryStorage
+from kvcert.refimpl import RefCache
+from kvcert.spec import storage as l3
+from kvcert.spec.invariants import check_snapshot
+from kvcert.spec.types import CacheConfig
+
+
+def make(policy: str = "wait_complete", host: int = 8, write_policy: str = "write_through") -> tuple[RefCache, FaultyStorage]:
+    config = CacheConfig(
+        capacity=8, host_capacity=host, write_policy=write_policy, load_back_threshold=1, prefetch_policy=policy
+    )
+    cache, store = RefCache(config), FaultyStorage(MemoryStorage())
+    cache.attach_storage(store)
+    return cache, store
+
+
+def put(cache: RefCache, tokens: list[int]) -> int:
+    slots = cache.alloc(len(tokens))
+    out = cache.insert(None, tokens, slots)
+    cache.free(slots[: out.prefix_len])
+    return out.node
+
+
+def settle(cache: RefCache) -> None:
+    while cache.copies:
+        for copy in list(cache.copies):
+            if not copy.finished:
+                cache.complete(copy.id)
+        cache.poll()
+
+
+def publish(store: FaultyStorage, tokens: list[int], namespace: str | None = None) -> None:
+    pairs = l3.stored_pages(namespace, tokens, 1, 2, l3.canonical_digest(1, "kvcert-synthetic"))
+    store.inner.batch_set([k for k, _ in pairs], [v for _, v in pairs])
+
+
+def expected(tokens: list[int]) -> dict[str, bytes]:
+    return dict(l3.stored_pages(None, tokens, 1, 2, l3.canonical_digest(1, "kvcert-synthetic")))
+
+
+def test_a_write_ack_issues_a_store_that_writes_canonical_pages_on_completion() -> None:
+    c, store = make()
+    node = c.nodes[put(c, [5, 6, 7])]
+    c.complete(0)
+    assert c.poll() == 1 and [p.kind for p in c.snapshot().pending] == ["store"]
+    assert node.host_lock_ref == 1, "the host copy is protected until the store's ack"
+    assert store.inner.contents() == {}, "nothing is stored before the copy engine finishes"
+    c.complete(1)
+    assert store.inner.contents() == expected([5, 6, 7])
+    assert c.poll() == 1 and node.host_lock_ref == 0 and check_snapshot(c.snapshot()) == []
+
+
+def test_a_failed_store_leaves_nothing_visible_and_still_releases() -> None:
+    c, store = make()
+    node = c.nodes[put(c, [5, 6])]
+    c.complete(0)
+    c.poll()
+    store.arm("error")
+    c.complete(1)
+    assert store.inner.contents() == {} and c.poll() == 1 and node.host_lock_ref == 0
+
+
+def test_prefetch_asks_for_the_consecutive_stored_pages_and_inserts_them_host_only() -> None:
+    c, store = make()
+    publish(store, [1, 2, 3, 4])
+    store.drop(l3.page_keys(None, [1, 2, 3, 4], 1, c.digest)[2])  # page 3 is missing: the run stops at 2 pages
+    assert c.prefetch(c.root.id, None, [1, 2, 3, 4]) == 2
+    assert len(c.host.free_list) == 6  # type: ignore[union-attr]
+    c.fetch(0)
+    assert c.check_prefetch(0) is None, "wait_complete waits for every page"
+    c.fetch(0)
+    assert c.check_prefetch(0) == 2
+    assert c.match_prefix(None, [1, 2, 3, 4]).host_length == 2 and not c.prefetches
+    assert check_snapshot(c.snapshot()) == []
+
+
+def test_a_corrupt_page_is_a_miss_never_kv() -> None:
+    c, store = make()
+    publish(store, [1, 2, 3])
+    store.corrupt(l3.page_keys(None, [1, 2, 3], 1, c.digest)[1])
+    assert c.prefetch(c.root.id, None, [1, 2, 3]) == 3
+    c.fetch(0)
+    c.fetch(0)
+    assert c.snapshot().prefetches[0].failed and c.snapshot().prefetches[0].fetched == 1
+    assert c.check_prefetch(0) == 1, "only the verified first page is kept"
+    assert len(c.host.free_list) == 7  # type: ignore[union-attr]
+
+
+def test_best_effort_ends_at_once_and_keeps_what_arrived() -> None:
+    c, store = make("best_effort")
+    publish(store, [1, 2, 3])
+    assert c.prefetch(c.root.id, None, [1, 2, 3]) == 3
+    c.fetch(0)
+    assert c.check_prefetch(0) == 1 and len(c.host.free_list) == 7  # type: ignore[union-attr]
+
+
+def test_timeout_is_linear_in_pages() -> None:
+    c, store = make("timeout")
+    publish(store, [1, 2, 3])
+    c.set_clock(10)
+    assert c.prefetch(c.root.id, None, [1, 2, 3]) == 3
+    c.set_clock(10 + 4 + 3)  # base 4 + 1 per page: not yet past it
+    assert c.check_prefetch(0) is None
+    c.set_clock(10 + 4 + 3 + 1)
+    assert c.check_prefetch(0) == 0
+
+
+def test_abort_frees_everything_and_keeps_nothing() -> None:
+    c, store = make()
+    anchor = c.nodes[put(c, [1])]
+    settle(c)
+    publish(store, [1, 2, 3])
+    assert c.prefetch(anchor.id, None, [1, 2, 3]) == 2 and anchor.host_lock_ref == 1
+    c.fetch(0)
+    c.abort_prefetch(0)
+    assert anchor.host_lock_ref == 0 and len(c.nodes) == 2 and not c.prefetches
+    assert check_snapshot(c.snapshot()) == []
+
+
+def test_making_room_never_evicts_the_anchor() -> None:
+    c, store = make(host=3)
+    anchor = c.nodes[put(c, [1])]
+    settle(c)
+    c.evict(1)  # the anchor is a host-only leaf: the only host-eviction candidate
+    publish(store, [1, 2, 3, 4])
+    assert c.prefetch(anchor.id, None, [1, 2, 3, 4]) == 0, "3 pages do not fit beside the protected anchor"
+    assert anchor.id in c.nodes and anchor.host_lock_ref == 0
+
+
+def test_a_split_anchor_releases_both_halves() -> None:
+    c, store = make()
+    anchor = c.nodes[put(c, [1, 2])]
+    settle(c)
+    publish(store, [1, 2, 3])
+    assert c.prefetch(anchor.id, None, [1, 2, 3]) == 1
+    c.match_prefix(None, [1])  # splits the anchor: the new head shares its protection
+    head = anchor.parent
+    assert head is not None and head.host_lock_ref == 1 and anchor.host_lock_ref == 1
+    c.fetch(0)
+    assert c.check_prefetch(0) == 1
+    assert head.host_lock_ref == 0 and anchor.host_lock_ref == 0

@@ -1,0 +1,31 @@
+"""SGLang's UnifiedRadixCache + HiCache certified against SPEC.md §9, per tree core and host layout.
+
+Short runs for CI (the figures of longer ones are in docs/sglang.md): every write policy and the
+device-only cells, at page sizes 1 and 4. Skipped as a whole without the `sglang` extra.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from _sglang import require_sglang
+
+require_sglang()
+
+from kvcert.conformance.certify import certify  # noqa: E402
+
+pytestmark = pytest.mark.sglang
+
+TARGETS = ["factory", "factory_rust", "factory_page_first", "factory_rust_page_first"]
+
+
+@pytest.mark.parametrize("name", TARGETS)
+def test_hicache_is_certified(name: str, tmp_path: Path) -> None:
+    target = f"kvcert.conformance.adapters.sglang_hicache_backend:{name}"
+    cert = certify(target, examples=40, steps=30, seed=0, page_sizes=[1, 4], out_dir=tmp_path)
+    failures = [f"P={c.page_size} {c.write_policy or 'device'}: {c.failure}" for c in cert.cells if not c.passed]
+    assert not failures, "\n".join(failures)
+    tiers = {(c.page_size, c.write_policy) for c in cert.cells}
+    assert tiers == {(p, w) for p in (1, 4) for w in ("", "write_through", "write_through_selective", "write_back")}
+    assert all(c.steps > 0 for c in cert.cells)
