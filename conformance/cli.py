@@ -79,6 +79,7 @@ def certify_cmd(
         None, "--prefetch-policy", help="storage cells: these prefetch stop policies"
     ),
     no_storage: bool = typer.Option(False, "--no-storage", help="skip the storage cells"),
+    storage_only: bool = typer.Option(False, "--storage-only", help="run only the storage cells"),
     bad_input: Optional[bool] = typer.Option(
         None,
         "--bad-input/--no-bad-input",
@@ -98,6 +99,8 @@ def certify_cmd(
         bad_input=bad_input,
         write_policies=[] if device_only else write_policy,
         prefetch_policies=[] if device_only or no_storage else prefetch_policy,
+        device_cells=not storage_only,
+        host_cells=not storage_only,
     )
     print_certificate(cert)
     if json_path is not None:
