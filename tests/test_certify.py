@@ -122,3 +122,19 @@ def test_cli_certify_replay_and_json(tmp_path: Path) -> None:
     assert res.exit_code == 1 and "INV-EVICT-3" in res.output
     res = runner.invoke(app, ["replay", str(bad), "--target", "kvcert.refimpl:factory"])
     assert res.exit_code == 0 and "PASS" in res.output
+
+
+def test_cli_storage_only_runs_the_storage_matrix(tmp_path: Path) -> None:
+    cert_json = tmp_path / "cert.json"
+    res = CliRunner().invoke(
+        app,
+        ["certify", "kvcert.refimpl:factory", "--storage-only", "--examples", "3", "--steps", "15"]
+        + ["--page-size", "4", "--write-policy", "write_back", "--json", str(cert_json)],
+    )
+    assert res.exit_code == 0, res.output
+    cells = json.loads(cert_json.read_text())["cells"]
+    assert sorted(c["write_policy"] for c in cells) == [
+        "write_back+best_effort",
+        "write_back+timeout",
+        "write_back+wait_complete",
+    ]
