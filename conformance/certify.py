@@ -185,6 +185,20 @@ def replay_fails(factory: Factory, capabilities: Capabilities, trace: Trace) -> 
     return replay_failure(factory, capabilities, trace.config, list(trace.ops)) is not None
 
 
+def _tiered(page_size: int, policy: str, write_policy: str, prefetch_policy: str = "") -> CacheConfig:
+    """A host-tier cell, or with `prefetch_policy` a storage cell (whose host pool is smaller)."""
+    host_pages = STORAGE_HOST_PAGES if prefetch_policy else HOST_PAGES
+    return CacheConfig(
+        page_size=page_size,
+        policy=policy,
+        capacity=HOST_CELL_DEVICE_PAGES * page_size,
+        host_capacity=host_pages * page_size,
+        write_policy=write_policy,
+        load_back_threshold=page_size,
+        prefetch_policy=prefetch_policy,
+    )
+
+
 def cells_for(
     capabilities: Capabilities,
     page_sizes: Optional[Iterable[int]],
@@ -218,14 +232,7 @@ def cells_for(
         if device_cells
     ]
     configs += [
-        CacheConfig(
-            page_size=ps,
-            policy=pol,
-            capacity=HOST_CELL_DEVICE_PAGES * ps,
-            host_capacity=HOST_PAGES * ps,
-            write_policy=wp,
-            load_back_threshold=ps,
-        )
+        _tiered(ps, pol, wp)
         for ps in sizes
         for wp in want_wp
         if wp in capabilities.write_policies and host_cells
@@ -234,15 +241,7 @@ def cells_for(
     want_pf = list(capabilities.prefetch_policies if prefetch_policies is None else prefetch_policies)
     skipped += [f"prefetch_policy={p}: not declared" for p in want_pf if p not in capabilities.prefetch_policies]
     configs += [
-        CacheConfig(
-            page_size=ps,
-            policy=pol,
-            capacity=HOST_CELL_DEVICE_PAGES * ps,
-            host_capacity=STORAGE_HOST_PAGES * ps,
-            write_policy=wp,
-            load_back_threshold=ps,
-            prefetch_policy=pf,
-        )
+        _tiered(ps, pol, wp, pf)
         for ps in sizes
         if ps in STORAGE_PAGE_SIZES or page_sizes
         for wp in want_wp

@@ -8,15 +8,14 @@ CI runs the script directly and it takes a minute or more.
 
 from __future__ import annotations
 
-import inspect
 import os
-import re
 import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
-from hypothesis import assume, given, settings
+from _contracts import check_contract, conditions, contracted
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvcert.spec import pages
@@ -39,24 +38,7 @@ FAST = settings(max_examples=300, deadline=None)
 
 # --------------------------------------------------------------------------- the docstring contracts
 
-CONDITION = re.compile(r"^\s*(pre|post):\s*(.+?)\s*$")
-
-
-def _conditions(fn: Any) -> tuple[list[str], list[str]]:
-    pre: list[str] = []
-    post: list[str] = []
-    for line in (fn.__doc__ or "").splitlines():
-        m = CONDITION.match(line)
-        if m:
-            (pre if m.group(1) == "pre" else post).append(m.group(2))
-    return pre, post
-
-
-CONTRACTED = {
-    name: fn
-    for name, fn in vars(pages).items()
-    if inspect.isfunction(fn) and fn.__module__ == pages.__name__ and _conditions(fn)[1]
-}
+CONTRACTED = contracted(pages)
 
 tokens = st.lists(st.integers(0, 2), max_size=12)
 sequences = st.one_of(tokens, tokens.map(tuple))
@@ -103,7 +85,7 @@ STRATEGIES: dict[str, st.SearchStrategy[dict[str, Any]]] = {
 
 def test_every_contracted_function_has_a_strategy() -> None:
     assert set(CONTRACTED) == set(STRATEGIES)
-    assert sum(len(_conditions(fn)[1]) for fn in CONTRACTED.values()) >= 20
+    assert sum(len(conditions(fn)[1]) for fn in CONTRACTED.values()) >= 20
 
 
 def test_ranked_policies_are_the_spec_policies() -> None:
@@ -112,19 +94,7 @@ def test_ranked_policies_are_the_spec_policies() -> None:
 
 @pytest.mark.parametrize("name", sorted(STRATEGIES))
 def test_docstring_contracts(name: str) -> None:
-    fn = CONTRACTED[name]
-    pre, post = _conditions(fn)
-
-    @FAST
-    @given(STRATEGIES[name])
-    def check(args: dict[str, Any]) -> None:
-        scope = {**vars(pages), **args}
-        assume(all(eval(p, scope) for p in pre))
-        scope["__return__"] = fn(**args)
-        for p in post:
-            assert eval(p, scope), f"{name}{args}: post `{p}` is false"
-
-    check()
+    check_contract(pages, CONTRACTED[name], STRATEGIES[name], examples=300)
 
 
 # --------------------------------------------------------------------------- brute-force references

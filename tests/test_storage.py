@@ -9,9 +9,7 @@ to give a miss, never other bytes.
 from __future__ import annotations
 
 import hashlib
-import inspect
 import os
-import re
 import subprocess
 import sys
 import tempfile
@@ -19,6 +17,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 import pytest
+from _contracts import check_contract, contracted
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
@@ -49,24 +48,7 @@ any_tokens = st.lists(st.one_of(st.integers(0, 5), st.integers(0, 2**32 - 1)), m
 
 # --------------------------------------------------------------------------- the docstring contracts
 
-CONDITION = re.compile(r"^\s*(pre|post):\s*(.+?)\s*$")
-
-
-def _conditions(fn: Any) -> tuple[list[str], list[str]]:
-    pre: list[str] = []
-    post: list[str] = []
-    for line in (fn.__doc__ or "").splitlines():
-        m = CONDITION.match(line)
-        if m:
-            (pre if m.group(1) == "pre" else post).append(m.group(2))
-    return pre, post
-
-
-CONTRACTED = {
-    name: fn
-    for name, fn in vars(storage).items()
-    if inspect.isfunction(fn) and fn.__module__ == storage.__name__ and _conditions(fn)[1]
-}
+CONTRACTED = contracted(storage)
 
 _records = st.builds(encode_page, st.text(max_size=6), st.binary(max_size=24))
 STRATEGIES: dict[str, st.SearchStrategy[dict[str, Any]]] = {
@@ -120,19 +102,7 @@ def test_every_contracted_function_has_a_strategy() -> None:
 
 @pytest.mark.parametrize("name", sorted(STRATEGIES))
 def test_docstring_contracts(name: str) -> None:
-    fn = CONTRACTED[name]
-    pre, post = _conditions(fn)
-
-    @FAST
-    @given(STRATEGIES[name])
-    def check(args: dict[str, Any]) -> None:
-        scope = {**vars(storage), **args}
-        assume(all(eval(p, scope) for p in pre))
-        scope["__return__"] = fn(**args)
-        for p in post:
-            assert eval(p, scope), f"{name}{args}: post `{p}` is false"
-
-    check()
+    check_contract(storage, CONTRACTED[name], STRATEGIES[name], examples=200)
 
 
 # --------------------------------------------------------------------------- page keys
