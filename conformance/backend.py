@@ -16,7 +16,16 @@ from typing import Optional, Protocol, runtime_checkable
 from kvcert.spec.storage import StorageBackend
 from kvcert.spec.types import CacheConfig, Capabilities, InsertOut, MatchOut, Snapshot
 
-__all__ = ["Backend", "Factory", "HostTierBackend", "InsertOut", "MatchOut", "StorageTierBackend", "capabilities_of"]
+__all__ = [
+    "Backend",
+    "Factory",
+    "FaultInjectingBackend",
+    "HostTierBackend",
+    "InsertOut",
+    "MatchOut",
+    "StorageTierBackend",
+    "capabilities_of",
+]
 
 
 @runtime_checkable
@@ -88,6 +97,14 @@ class StorageTierBackend(HostTierBackend, Protocol):
 
     def abort_prefetch(self, prefetch: int) -> None:
         """End the prefetch, keeping nothing."""
+
+
+@runtime_checkable
+class FaultInjectingBackend(Backend, Protocol):
+    """A cache that lets the harness arm its own faults; declared by `Capabilities.faults`."""
+
+    def inject_fault(self, kind: str) -> None:
+        """Arm one fault of `kind` (FAULTS): the cache's next allocation of that kind fails."""
 
 
 Factory = Callable[[CacheConfig], Backend]

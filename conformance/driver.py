@@ -28,6 +28,7 @@ from kvcert.spec.ops import (
     Evict,
     EvictHost,
     Fetch,
+    InjectFault,
     Insert,
     LoadBack,
     Lock,
@@ -182,6 +183,8 @@ class Harness:
                 return got
             if isinstance(op, AbortPrefetch):
                 return cache.abort_prefetch(self._prefetch(op.prefetch, side))
+            if isinstance(op, InjectFault):
+                return cache.inject_fault(op.kind)
             raise TypeError(f"not an op: {op!r}")
         except KVCertError as err:
             return err

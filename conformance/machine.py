@@ -26,6 +26,7 @@ from kvcert.spec.ops import (
     Evict,
     EvictHost,
     Fetch,
+    InjectFault,
     Insert,
     LoadBack,
     Lock,
@@ -42,7 +43,7 @@ from kvcert.spec.types import CacheConfig, Capabilities
 NAMESPACES: tuple[Optional[str], ...] = (None, "lora-a")
 STORAGE_FAULTS = ("error", "partial_write", "torn_write", "corrupt", "drop")
 """Storage fault kinds; each run switches a random subset on (swarm testing)."""
-SWARM_RULES = ("lock", "evict", "evict_host", "load_back", "publish", "pressure", "malformed")
+SWARM_RULES = ("lock", "evict", "evict_host", "load_back", "publish", "pressure", "malformed", "alloc_fault")
 """Rules a storage run may switch off (swarm testing): with fewer kinds of step, each run goes
 deeper into the ones it keeps (Groce et al., "Swarm Testing", ISSTA 2012)."""
 MAX_PAGES = 5
@@ -218,6 +219,12 @@ class CacheMachine(RuleBasedStateMachine):
     def load_back(self, data: st.DataObject) -> None:
         self.do(LoadBack(data.draw(st.sampled_from(self.h.host_hits()), label="match")))
 
+    @precondition(lambda self: self.host() and "host_alloc" in self.capabilities.faults and self.on("alloc_fault"))
+    @rule()
+    def host_alloc_fault(self) -> None:
+        """The next host allocation fails: no backup, a write-back victim dropped, a prefetch declined."""
+        self.do(InjectFault("host_alloc"))
+
     # ----------------------------------------------------------------- storage tier (SPEC.md §10)
 
     def storage(self) -> bool:
@@ -300,8 +307,11 @@ class CacheMachine(RuleBasedStateMachine):
         ps = self.config.page_size
         if kind == "host" and self.host():
             defects = ["copy", "evict_host", "load_back"] + (["prefetch"] if self.storage() else [])
+            defects += ["fault"] if self.capabilities.faults else []
             bad = data.draw(st.sampled_from(defects), label="host defect")
-            if bad == "prefetch":
+            if bad == "fault":
+                self.do(InjectFault("disk_full"))
+            elif bad == "prefetch":
                 self.do(Fetch(10_000) if data.draw(st.booleans(), label="fetch?") else CheckPrefetch(-1))
             elif bad == "copy":
                 self.do(Complete(data.draw(st.sampled_from([10_000, -1, *self.h.finished_copies()]), label="copy")))

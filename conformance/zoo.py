@@ -426,6 +426,18 @@ MUTANTS: tuple[Mutant, ...] = (
         write_policies=("write_through",),
         prefetch_policies=("best_effort",),
     ),
+    Mutant(
+        "demote_after_failed_write_back",
+        "write-back demotes a victim whose backup failed: its KV is on neither tier (seed 003)",
+        (
+            (
+                "            if victim.host_slots is not None:\n",
+                '            if victim.host_slots is not None or self.write_policy == "write_back":\n',
+            ),
+        ),
+        page_sizes=(1,),
+        write_policies=("write_back",),
+    ),
 )
 
 

@@ -19,6 +19,7 @@ from typing import Optional
 from kvcert.spec import pages
 from kvcert.spec import storage as l3
 from kvcert.spec.types import (
+    FAULTS,
     POLICIES,
     PREFETCH_POLICIES,
     WRITE_POLICIES,
@@ -42,6 +43,7 @@ from kvcert.spec.types import (
     Tokens,
     UnalignedKey,
     UnknownCopy,
+    UnknownFault,
     UnknownPrefetch,
 )
 
@@ -185,6 +187,7 @@ class RefCache:
         strict_input=True,
         write_policies=WRITE_POLICIES,
         prefetch_policies=PREFETCH_POLICIES,
+        faults=FAULTS,
     )
 
     def __init__(self, config: CacheConfig = _DEFAULT_CONFIG) -> None:
@@ -222,6 +225,8 @@ class RefCache:
         self.storage: Optional[l3.StorageBackend] = None
         self.prefetches: list[Prefetching] = []
         self._next_prefetch = 0
+        self.armed_faults: dict[str, int] = {}
+        """Injected faults not yet triggered, by kind."""
 
     # ------------------------------------------------------------------ helpers
 
@@ -506,16 +511,32 @@ class RefCache:
             self._next_copy += 1
 
     def _write_backup(self, node: Node) -> bool:
-        """Give `node` host slots for its KV; False if host eviction cannot make room."""
-        assert self.host is not None
-        need = len(node.key) - len(self.host.free_list)
-        if need > 0:
-            self.evict_host(need, choose=self.steer)
-        if len(self.host.free_list) < len(node.key):
+        """Give `node` host slots for its KV; False if host eviction cannot make room (or the allocation fails)."""
+        slots = self._host_alloc(len(node.key))
+        if slots is None:
             return False
-        node.host_slots = self.host.alloc(len(node.key))
-        self.host.adopt(node.host_slots)
+        node.host_slots = slots
         return True
+
+    def _host_alloc(self, n: int) -> Optional[tuple[int, ...]]:
+        """`n` host slots for the tree, host eviction making room first; None without room or on an injected fault."""
+        assert self.host is not None
+        if len(self.host.free_list) < n:
+            self.evict_host(n - len(self.host.free_list), choose=self.steer)
+        if self.armed_faults.get("host_alloc"):
+            self.armed_faults["host_alloc"] -= 1
+            return None
+        if len(self.host.free_list) < n:
+            return None
+        slots = self.host.alloc(n)
+        self.host.adopt(slots)
+        return slots
+
+    def inject_fault(self, kind: str) -> None:
+        """Arm one fault: the next allocation of `kind` fails (SPEC.md §10.5)."""
+        if kind not in FAULTS:
+            raise UnknownFault(f"no fault kind {kind!r}; this cache has {FAULTS}")
+        self.armed_faults[kind] = self.armed_faults.get(kind, 0) + 1
 
     def host_leaves(self) -> list[Node]:
         """Host eviction candidates: on the host only, no children, unlocked, no host protection."""
@@ -691,14 +712,11 @@ class RefCache:
             return 0
         if anchor is not self.root:
             anchor.host_lock_ref += 1  # before making room: the anchor must not be the room made
-        if len(self.host.free_list) < size:
-            self.evict_host(size - len(self.host.free_list), choose=self.steer)
-        if len(self.host.free_list) < size:
+        slots = self._host_alloc(size)
+        if slots is None:
             if anchor is not self.root:
                 anchor.host_lock_ref -= 1
             return 0
-        slots = self.host.alloc(size)
-        self.host.adopt(slots)
         locked = [anchor] if anchor is not self.root else []
         self.prefetches.append(
             Prefetching(

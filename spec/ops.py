@@ -116,6 +116,13 @@ class AbortPrefetch:
 
 
 @dataclass(frozen=True)
+class InjectFault:
+    """Arm one fault in the cache (and the oracle): its next allocation of that kind fails."""
+
+    kind: str
+
+
+@dataclass(frozen=True)
 class Publish:
     """Another engine sharing the L3 store stored `tokens`' pages (canonical records, both sides alike)."""
 
@@ -149,6 +156,7 @@ Op = Union[
     Fetch,
     CheckPrefetch,
     AbortPrefetch,
+    InjectFault,
     Publish,
     StorageFault,
 ]
@@ -168,6 +176,7 @@ OP_TYPES: dict[str, type] = {
         Fetch,
         CheckPrefetch,
         AbortPrefetch,
+        InjectFault,
         Publish,
         StorageFault,
     )

@@ -23,6 +23,9 @@ WRITE_POLICIES: tuple[str, ...] = ("write_through", "write_through_selective", "
 PREFETCH_POLICIES: tuple[str, ...] = ("best_effort", "wait_complete", "timeout")
 """When `check_prefetch` ends a storage prefetch (SPEC.md §10.4; SGLang's prefetch stop policies)."""
 
+FAULTS: tuple[str, ...] = ("host_alloc",)
+"""Faults a backend can have injected (SPEC.md §10.5): `host_alloc` makes its next host-slot allocation fail."""
+
 WRITE_THROUGH_THRESHOLD = {"write_through": 1, "write_through_selective": 2}
 """Hits after which a node is backed up, per write-through policy (SGLang's defaults)."""
 
@@ -72,6 +75,10 @@ class SlotNotOwned(BadInput):
 
 class UnknownPrefetch(BadInput):
     """fetch/check_prefetch/abort_prefetch named a prefetch that is not running (or has no page left)."""
+
+
+class UnknownFault(BadInput):
+    """inject_fault named a fault kind the backend does not declare."""
 
 
 class PoolExhausted(KVCertError):
@@ -257,4 +264,6 @@ class Capabilities:
     """Host-tier write policies supported; () for a device-only cache."""
     prefetch_policies: tuple[str, ...] = ()
     """Storage-tier stop policies supported; () for a cache without storage."""
+    faults: tuple[str, ...] = ()
+    """Fault kinds `inject_fault` accepts (FAULTS)."""
     notes: tuple[str, ...] = field(default_factory=tuple)

@@ -29,6 +29,7 @@ from kvcert.spec.types import (
     StaleHandle,
     UnalignedKey,
     UnknownCopy,
+    UnknownFault,
     UnknownPrefetch,
 )
 
@@ -346,7 +347,8 @@ def hidden_state(cache: RefCache) -> tuple[Any, ...]:
         (n.id, n.last_access, n.hit_count, n.creation, n.priority, n.own_locks, n.lock_ref, tuple(n.children))
         for n in cache.nodes.values()
     )
-    return nodes, tuple(sorted(cache.pool.lent)), tuple(cache.pool.free_list), cache._next_id, cache.now
+    faults = tuple(sorted(cache.armed_faults.items()))
+    return nodes, tuple(sorted(cache.pool.lent)), tuple(cache.pool.free_list), cache._next_id, cache.now, faults
 
 
 BAD_INPUTS: list[tuple[str, type[KVCertError], Callable[[Scene], object]]] = [
@@ -399,6 +401,7 @@ BAD_INPUTS: list[tuple[str, type[KVCertError], Callable[[Scene], object]]] = [
     ("fetch: a prefetch never issued", UnknownPrefetch, lambda s: s.cache.fetch(0)),
     ("check_prefetch: a bool prefetch id", UnknownPrefetch, lambda s: s.cache.check_prefetch(True)),
     ("abort_prefetch: a negative prefetch id", UnknownPrefetch, lambda s: s.cache.abort_prefetch(-1)),
+    ("inject_fault: an unknown kind", UnknownFault, lambda s: s.cache.inject_fault("disk_full")),
     ("evict: float count", InvalidCount, lambda s: s.cache.evict(1.5)),
     ("evict: str count", InvalidCount, lambda s: s.cache.evict("4")),
     ("evict: bool count", InvalidCount, lambda s: s.cache.evict(True)),

@@ -242,3 +242,23 @@ def test_write_through_keeps_duplicates_and_evicts_host_only_leaves() -> None:
     d = c.nodes[put(c, [1, 2])]
     settle(c)
     assert c.evict_host(2) == 0 and d.host_slots is not None, "write-through never strips a device node's backup"
+
+
+# ----------------------------------------------------------------- injected faults (SPEC.md §10.5)
+
+
+def test_a_failed_host_allocation_means_no_backup_and_no_write() -> None:
+    c = make()
+    c.inject_fault("host_alloc")
+    node = c.nodes[put(c, [1, 2])]
+    assert node.host_slots is None and not c.copies and c.armed_faults["host_alloc"] == 0
+    put(c, [1, 2, 3, 4])  # the fault is spent: the parent is backed up now, and so the child
+    assert node.host_slots is not None and len(c.copies) == 1
+
+
+def test_write_back_drops_a_victim_whose_backup_failed() -> None:
+    c = make("write_back")
+    node = c.nodes[put(c, [1, 2])]
+    c.inject_fault("host_alloc")
+    assert c.evict(2) == 2 and node.id not in c.nodes, "dropped, never demoted without a copy"
+    assert check_snapshot(c.snapshot()) == []
