@@ -44,3 +44,32 @@ def test_counterexamples_are_short(verdicts: dict[str, tuple[bool, int]]) -> Non
 
 def test_unmodified_model_passes_the_same_cells(tmp_path: Path) -> None:
     assert zoo.run_control(examples=EXAMPLES, steps=STEPS, seed=SEED, out_dir=tmp_path).passed
+
+
+def test_directed_mutants_are_caught_by_their_trace() -> None:
+    """A failed storage write must stay invisible: the mutant that indexes it is caught at the prefetch."""
+    from kvcert.conformance.driver import ConformanceFailure, run_trace
+    from kvcert.spec.ops import Complete, Evict, EvictHost, Insert, Match, Poll, Prefetch, StorageFault
+    from kvcert.spec.types import CacheConfig
+
+    (mutant,) = [m for m in zoo.DIRECTED if m.name == "failed_store_visible"]
+    factory = zoo.build(mutant)
+    config = CacheConfig(
+        page_size=1, capacity=6, host_capacity=6, write_policy="write_through", prefetch_policy="wait_complete"
+    )
+    ops = [
+        Insert(None, (1, 2)),
+        Complete(0),
+        Poll(),  # the write's ack issues store copy 1
+        StorageFault("error"),
+        Complete(1),  # the store fails: nothing reaches storage
+        Poll(),
+        Evict(6),
+        EvictHost(6),
+        Match(None, (1, 2)),
+        Prefetch(8),
+    ]
+    run_trace(zoo.refcache.factory(config), config, factory.capabilities, ops)  # the spec: nothing to prefetch
+    with pytest.raises(ConformanceFailure) as failure:
+        run_trace(factory(config), config, factory.capabilities, ops)
+    assert failure.value.step == 9 and "INV-PF-2" in {v.inv for v in failure.value.violations}
