@@ -301,7 +301,7 @@ class Harness:
         def locked(n: Any) -> bool:
             if host:
                 return n.lock_ref > 0 or n.host_lock_ref > 0
-            return n.lock_ref > 0 or (n.host_slots is None and self.oracle.pins_subtree(n))
+            return n.lock_ref > 0 or self.oracle.pinned(n)
 
         gone = set(paths_of(before).values()) - set(paths_of(after).values())
         oracle_snap = self.oracle.snapshot()

@@ -435,13 +435,20 @@ class RefCache:
             and n.slots is not None
             and n.lock_ref == 0
             and not any(c.slots is not None for c in n.children.values())
-            and (n.host_slots is not None or not self.pins_subtree(n))
+            and not self.pinned(n)
         ]
 
-    def pins_subtree(self, node: Node) -> bool:
-        """Whether a host-only node below `node` is locked or host-protected."""
+    def pinned(self, node: Node) -> bool:
+        """A node without a backup that eviction would drop along with a protected host copy.
+
+        The protected copy is a host-only node below it (locked or host-protected), or the
+        node's own host lock: write-back pins a prefetch anchor that has no backup (SPEC.md §9.3).
+        """
+        return node.host_slots is None and (node.host_lock_ref > 0 or self._pins_subtree(node))
+
+    def _pins_subtree(self, node: Node) -> bool:
         return any(
-            c.lock_ref > 0 or c.host_lock_ref > 0 or self.pins_subtree(c) for c in node.children.values() if c.slots is None
+            c.lock_ref > 0 or c.host_lock_ref > 0 or self._pins_subtree(c) for c in node.children.values() if c.slots is None
         )
 
     def evict(self, n: int, choose: Optional[Chooser] = None) -> int:

@@ -246,9 +246,9 @@ def device_paths(s: Snapshot) -> dict[int, Path]:
 
 
 def pinned_tokens(s: Snapshot) -> int:
-    """Unlocked device tokens no eviction can free: a node without a backup whose host-only
-    subtree holds a locked or host-protected node (it would be dropped with it), and its
-    ancestors, which keep a device child (SPEC.md §9.3)."""
+    """Unlocked device tokens no eviction can free: a node without a backup that is itself
+    host-protected, or whose host-only subtree holds a locked or host-protected node (it would
+    be dropped with it), and its ancestors, which keep a device child (SPEC.md §9.3)."""
     nodes, kids = s.by_id(), s.children()
 
     def protected_below(i: int) -> bool:
@@ -259,7 +259,7 @@ def pinned_tokens(s: Snapshot) -> int:
 
     stuck: set[int] = set()
     for n in s.nodes:
-        if n.id != s.root and n.slots is not None and n.host_slots is None and protected_below(n.id):
+        if n.id != s.root and n.slots is not None and n.host_slots is None and (n.host_lock_ref > 0 or protected_below(n.id)):
             cur: Optional[int] = n.id
             while cur is not None and cur != s.root and cur not in stuck:
                 stuck.add(cur)

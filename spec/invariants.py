@@ -223,7 +223,8 @@ def host_slots_owned_once(s: Snapshot) -> list[str]:
 def prefetches_sane(s: Snapshot) -> list[str]:
     """INV-PF-1: a running prefetch hangs from a live, host-protected anchor and reserves whole pages.
 
-    Its anchor is the root or a backed-up node; `fetched` never exceeds `requested`, and it
+    Its anchor is the root or a backed-up node (under write-back, whose reclaim can strip a
+    device node's backup, the anchor may have none); `fetched` never exceeds `requested`, and it
     reserves exactly `requested` host slots.
     """
     nodes = s.by_id()
@@ -232,8 +233,10 @@ def prefetches_sane(s: Snapshot) -> list[str]:
         anchor = nodes.get(p.anchor)
         if anchor is None:
             out.append(f"prefetch {p.id}: anchor {p.anchor} left the tree")
-        elif anchor.id != s.root and (anchor.host_slots is None or anchor.host_lock_ref <= 0):
-            out.append(f"prefetch {p.id}: anchor {p.anchor} is not a host-protected backup")
+        elif anchor.id != s.root and anchor.host_lock_ref <= 0:
+            out.append(f"prefetch {p.id}: anchor {p.anchor} is not host-protected")
+        elif anchor.id != s.root and anchor.host_slots is None and s.write_policy != "write_back":
+            out.append(f"prefetch {p.id}: anchor {p.anchor} has no backup (only write-back pins such an anchor)")
         if not 0 <= p.fetched <= p.requested or p.requested % s.page_size or p.fetched % s.page_size:
             out.append(f"prefetch {p.id}: fetched {p.fetched} of {p.requested} tokens")
         if len(p.host_slots) != p.requested:

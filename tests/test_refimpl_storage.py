@@ -147,3 +147,30 @@ def test_a_split_anchor_releases_both_halves() -> None:
     c.fetch(0)
     assert c.check_prefetch(0) == 1
     assert head.host_lock_ref == 0 and anchor.host_lock_ref == 0
+
+
+def test_write_back_pins_an_anchor_that_lost_its_backup() -> None:
+    """Found by the long run: write-back's reclaim strips the anchor's backup between match and prefetch."""
+    from kvcert.conformance.driver import run_trace
+    from kvcert.refimpl import factory
+    from kvcert.spec.ops import CheckPrefetch, EvictHost, Fetch, Insert, Match, Prefetch, Publish
+
+    config = CacheConfig(
+        capacity=6, host_capacity=6, write_policy="write_back", load_back_threshold=1, prefetch_policy="wait_complete"
+    )
+    ops = [
+        Publish(None, (1, 1)),
+        Match(None, (1,)),
+        Prefetch(1),
+        Fetch(0),
+        CheckPrefetch(0),  # [1] is in the tree, host only
+        Insert(None, (1,)),  # restored: a settled duplicate
+        Match(None, (1, 1)),  # host node [1]
+        EvictHost(1),  # write-back reclaims its backup
+        Prefetch(6),  # the anchor has no backup now: pinned all the same
+    ]
+    h = run_trace(factory(config), config, factory.capabilities, ops, quiesce=False)
+    anchor = h.oracle.prefetches[0].anchor
+    assert anchor.host_slots is None and anchor.host_lock_ref == 1 and h.oracle.pinned(anchor)
+    assert anchor not in h.oracle.evictable_leaves()
+    h.quiesce()
