@@ -191,8 +191,9 @@ def host_duplicates(s: Snapshot) -> set[int]:
 
 def host_reclaimed(before: Snapshot, after: Snapshot) -> set[int]:
     """Nodes of `before` that stay in the tree but lost their host copy."""
-    backed_after = {p for i, p in node_paths(after).items() if after.by_id()[i].host_slots is not None}
-    kept = set(node_paths(after).values())
+    paths_after, nodes_after = node_paths(after), after.by_id()
+    backed_after = {p for i, p in paths_after.items() if nodes_after[i].host_slots is not None}
+    kept = set(paths_after.values())
     nodes = before.by_id()
     return {i for i, p in node_paths(before).items() if nodes[i].host_slots is not None and p in kept and p not in backed_after}
 

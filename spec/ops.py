@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, fields
-from typing import Any, Optional, Union
+from typing import Any, Optional, Union, get_args
 
 from kvcert.spec.types import CacheConfig
 
@@ -160,27 +160,8 @@ Op = Union[
     Publish,
     StorageFault,
 ]
-OP_TYPES: dict[str, type] = {
-    t.__name__: t
-    for t in (
-        Insert,
-        Match,
-        Lock,
-        Unlock,
-        Evict,
-        EvictHost,
-        LoadBack,
-        Complete,
-        Poll,
-        Prefetch,
-        Fetch,
-        CheckPrefetch,
-        AbortPrefetch,
-        InjectFault,
-        Publish,
-        StorageFault,
-    )
-}
+OP_TYPES: dict[str, type] = {t.__name__: t for t in get_args(Op)}
+"""Op name -> class, for JSON traces: derived from `Op`, so a new op cannot be left out."""
 HANDLE_PRODUCERS = (Insert, Match)
 
 
