@@ -23,6 +23,7 @@ __all__ = [
     "HostTierBackend",
     "InsertOut",
     "MatchOut",
+    "RetractionBackend",
     "StorageTierBackend",
     "capabilities_of",
 ]
@@ -104,7 +105,23 @@ class FaultInjectingBackend(Backend, Protocol):
     """A cache that lets the harness arm its own faults; declared by `Capabilities.faults`."""
 
     def inject_fault(self, kind: str) -> None:
-        """Arm one fault of `kind` (FAULTS): the cache's next allocation of that kind fails."""
+        """Arm one fault of `kind` (FAULTS): the cache's next host allocation (`host_alloc`) or
+        copy completion (`copy`) fails."""
+
+
+@runtime_checkable
+class RetractionBackend(HostTierBackend, Protocol):
+    """A host tier that keeps retracted requests' KV (SPEC.md §9.11); declared by `Capabilities.retraction`."""
+
+    def retraction_backup(self, slots: Sequence[int]) -> Optional[int]:
+        """Copy the KV in `slots` (the tree's or the caller's) to fresh host slots; the backup id, or None without room."""
+
+    def retraction_restore(self, backup: int, slots: Sequence[int]) -> int:
+        """Copy backup `backup` into the caller's `slots` and free it; return the resumed request's
+        last node (the root), locked once on the caller's behalf."""
+
+    def retraction_discard(self, backup: int) -> None:
+        """Free backup `backup`."""
 
 
 Factory = Callable[[CacheConfig], Backend]

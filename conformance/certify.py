@@ -71,6 +71,8 @@ class CellResult:
     reproduced: Optional[bool] = None
     write_policy: str = ""
     """"" for a device-only cell; else the host tier's write policy."""
+    ops: dict[str, int] = field(default_factory=dict)
+    """Steps per op kind (`RunStats.ops`): what the cell exercised, in the JSON certificate."""
 
 
 @dataclass
@@ -160,6 +162,7 @@ def run_cell(
         result.failure = f"INV-DET-1: the backend is not deterministic under a fixed trace ({type(flaky).__name__}: {str(flaky).splitlines()[0]})"
     result.seconds = time.perf_counter() - start
     result.examples, result.steps = machine.stats.examples, machine.stats.steps
+    result.ops = dict(sorted(machine.stats.ops.items()))
     return result
 
 

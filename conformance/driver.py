@@ -17,7 +17,7 @@ from kvcert.conformance.backend import Backend
 from kvcert.conformance.storage import FaultyStorage, MemoryStorage
 from kvcert.refimpl import RefCache
 from kvcert.refimpl.cache import Chooser
-from kvcert.spec import contracts
+from kvcert.spec import contracts, pages
 from kvcert.spec import storage as l3
 from kvcert.spec.invariants import Violation, check_snapshot
 from kvcert.spec.ops import (
@@ -25,6 +25,7 @@ from kvcert.spec.ops import (
     AbortPrefetch,
     CheckPrefetch,
     Complete,
+    Discard,
     Evict,
     EvictHost,
     Fetch,
@@ -37,6 +38,8 @@ from kvcert.spec.ops import (
     Poll,
     Prefetch,
     Publish,
+    Restore,
+    Retract,
     StorageFault,
     Unlock,
 )
@@ -83,6 +86,10 @@ class Harness:
     _oracle_copy_ids: set[int] = field(default_factory=set)
     prefetches: list[tuple[int, int]] = field(default_factory=list)
     """Prefetches in issue order: (backend id, oracle id); `Fetch(k)` names the k-th."""
+    retractions: list[tuple[int, int]] = field(default_factory=list)
+    """Retraction backups in creation order: (backend id, oracle id); `Restore(k)` names the k-th."""
+    owners: dict[tuple[str, int], int] = field(default_factory=dict)
+    """("prefetch" | "retraction", k) -> the handle of the request that started it (for aborts)."""
     storages: tuple[FaultyStorage, ...] = ()
     """(backend's, oracle's) L3 stores when the config has a storage tier; faults hit both alike."""
     trace_hook: Optional[Callable[[int, Op, Outcome], None]] = None
@@ -112,6 +119,44 @@ class Harness:
         if isinstance(k, int) and not isinstance(k, bool) and 0 <= k < len(self.prefetches):
             return self.prefetches[k][side]
         return UNKNOWN_NODE
+
+    def _retraction(self, k: Any, side: int) -> int:
+        if isinstance(k, int) and not isinstance(k, bool) and 0 <= k < len(self.retractions):
+            return self.retractions[k][side]
+        return UNKNOWN_NODE
+
+    def _retract(self, cache: Any, op: Retract, side: int) -> Optional[int]:
+        """The scheduler's side of a retraction: back up the request's KV, then free its own slots.
+
+        Its KV is the device part of the handle's path (slots the tree holds) and `tail`
+        fresh slots of its own, as SGLang backs up a request's whole `req_to_token` row.
+        """
+        snap = cache.snapshot()
+        nodes = snap.by_id()
+        path: list[int] = []
+        cur = nodes.get(self._node(op.handle, side))
+        while cur is not None and cur.id != snap.root:
+            path.append(cur.id)
+            cur = nodes.get(cur.parent) if cur.parent is not None else None
+        prefix = [x for nid in reversed(path) if nodes[nid].slots is not None for x in nodes[nid].slots or ()]
+        own = cache.alloc(op.tail)
+        try:
+            got: Optional[int] = cache.retraction_backup(tuple(prefix) + tuple(own))
+        finally:
+            cache.free(own)
+        return got
+
+    def _restore(self, cache: Any, op: Restore, side: int) -> int:
+        """The scheduler's side of a resume: fresh slots for the backup, restore, then the request runs and frees them."""
+        backup = self._retraction(op.retraction, side)
+        views = {r.id: r for r in cache.snapshot().retractions}
+        tokens = views[backup].tokens if backup in views else 0
+        slots = cache.alloc(pages.page_ceil(tokens, self.config.page_size))
+        try:
+            node: int = cache.retraction_restore(backup, slots[:tokens])
+        finally:
+            cache.free(slots)
+        return node
 
     def _publish(self, op: Publish) -> None:
         """Write `op.tokens`' canonical pages into both stores, as a peer engine would."""
@@ -185,6 +230,12 @@ class Harness:
                 return cache.abort_prefetch(self._prefetch(op.prefetch, side))
             if isinstance(op, InjectFault):
                 return cache.inject_fault(op.kind)
+            if isinstance(op, Retract):
+                return self._retract(cache, op, side)
+            if isinstance(op, Restore):
+                return self._restore(cache, op, side)
+            if isinstance(op, Discard):
+                return cache.retraction_discard(self._retraction(op.retraction, side))
             raise TypeError(f"not an op: {op!r}")
         except KVCertError as err:
             return err
@@ -224,6 +275,8 @@ class Harness:
             and isinstance(want, (MatchOut, InsertOut))
         ):
             self.handles[index] = (got.node, want.node)
+        if isinstance(op, Restore) and isinstance(got, int) and isinstance(want, int):
+            self.handles[index] = (got, want)
         if (
             isinstance(op, Match)
             and isinstance(got, MatchOut)
@@ -238,7 +291,17 @@ class Harness:
             if want.host_length > 0:
                 self.host_handles[index] = pair
         self._track_copies(before, after, violations)
+        started = (len(self.prefetches), len(self.retractions))
         self._track_prefetches(before, after)
+        self._track_retractions(before, after)
+        if isinstance(op, (Prefetch, Retract)) and isinstance(op.handle, int):
+            kind, count, k = (
+                ("prefetch", len(self.prefetches), started[0])
+                if isinstance(op, Prefetch)
+                else ("retraction", len(self.retractions), started[1])
+            )
+            for j in range(k, count):
+                self.owners[(kind, j)] = op.handle
         if self.trace_hook is not None:
             self.trace_hook(index, op, got)
         self.check(index, op, after, violations)
@@ -345,6 +408,13 @@ class Harness:
         theirs = [p.id for p in self.oracle.prefetches if p.id not in known]
         self.prefetches += list(zip(mine, theirs))
 
+    def _track_retractions(self, before: Snapshot, after: Snapshot) -> None:
+        """Number the retraction backups this op made on both sides (their lists are compared in `check`)."""
+        mine = [r.id for r in after.retractions if r.id not in {b.id for b in before.retractions}]
+        known = {o for _, o in self.retractions}
+        theirs = [r.id for r in self.oracle.retractions if r.id not in known]
+        self.retractions += list(zip(mine, theirs))
+
     # ------------------------------------------------------------------ checking
 
     def _compare(
@@ -378,6 +448,16 @@ class Harness:
             )
         if isinstance(op, Prefetch) and got != want:
             out.append(Violation("INV-PF-2", f"prefetch asked storage for {got} tokens, the spec asks {want}"))
+        if isinstance(op, Retract) and (got is None) != (want is None):
+            out.append(
+                Violation(
+                    "INV-RETRACT-2",
+                    f"retraction backup {'declined' if got is None else 'made'}; the spec "
+                    f"{'declines it' if want is None else 'makes it'}",
+                )
+            )
+        if isinstance(op, Restore) and isinstance(got, int):
+            self._check_handle(after, got, None, (), out)  # the root: the resumed request's last node
         if isinstance(op, CheckPrefetch) and got != want:
             say = {None: "kept it running"}
             out.append(
@@ -461,6 +541,12 @@ class Harness:
             if mine_pf != spec_pf:
                 violations.append(
                     Violation("INV-PF-3", f"prefetches (requested, fetched, failed) {mine_pf}, spec says {spec_pf}")
+                )
+            mine_rt = [r.tokens for r in snap.retractions]
+            spec_rt = [r.tokens for r in self.oracle.retractions]
+            if mine_rt != spec_rt:
+                violations.append(
+                    Violation("INV-RETRACT-2", f"retraction backups (tokens) {mine_rt}, spec says {spec_rt}")
                 )
             violations += self._storage_contents()
         if violations:
@@ -558,6 +644,18 @@ class Harness:
             if o in live and not live[o].failed and live[o].fetched < len(live[o].keys)
         ]
 
+    def open_retractions(self) -> list[int]:
+        """Trace indices of retraction backups not yet restored or discarded."""
+        alive = {r.id for r in self.oracle.retractions}
+        return [k for k, (_, o) in enumerate(self.retractions) if o in alive]
+
+    def held_by(self, handle: int) -> tuple[list[int], list[int], int]:
+        """What the request behind `handle` holds: its running prefetches, its retraction backups, its node's own locks."""
+        prefetches = [k for k in self.open_prefetches() if self.owners.get(("prefetch", k)) == handle]
+        backups = [k for k in self.open_retractions() if self.owners.get(("retraction", k)) == handle]
+        node = self.oracle.nodes.get(self.handles[handle][1]) if handle in self.handles else None
+        return prefetches, backups, node.own_locks if node is not None else 0
+
     def _drain(self) -> None:
         """Complete every copy and consume every ack, until none is left (a write ack may issue a store)."""
         while self.oracle.copies:
@@ -576,6 +674,8 @@ class Harness:
                 self.step(Fetch(k))
             self.step(CheckPrefetch(k))
         self._drain()
+        for k in self.open_retractions():
+            self.step(Discard(k))
         for k in self.locked_handles():
             for _ in range(self.oracle.nodes[self.handles[k][1]].own_locks):
                 self.step(Unlock(k))
@@ -590,6 +690,7 @@ class Harness:
             "host slots": snap.host_capacity - len(snap.host_free_slots),
             "pending copies": len(snap.pending),
             "prefetches": len(snap.prefetches),
+            "retraction backups": len(snap.retractions),
         }
         if any(left.values()):
             raise ConformanceFailure(
@@ -618,6 +719,7 @@ def _same_state(a: Snapshot, b: Snapshot) -> bool:
         and set(a.free_slots) == set(b.free_slots)
         and set(a.host_free_slots) == set(b.host_free_slots)
         and [(c.kind, c.finished) for c in a.pending] == [(c.kind, c.finished) for c in b.pending]
+        and [r.tokens for r in a.retractions] == [r.tokens for r in b.retractions]
         and (a.evictable_size, a.protected_size) == (b.evictable_size, b.protected_size)
     )
 

@@ -11,7 +11,8 @@ diverge inside a page as well as at page boundaries.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
 from typing import Optional
 
 from hypothesis import strategies as st
@@ -23,6 +24,7 @@ from kvcert.spec.ops import (
     AbortPrefetch,
     CheckPrefetch,
     Complete,
+    Discard,
     Evict,
     EvictHost,
     Fetch,
@@ -35,15 +37,30 @@ from kvcert.spec.ops import (
     Poll,
     Prefetch,
     Publish,
+    Restore,
+    Retract,
     StorageFault,
     Unlock,
 )
-from kvcert.spec.types import CacheConfig, Capabilities
+from kvcert.spec.pages import page_ceil
+from kvcert.spec.types import CacheConfig, Capabilities, KVCertError
 
 NAMESPACES: tuple[Optional[str], ...] = (None, "lora-a")
 STORAGE_FAULTS = ("error", "partial_write", "torn_write", "corrupt", "drop")
 """Storage fault kinds; each run switches a random subset on (swarm testing)."""
-SWARM_RULES = ("lock", "evict", "evict_host", "load_back", "publish", "pressure", "malformed", "alloc_fault")
+SWARM_RULES = (
+    "lock",
+    "evict",
+    "evict_host",
+    "load_back",
+    "publish",
+    "pressure",
+    "malformed",
+    "alloc_fault",
+    "copy_fault",
+    "retract",
+    "abort",
+)
 """Rules a storage run may switch off (swarm testing): with fewer kinds of step, each run goes
 deeper into the ones it keeps (Groce et al., "Swarm Testing", ISSTA 2012)."""
 MAX_PAGES = 5
@@ -69,6 +86,9 @@ class RunStats:
 
     steps: int = 0
     examples: int = 0
+    ops: Counter[str] = field(default_factory=Counter)
+    """Steps per op kind, plus "Prefetch>0" (prefetches that asked storage for something) and
+    "<Op>:error" (steps the backend rejected): what a run actually exercised."""
 
 
 class CacheMachine(RuleBasedStateMachine):
@@ -90,6 +110,7 @@ class CacheMachine(RuleBasedStateMachine):
         self.seen: list[tuple[Optional[str], list[int]]] = []
         self.faults: list[str] = []
         self.off: set[str] = set()
+        self.published: list[tuple[Optional[str], list[int]]] = []
 
     bad_input: bool = False
 
@@ -113,12 +134,19 @@ class CacheMachine(RuleBasedStateMachine):
         return list(cls.last.ops) if cls.last is not None else []
 
     def do(self, op: Op) -> None:
-        type(self).stats.steps += 1
+        stats = type(self).stats
+        stats.steps += 1
+        name = type(op).__name__
+        stats.ops[name] += 1
         try:
-            self.h.step(op)
+            got = self.h.step(op)
         except BaseException:
             self.failed = True
             raise
+        if isinstance(got, KVCertError):
+            stats.ops[f"{name}:error"] += 1
+        elif isinstance(op, Prefetch) and isinstance(got, int) and got > 0:
+            stats.ops["Prefetch>0"] += 1
 
     @initialize(data=st.data())
     def start(self, data: st.DataObject) -> None:
@@ -222,15 +250,79 @@ class CacheMachine(RuleBasedStateMachine):
     def load_back(self, data: st.DataObject) -> None:
         self.do(LoadBack(data.draw(st.sampled_from(self.h.host_hits()), label="match")))
 
-    @precondition(lambda self: self.storage() and "host_alloc" in self.capabilities.faults and self.on("alloc_fault"))
+    @precondition(
+        lambda self: (
+            self.storage()
+            and "host_alloc" in self.capabilities.faults
+            and self.on("alloc_fault")
+            and not self.h.oracle.armed_faults.get("host_alloc")
+        )
+    )
     @rule()
     def host_alloc_fault(self) -> None:
         """The next host allocation fails: no backup, a write-back victim dropped, a prefetch declined.
 
         Storage cells only (they run every write policy too): there, swarm testing keeps the
-        extra rule from diluting the host-tier traffic the plain host cells are tuned for.
+        extra rule from diluting the host-tier traffic the plain host cells are tuned for. One
+        fault at a time: an argument-free rule is cheap for Hypothesis to repeat, and a stack of
+        armed faults would starve every later allocation.
         """
         self.do(InjectFault("host_alloc"))
+
+    @precondition(
+        lambda self: (
+            self.storage()
+            and "copy" in self.capabilities.faults
+            and self.on("copy_fault")
+            and bool(self.h.open_copies())
+        )
+    )
+    @rule(data=st.data())
+    def copy_fault(self, data: st.DataObject) -> None:
+        """The copy engine fails one copy: a write or load is retried (stays pending), a store writes nothing."""
+        self.do(InjectFault("copy"))
+        self.do(Complete(data.draw(st.sampled_from(self.h.open_copies()), label="failed copy")))
+
+    # ----------------------------------------------------------------- retraction (SPEC.md §9.11)
+
+    def retraction(self) -> bool:
+        return self.storage() and self.capabilities.retraction
+
+    @precondition(lambda self: self.retraction() and self.on("retract") and bool(self.h.live_handles()))
+    @rule(data=st.data(), tail=st.integers(0, 2))
+    def retract(self, data: st.DataObject, tail: int) -> None:
+        """Decode runs out of KV: a running request (its prefix, and `tail` pages of its own) is retracted to host."""
+        k = data.draw(st.sampled_from(self.h.live_handles()), label="request")
+        self.do(Retract(k, tail * self.config.page_size))
+
+    @precondition(lambda self: self.retraction() and bool(self.h.open_retractions()))
+    @rule(data=st.data(), resume=st.booleans())
+    def resume(self, data: st.DataObject, resume: bool) -> None:
+        """A retracted request resumes (after the scheduler evicts for its KV), or is aborted for good."""
+        k = data.draw(st.sampled_from(self.h.open_retractions()), label="retraction")
+        if not resume:
+            self.do(Discard(k))
+            return
+        backup = self.h.retractions[k][1]
+        tokens = next(r.tokens for r in self.h.oracle.retractions if r.id == backup)
+        short = page_ceil(tokens, self.config.page_size) - len(self.h.oracle.pool.free_list)
+        if short > 0:
+            self.do(Evict(short))
+        self.do(Restore(k))
+
+    @precondition(lambda self: self.storage() and self.on("abort") and bool(self.h.handles))
+    @rule(data=st.data())
+    def abort(self, data: st.DataObject) -> None:
+        """A request is aborted wherever it stands: prefetching, retracted, or holding locks while its
+        load-back is still in flight. It gives back everything it holds; its copies finish on their own."""
+        k = data.draw(st.sampled_from(sorted(self.h.handles)), label="request")
+        prefetches, backups, locks = self.h.held_by(k)
+        for p in prefetches:
+            self.do(AbortPrefetch(p))
+        for b in backups:
+            self.do(Discard(b))
+        for _ in range(locks):
+            self.do(Unlock(k))
 
     # ----------------------------------------------------------------- storage tier (SPEC.md §10)
 
@@ -244,17 +336,28 @@ class CacheMachine(RuleBasedStateMachine):
         prefetch), or one matched earlier that the scheduler deferred until now."""
         earlier = self.h.prefetch_anchors()
         if fresh or not earlier:
-            ns, codes = self.draw_key(data, remember=True)
+            ns, codes = self.draw_request(data)
             self.do(Match(ns, tokens_of(codes, self.config.page_size)))
             self.do(Prefetch(len(self.h.ops) - 1))
         else:
             self.do(Prefetch(data.draw(st.sampled_from(earlier), label="deferred match")))
 
+    def draw_request(self, data: st.DataObject) -> tuple[Optional[str], list[int]]:
+        """A request's key: often one a peer published (a warm L3 hit), else as `draw_key` draws.
+
+        Without this most prefetches find storage empty: the engine's own pages reach it only
+        after a write ack and a store copy both complete, and leave the memory tiers rarely.
+        """
+        if self.published and data.draw(st.booleans(), label="warm"):
+            ns, codes = data.draw(st.sampled_from(self.published), label="published key")
+            return ns, codes + data.draw(st.lists(st.integers(0, 3), max_size=1), label="extension")
+        return self.draw_key(data, remember=True)
+
     @precondition(lambda self: self.storage())
     @rule(data=st.data())
     def request(self, data: st.DataObject) -> None:
         """A whole cold request in one step: match, prefetch, every page arrives, check, then insert."""
-        ns, codes = self.draw_key(data, remember=True)
+        ns, codes = self.draw_request(data)
         tokens = tokens_of(codes, self.config.page_size)
         self.do(Match(ns, tokens))
         self.do(Prefetch(len(self.h.ops) - 1))
@@ -271,6 +374,8 @@ class CacheMachine(RuleBasedStateMachine):
     def publish(self, data: st.DataObject) -> None:
         """A peer engine sharing the store (a prefill node, say) writes a prefix's pages to L3."""
         ns, codes = self.draw_key(data, remember=True)
+        if codes and (ns, codes) not in self.published:
+            self.published.append((ns, codes))
         self.do(Publish(ns, tokens_of(codes, self.config.page_size)))
 
     @precondition(lambda self: self.storage() and self.on("pressure"))
@@ -315,8 +420,13 @@ class CacheMachine(RuleBasedStateMachine):
         if kind == "host" and self.host():
             defects = ["copy", "evict_host", "load_back"] + (["prefetch"] if self.storage() else [])
             defects += ["fault"] if self.storage() and self.capabilities.faults else []
+            defects += ["retraction"] if self.retraction() else []
             bad = data.draw(st.sampled_from(defects), label="host defect")
-            if bad == "fault":
+            if bad == "retraction":
+                used = [k for k in range(len(self.h.retractions)) if k not in self.h.open_retractions()]
+                k = data.draw(st.sampled_from([10_000, -1, *used]), label="retraction")
+                self.do(Restore(k) if data.draw(st.booleans(), label="restore?") else Discard(k))
+            elif bad == "fault":
                 self.do(InjectFault("disk_full"))
             elif bad == "prefetch":
                 self.do(Fetch(10_000) if data.draw(st.booleans(), label="fetch?") else CheckPrefetch(-1))

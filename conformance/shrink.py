@@ -12,9 +12,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import replace
 from typing import Optional
 
-from kvcert.spec.ops import Evict, EvictHost, Insert, LoadBack, Lock, Match, Op, Prefetch, Publish, Unlock
+from kvcert.spec.ops import Evict, EvictHost, Insert, LoadBack, Lock, Match, Op, Prefetch, Publish, Retract, Unlock
 
-BY_HANDLE = (Lock, Unlock, LoadBack, Prefetch)
+BY_HANDLE = (Lock, Unlock, LoadBack, Prefetch, Retract)
 """Ops that name an earlier op by position (its node, or its match's host node)."""
 
 Verdict = Callable[[list[Op]], Optional[list[str]]]

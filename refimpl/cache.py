@@ -37,6 +37,7 @@ from kvcert.spec.types import (
     PendingCopy,
     PendingPrefetch,
     PoolExhausted,
+    RetractionView,
     SlotNotOwned,
     Snapshot,
     StaleHandle,
@@ -45,6 +46,7 @@ from kvcert.spec.types import (
     UnknownCopy,
     UnknownFault,
     UnknownPrefetch,
+    UnknownRetraction,
 )
 
 _DEFAULT_CONFIG = CacheConfig()
@@ -157,6 +159,15 @@ class Prefetching:
     failed: bool = False
 
 
+@dataclass(eq=False)
+class Retraction:
+    """A retracted request's KV on host slots outside the tree, until it is restored or discarded."""
+
+    id: int
+    tokens: int
+    host_slots: tuple[int, ...]
+
+
 def _check_count(n: object) -> None:
     if not isinstance(n, int) or isinstance(n, bool) or n < 0:
         raise InvalidCount(f"count must be a non-negative int, got {n!r}")
@@ -188,6 +199,7 @@ class RefCache:
         write_policies=WRITE_POLICIES,
         prefetch_policies=PREFETCH_POLICIES,
         faults=FAULTS,
+        retraction=True,
     )
 
     def __init__(self, config: CacheConfig = _DEFAULT_CONFIG) -> None:
@@ -198,7 +210,9 @@ class RefCache:
         if config.host_capacity and config.write_policy not in WRITE_POLICIES:
             raise ValueError(f"unknown write policy {config.write_policy!r}")
         if config.prefetch_policy and (config.prefetch_policy not in PREFETCH_POLICIES or not config.host_capacity):
-            raise ValueError(f"prefetch policy {config.prefetch_policy!r} needs a host tier and one of {PREFETCH_POLICIES}")
+            raise ValueError(
+                f"prefetch policy {config.prefetch_policy!r} needs a host tier and one of {PREFETCH_POLICIES}"
+            )
         self.page_size = config.page_size
         self.policy = config.policy
         self.pool = SlotPool(config.capacity, config.page_size)
@@ -227,6 +241,8 @@ class RefCache:
         self._next_prefetch = 0
         self.armed_faults: dict[str, int] = {}
         """Injected faults not yet triggered, by kind."""
+        self.retractions: list[Retraction] = []
+        self._next_retraction = 0
 
     # ------------------------------------------------------------------ helpers
 
@@ -448,7 +464,9 @@ class RefCache:
 
     def _pins_subtree(self, node: Node) -> bool:
         return any(
-            c.lock_ref > 0 or c.host_lock_ref > 0 or self._pins_subtree(c) for c in node.children.values() if c.slots is None
+            c.lock_ref > 0 or c.host_lock_ref > 0 or self._pins_subtree(c)
+            for c in node.children.values()
+            if c.slots is None
         )
 
     def evict(self, n: int, choose: Optional[Chooser] = None) -> int:
@@ -498,7 +516,9 @@ class RefCache:
     def _wants_backup(self, node: Node) -> bool:
         """Write-through: on the device, not backed up, hot enough (the parent is checked when it is written)."""
         threshold = WRITE_THROUGH_THRESHOLD.get(self.write_policy)
-        return threshold is not None and node.slots is not None and node.host_slots is None and node.hit_count >= threshold
+        return (
+            threshold is not None and node.slots is not None and node.host_slots is None and node.hit_count >= threshold
+        )
 
     def _write_through(self, path: list[Node]) -> None:
         """Back up hot nodes of one insert, parents first, as one copy (SPEC.md §9.2).
@@ -547,6 +567,7 @@ class RefCache:
 
     def host_leaves(self) -> list[Node]:
         """Host eviction candidates: on the host only, no children, unlocked, no host protection."""
+        # fmt: off
         return [
             n
             for n in self.nodes.values()
@@ -556,6 +577,7 @@ class RefCache:
             and n.lock_ref == 0
             and n.host_lock_ref == 0
         ]
+        # fmt: on
 
     def host_duplicates(self) -> list[Node]:
         """Write-back's first host victims: settled backups of device-resident nodes (SPEC.md §9.4)."""
@@ -634,6 +656,12 @@ class RefCache:
         copy = next((c for c in self.copies if ok and c.id == copy_id and not c.finished), None)
         if copy is None:
             raise UnknownCopy(f"no pending copy {copy_id!r}")
+        if self.armed_faults.get("copy"):
+            self.armed_faults["copy"] -= 1
+            if copy.kind != "store":
+                return  # a failed device<->host copy is retried: both ends stay pinned, the copy unfinished
+            copy.finished = True
+            return  # a failed store copy ends without writing: its pages are simply not in storage
         copy.finished = True
         if copy.kind == "store" and self.storage is not None:
             keys, values = self._pages_of(copy.nodes)
@@ -658,6 +686,62 @@ class RefCache:
                 if kind == "write":
                     self._store(copy.nodes)
         return consumed
+
+    # ------------------------------------------------------------------ retraction (SPEC.md §9.11)
+
+    def retraction_backup(self, slots: Sequence[int]) -> Optional[int]:
+        """Back a retracted request's KV up to host slots outside the tree; the backup's id.
+
+        `slots` are the device slots the request reads: the tree's (its prefix) and its own.
+        Synchronous, as in SGLang (the engine waits for the copy). Host eviction makes room;
+        None when there is none even then: the request will recompute, nothing is half-saved.
+        """
+        if not isinstance(slots, Sequence) or isinstance(slots, (str, bytes)) or not slots:
+            raise InvalidCount(f"a retraction backs up at least one slot, got {slots!r}")
+        free = set(self.pool.free_list)
+        if any(not isinstance(x, int) or isinstance(x, bool) or not 0 <= x < self.pool.capacity for x in slots):
+            raise SlotNotOwned(f"cannot back up slots {tuple(slots)[:8]}: not device slot ids")
+        if len(set(slots)) != len(slots) or free.intersection(slots):
+            raise SlotNotOwned(f"cannot back up slots {tuple(slots)[:8]}: repeated or free")
+        if self.host is None:
+            return None
+        host_slots = self._host_alloc(pages.page_ceil(len(slots), self.page_size))
+        if host_slots is None:
+            return None
+        backup = Retraction(self._next_retraction, len(slots), host_slots)
+        self._next_retraction += 1
+        self.retractions.append(backup)
+        return backup.id
+
+    def _retraction(self, backup_id: object) -> Retraction:
+        ok = isinstance(backup_id, int) and not isinstance(backup_id, bool)
+        found = next((r for r in self.retractions if ok and r.id == backup_id), None)
+        if found is None:
+            raise UnknownRetraction(f"no retraction backup {backup_id!r}")
+        return found
+
+    def retraction_restore(self, backup_id: int, slots: Sequence[int]) -> int:
+        """Copy a backup into the caller's fresh `slots` and free it; the resumed request's last node.
+
+        That node is the root, locked once for the request: its later `dec_lock_ref` must
+        balance (SGLang's decode path once resumed with no last node and crashed unlocking it).
+        """
+        backup = self._retraction(backup_id)
+        self.pool.require_lent(slots, "restore into")
+        if len(slots) != backup.tokens:
+            raise LengthMismatch(f"backup {backup_id} holds {backup.tokens} tokens, restore gave {len(slots)} slots")
+        self._drop_retraction(backup)
+        self.root.own_locks += 1
+        return self.root.id
+
+    def retraction_discard(self, backup_id: int) -> None:
+        """The retracted request is gone for good: free its backup."""
+        self._drop_retraction(self._retraction(backup_id))
+
+    def _drop_retraction(self, backup: Retraction) -> None:
+        assert self.host is not None
+        self.retractions.remove(backup)
+        self.host.release(backup.host_slots)
 
     # ------------------------------------------------------------------ storage tier (SPEC.md §10)
 
@@ -746,7 +830,9 @@ class RefCache:
         except l3.StorageError:
             blob = None
         payload = l3.decode_page(key, blob)
-        if payload is not None and payload == l3.page_payload(p.namespace, p.tokens, page, self.page_size, self.kv_layers):
+        if payload is not None and payload == l3.page_payload(
+            p.namespace, p.tokens, page, self.page_size, self.kv_layers
+        ):
             p.fetched += 1
         else:
             p.failed = True  # a miss, a torn or corrupt page: never wrong KV
@@ -838,6 +924,7 @@ class RefCache:
                 )
                 for p in self.prefetches
             ),
+            retractions=tuple(RetractionView(r.id, r.tokens, r.host_slots) for r in self.retractions),
         )
 
 

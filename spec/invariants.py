@@ -12,6 +12,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from kvcert.spec import pages
 from kvcert.spec.types import NodeView, Snapshot
 
 
@@ -192,15 +193,16 @@ def host_prefix_closed(s: Snapshot) -> list[str]:
 
 
 def host_pool_closes(s: Snapshot) -> list[str]:
-    """INV-HOST-4: free host slots + host slots held by the tree + prefetch reservations == host capacity."""
+    """INV-HOST-4: free host slots + the tree's + prefetch reservations + retraction backups == host capacity."""
     held = sum(len(n.host_slots or ()) for n in _non_root(s))
     reserved = sum(len(p.host_slots) for p in s.prefetches)
-    total = held + reserved + len(s.host_free_slots)
+    retracted = sum(len(r.host_slots) for r in s.retractions)
+    total = held + reserved + retracted + len(s.host_free_slots)
     if total == s.host_capacity:
         return []
     return [
-        f"host free {len(s.host_free_slots)} + tree {held} + prefetch {reserved} = {total} "
-        f"!= host capacity {s.host_capacity}"
+        f"host free {len(s.host_free_slots)} + tree {held} + prefetch {reserved} + retraction {retracted} "
+        f"= {total} != host capacity {s.host_capacity}"
     ]
 
 
@@ -211,11 +213,14 @@ def host_slots_owned_once(s: Snapshot) -> list[str]:
         owners.update(n.host_slots or ())
     for p in s.prefetches:
         owners.update(p.host_slots)
+    for r in s.retractions:
+        owners.update(r.host_slots)
     out = [f"host slot {x} owned {c} times" for x, c in sorted(owners.items()) if c > 1]
     out += [f"host slot {x} outside [0, {s.host_capacity})" for x in sorted(owners) if not 0 <= x < s.host_capacity]
     if s.page_size > 1:
         owned = [(n.id, n.host_slots) for n in _non_root(s) if n.host_slots is not None]
         owned += [(-1 - p.id, p.host_slots) for p in s.prefetches]
+        owned += [(-1_000_000 - r.id, r.host_slots) for r in s.retractions]
         out += [f"host: {m}" for m in _paged(s.page_size, owned, s.host_free_slots)]
     return out
 
@@ -244,6 +249,19 @@ def prefetches_sane(s: Snapshot) -> list[str]:
     return out
 
 
+def retractions_sane(s: Snapshot) -> list[str]:
+    """INV-RETRACT-1: a retraction backup holds its tokens rounded up to whole pages of host slots, and ids are unique."""
+    out = []
+    for r in s.retractions:
+        want = pages.page_ceil(max(r.tokens, 0), s.page_size)
+        if r.tokens <= 0 or len(r.host_slots) != want:
+            out.append(f"retraction {r.id}: {len(r.host_slots)} host slots for {r.tokens} tokens (want {want})")
+    ids = [r.id for r in s.retractions]
+    if len(set(ids)) != len(ids):
+        out.append(f"retraction ids repeat: {ids}")
+    return out
+
+
 def _depth(nodes: dict[int, NodeView], nid: int) -> int:
     depth, cur = 0, nodes.get(nid)
     while cur is not None and cur.parent is not None and depth <= len(nodes):
@@ -266,9 +284,13 @@ def copies_pinned(s: Snapshot) -> list[str]:
                 out.append(f"{copy.kind} copy {copy.id} moves node {nid}, which left the tree")
             elif copy.kind == "store":
                 if n.host_slots is None or n.host_lock_ref <= 0:
-                    out.append(f"store copy {copy.id}: node {nid} backed up {n.host_slots is not None}, host_lock_ref {n.host_lock_ref}")
+                    out.append(
+                        f"store copy {copy.id}: node {nid} backed up {n.host_slots is not None}, host_lock_ref {n.host_lock_ref}"
+                    )
             elif n.lock_ref <= 0 or n.slots is None or n.host_slots is None:
-                out.append(f"{copy.kind} copy {copy.id}: node {nid} lock_ref {n.lock_ref}, on device {n.slots is not None}, backed up {n.host_slots is not None}")
+                out.append(
+                    f"{copy.kind} copy {copy.id}: node {nid} lock_ref {n.lock_ref}, on device {n.slots is not None}, backed up {n.host_slots is not None}"
+                )
         present = [nid for nid in copy.nodes if nid in nodes]
         if copy.kind == "load" and present:
             deepest = max(present, key=lambda nid: _depth(nodes, nid))
@@ -303,6 +325,7 @@ SNAPSHOT_INVARIANTS: dict[str, Callable[[Snapshot], list[str]]] = {
     "INV-HOST-3": host_prefix_closed,
     "INV-HOST-4": host_pool_closes,
     "INV-HOST-5": host_slots_owned_once,
+    "INV-RETRACT-1": retractions_sane,
     "INV-HOST-6": copies_pinned,
     "INV-HOST-7": host_locks_sane,
     "INV-PF-1": prefetches_sane,

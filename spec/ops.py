@@ -2,7 +2,7 @@
 
 One `Op` type serves the Hypothesis rules, saved counterexamples and replay.
 Handles are positions: `Lock(handle=k)` means "the node returned by operation
-k of this trace" (an `Insert` or a `Match` that succeeded; anything else is an
+k of this trace" (an `Insert`, a `Match` or a `Restore` that succeeded; anything else is an
 unknown handle), so a trace names nodes without knowing any backend's ids, and
 deleting an operation while shrinking only renumbers later references.
 
@@ -142,6 +142,32 @@ class StorageFault:
     at: int = 0
 
 
+@dataclass(frozen=True)
+class Retract:
+    """A running request is retracted: its KV is backed up to host, then its own slots are freed.
+
+    Its KV is the device part of the path to the node behind `handle` (the prefix it
+    reads) followed by `tail` tokens of its own (decode output, not in the tree).
+    """
+
+    handle: int
+    tail: int = 0
+
+
+@dataclass(frozen=True)
+class Restore:
+    """The `retraction`-th retracted request resumes: fresh device slots take its backup."""
+
+    retraction: int
+
+
+@dataclass(frozen=True)
+class Discard:
+    """The `retraction`-th retracted request is dropped for good: its backup is freed."""
+
+    retraction: int
+
+
 Op = Union[
     Insert,
     Match,
@@ -159,10 +185,14 @@ Op = Union[
     InjectFault,
     Publish,
     StorageFault,
+    Retract,
+    Restore,
+    Discard,
 ]
 OP_TYPES: dict[str, type] = {t.__name__: t for t in get_args(Op)}
 """Op name -> class, for JSON traces: derived from `Op`, so a new op cannot be left out."""
-HANDLE_PRODUCERS = (Insert, Match)
+HANDLE_PRODUCERS = (Insert, Match, Restore)
+"""Ops whose result names a node a later op may use: a restore returns the resumed request's last node."""
 
 
 def op_to_json(op: Op) -> dict[str, Any]:

@@ -25,6 +25,17 @@ def page_floor(n: int, page_size: int) -> int:
     return n - n % page_size
 
 
+def page_ceil(n: int, page_size: int) -> int:
+    """The smallest multiple of `page_size` that is not below `n` (a partial page takes a whole one).
+
+    pre: n >= 0
+    pre: page_size >= 1
+    post: __return__ % page_size == 0
+    post: 0 <= __return__ - n < page_size
+    """
+    return n + (-n) % page_size
+
+
 def is_aligned(n: int, page_size: int) -> bool:
     """True when a length of `n` tokens is whole pages.
 

@@ -23,8 +23,9 @@ WRITE_POLICIES: tuple[str, ...] = ("write_through", "write_through_selective", "
 PREFETCH_POLICIES: tuple[str, ...] = ("best_effort", "wait_complete", "timeout")
 """When `check_prefetch` ends a storage prefetch (SPEC.md §10.4; SGLang's prefetch stop policies)."""
 
-FAULTS: tuple[str, ...] = ("host_alloc",)
-"""Faults a backend can have injected (SPEC.md §10.5): `host_alloc` makes its next host-slot allocation fail."""
+FAULTS: tuple[str, ...] = ("host_alloc", "copy")
+"""Faults a backend can have injected (SPEC.md §10.5): `host_alloc` makes its next host-slot
+allocation fail; `copy` makes the next copy the engine finishes (`complete`) fail instead."""
 
 WRITE_THROUGH_THRESHOLD = {"write_through": 1, "write_through_selective": 2}
 """Hits after which a node is backed up, per write-through policy (SGLang's defaults)."""
@@ -79,6 +80,10 @@ class UnknownPrefetch(BadInput):
 
 class UnknownFault(BadInput):
     """inject_fault named a fault kind the backend does not declare."""
+
+
+class UnknownRetraction(BadInput):
+    """retraction_restore/discard named a backup that does not exist (never made, or already used)."""
 
 
 class PoolExhausted(KVCertError):
@@ -136,6 +141,8 @@ class Snapshot:
     """Copies issued and not yet acknowledged, in issue order."""
     prefetches: tuple[PendingPrefetch, ...] = ()
     """Storage prefetches issued and not yet ended, in issue order (SPEC.md §10)."""
+    retractions: tuple[RetractionView, ...] = ()
+    """Retraction backups held on the host, in creation order (SPEC.md §9.11)."""
 
     def by_id(self) -> dict[int, NodeView]:
         return {n.id: n for n in self.nodes}
@@ -192,6 +199,17 @@ class PendingPrefetch:
     """A page came back missing or corrupt: nothing after it will be used."""
     host_slots: tuple[int, ...]
     """Host slots reserved for the requested pages."""
+
+
+@dataclass(frozen=True)
+class RetractionView:
+    """A retracted request's KV, backed up to host slots outside the tree (SPEC.md §9.11)."""
+
+    id: int
+    tokens: int
+    """Device slots the backup was made from (the length a restore must supply)."""
+    host_slots: tuple[int, ...]
+    """Host slots it holds: `tokens` rounded up to whole pages."""
 
 
 # --------------------------------------------------------------------------- results
@@ -266,4 +284,6 @@ class Capabilities:
     """Storage-tier stop policies supported; () for a cache without storage."""
     faults: tuple[str, ...] = ()
     """Fault kinds `inject_fault` accepts (FAULTS)."""
+    retraction: bool = False
+    """True: the host tier backs up, restores and discards retracted requests' KV (SPEC.md §9.11)."""
     notes: tuple[str, ...] = field(default_factory=tuple)

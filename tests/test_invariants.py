@@ -247,6 +247,55 @@ CASES += [
 ]
 
 
+def _retraction_base() -> Snapshot:
+    """Two retraction backups: one of a page and a token (two host pages), one of a page."""
+    cache = RefCache(CacheConfig(page_size=PS, capacity=4 * PS, host_capacity=4 * PS))
+    own = cache.alloc(2 * PS)
+    assert cache.retraction_backup(own[: PS + 1]) == 0
+    assert cache.retraction_backup(own[:PS]) == 1
+    cache.free(own)
+    return cache.snapshot()
+
+
+RT_BASE = _retraction_base()
+
+
+def _rt(corrupt: Callable[[Snapshot], Snapshot]) -> Callable[[Snapshot], Snapshot]:
+    return lambda _: corrupt(RT_BASE)
+
+
+def _rt_short(s: Snapshot) -> Snapshot:
+    """The first backup keeps one host page for its page and a token; the other page is free."""
+    r = s.retractions[0]
+    return replace(
+        s,
+        retractions=(replace(r, host_slots=r.host_slots[:PS]), *s.retractions[1:]),
+        host_free_slots=tuple(sorted(s.host_free_slots + r.host_slots[PS:])),
+    )
+
+
+CASES += [
+    Corruption("INV-RETRACT-1", "a backup holds fewer host pages than its tokens need", _rt(_rt_short), only=True),
+    Corruption(
+        "INV-RETRACT-1",
+        "two backups share an id",
+        _rt(lambda s: replace(s, retractions=(s.retractions[0], replace(s.retractions[1], id=s.retractions[0].id)))),
+        only=True,
+    ),
+    Corruption("INV-HOST-4", "a retraction backup's host slots leaked", _rt(lambda s: replace(s, retractions=s.retractions[:1]))),
+    Corruption(
+        "INV-HOST-5",
+        "a backup and the free list own one host slot",
+        _rt(lambda s: replace(s, retractions=(replace(s.retractions[1], host_slots=s.host_free_slots[:PS]),) + s.retractions[:1])),
+    ),
+]
+
+
+def test_retraction_base_is_what_the_cases_assume() -> None:
+    assert check_snapshot(RT_BASE) == []
+    assert [(r.tokens, len(r.host_slots)) for r in RT_BASE.retractions] == [(PS + 1, 2 * PS), (PS, PS)]
+
+
 def test_prefetch_base_is_what_the_cases_assume() -> None:
     assert check_snapshot(PF_BASE) == []
     (p,) = PF_BASE.prefetches

@@ -27,6 +27,7 @@ from kvcert.spec.pages import (
     match_len,
     min_rank_ids,
     overshoot_ok,
+    page_ceil,
     page_floor,
     policy_rank,
     split_key,
@@ -55,6 +56,7 @@ def _split_args(draw: st.DrawFn) -> dict[str, Any]:
 
 STRATEGIES: dict[str, st.SearchStrategy[dict[str, Any]]] = {
     "page_floor": st.fixed_dictionaries({"n": st.integers(-3, 300), "page_size": st.integers(-1, 17)}),
+    "page_ceil": st.fixed_dictionaries({"n": st.integers(-3, 300), "page_size": st.integers(-1, 17)}),
     "is_aligned": st.fixed_dictionaries({"n": st.integers(-20, 300), "page_size": st.integers(-1, 17)}),
     "common_prefix_len": st.fixed_dictionaries({"a": sequences, "b": sequences}),
     "match_len": st.fixed_dictionaries({"a": sequences, "b": sequences, "page_size": st.integers(-1, 6)}),
@@ -105,6 +107,7 @@ def test_docstring_contracts(name: str) -> None:
 def test_page_floor_is_the_largest_page_multiple(n: int, ps: int) -> None:
     assert page_floor(n, ps) == max(k for k in range(0, n + 1, ps))
     assert is_aligned(n, ps) == (page_floor(n, ps) == n)
+    assert page_ceil(n, ps) == min(k for k in range(0, n + ps, ps) if k >= n)
 
 
 @FAST
@@ -123,6 +126,7 @@ def test_match_len_brute_force(a: Any, b: Any, ps: int) -> None:
 
 def test_page_examples() -> None:
     assert page_floor(7, 4) == 4 and page_floor(8, 4) == 8 and page_floor(3, 4) == 0
+    assert page_ceil(7, 4) == 8 and page_ceil(8, 4) == 8 and page_ceil(0, 4) == 0 and page_ceil(1, 16) == 16
     assert not is_aligned(-4, 4) and is_aligned(0, 4) and not is_aligned(6, 4)
     assert match_len([1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 5, 9], 2) == 4
     assert match_len([1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 5, 9], 4) == 4

@@ -31,6 +31,7 @@ from kvcert.spec.types import (
     UnknownCopy,
     UnknownFault,
     UnknownPrefetch,
+    UnknownRetraction,
 )
 
 
@@ -348,7 +349,8 @@ def hidden_state(cache: RefCache) -> tuple[Any, ...]:
         for n in cache.nodes.values()
     )
     faults = tuple(sorted(cache.armed_faults.items()))
-    return nodes, tuple(sorted(cache.pool.lent)), tuple(cache.pool.free_list), cache._next_id, cache.now, faults
+    counters = (cache._next_id, cache._next_copy, cache._next_prefetch, cache._next_retraction)
+    return nodes, tuple(sorted(cache.pool.lent)), tuple(cache.pool.free_list), counters, cache.now, faults
 
 
 BAD_INPUTS: list[tuple[str, type[KVCertError], Callable[[Scene], object]]] = [
@@ -402,6 +404,10 @@ BAD_INPUTS: list[tuple[str, type[KVCertError], Callable[[Scene], object]]] = [
     ("check_prefetch: a bool prefetch id", UnknownPrefetch, lambda s: s.cache.check_prefetch(True)),
     ("abort_prefetch: a negative prefetch id", UnknownPrefetch, lambda s: s.cache.abort_prefetch(-1)),
     ("inject_fault: an unknown kind", UnknownFault, lambda s: s.cache.inject_fault("disk_full")),
+    ("retraction_backup: no slots", InvalidCount, lambda s: s.cache.retraction_backup(())),
+    ("retraction_backup: a free slot", SlotNotOwned, lambda s: s.cache.retraction_backup(s.returned)),
+    ("retraction_restore: a backup never made", UnknownRetraction, lambda s: s.cache.retraction_restore(0, s.lent)),
+    ("retraction_discard: a bool backup id", UnknownRetraction, lambda s: s.cache.retraction_discard(True)),
     ("evict: float count", InvalidCount, lambda s: s.cache.evict(1.5)),
     ("evict: str count", InvalidCount, lambda s: s.cache.evict("4")),
     ("evict: bool count", InvalidCount, lambda s: s.cache.evict(True)),

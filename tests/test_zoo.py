@@ -46,13 +46,15 @@ def test_unmodified_model_passes_the_same_cells(tmp_path: Path) -> None:
     assert zoo.run_control(examples=EXAMPLES, steps=STEPS, seed=SEED, out_dir=tmp_path).passed
 
 
-def test_directed_mutants_are_caught_by_their_trace() -> None:
-    """A failed storage write must stay invisible: the mutant that indexes it is caught at the prefetch."""
+def test_failed_store_visible_is_caught_by_its_trace() -> None:
+    """A failed storage write must stay invisible: the mutant that indexes it is caught at the prefetch.
+
+    Generation kills it too (it is in the zoo); this trace pins down why, in ten ops."""
     from kvcert.conformance.driver import ConformanceFailure, run_trace
     from kvcert.spec.ops import Complete, Evict, EvictHost, Insert, Match, Poll, Prefetch, StorageFault
     from kvcert.spec.types import CacheConfig
 
-    (mutant,) = [m for m in zoo.DIRECTED if m.name == "failed_store_visible"]
+    (mutant,) = [m for m in zoo.MUTANTS + zoo.DIRECTED if m.name == "failed_store_visible"]
     factory = zoo.build(mutant)
     config = CacheConfig(
         page_size=1, capacity=6, host_capacity=6, write_policy="write_through", prefetch_policy="wait_complete"
