@@ -383,8 +383,8 @@ MUTANTS: tuple[Mutant, ...] = (
                 "        if blob is not None or payload == l3.page_payload(",
             ),
         ),
-        page_sizes=(1,),
-        write_policies=("write_through",),
+        page_sizes=(1, 4),
+        write_policies=("write_through", "write_back"),
         prefetch_policies=("wait_complete",),
     ),
     Mutant(
