@@ -22,6 +22,7 @@ __all__ = [
     "FaultInjectingBackend",
     "HostTierBackend",
     "InsertOut",
+    "KVBackend",
     "MatchOut",
     "RetractionBackend",
     "StorageTierBackend",
@@ -107,6 +108,25 @@ class FaultInjectingBackend(Backend, Protocol):
     def inject_fault(self, kind: str) -> None:
         """Arm one fault of `kind` (FAULTS): the cache's next host allocation (`host_alloc`) or
         copy completion (`copy`) fails."""
+
+
+@runtime_checkable
+class KVBackend(Backend, Protocol):
+    """A cache whose KV bytes the harness writes and reads (`Capabilities.kv_reads`; SPEC.md §9.12).
+
+    An entry is one token's KV: `kvcert.spec.storage.token_entries` (K of every layer, then V).
+    The harness plays the model: it writes a request's KV into the slots it allocated before
+    inserting them, and after every step reads back every settled slot of both tiers.
+    """
+
+    def write_kv(self, slots: Sequence[int], entries: Sequence[bytes]) -> None:
+        """The forward pass: `entries[i]` into device slot `slots[i]` (slots the caller holds)."""
+
+    def read_kv(self, slots: Sequence[int]) -> list[bytes]:
+        """The entries device slots hold now."""
+
+    def read_host_kv(self, host_slots: Sequence[int]) -> list[bytes]:
+        """The entries host slots hold now."""
 
 
 @runtime_checkable

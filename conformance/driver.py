@@ -88,6 +88,11 @@ class Harness:
     """Prefetches in issue order: (backend id, oracle id); `Fetch(k)` names the k-th."""
     retractions: list[tuple[int, int]] = field(default_factory=list)
     """Retraction backups in creation order: (backend id, oracle id); `Restore(k)` names the k-th."""
+    _kv_memo: dict[tuple[Any, tuple[Any, ...]], tuple[bytes, ...]] = field(default_factory=dict)
+    _retraction_kv: dict[int, tuple[bytes, ...]] = field(default_factory=dict)
+    """Retraction index -> the entries its backup must hold (kv_reads backends)."""
+    _made_kv: Optional[tuple[bytes, ...]] = None
+    _step_violations: list[Violation] = field(default_factory=list)
     owners: dict[tuple[str, int], int] = field(default_factory=dict)
     """("prefetch" | "retraction", k) -> the handle of the request that started it (for aborts)."""
     storages: tuple[FaultyStorage, ...] = ()
@@ -129,7 +134,8 @@ class Harness:
         """The scheduler's side of a retraction: back up the request's KV, then free its own slots.
 
         Its KV is the device part of the handle's path (slots the tree holds) and `tail`
-        fresh slots of its own, as SGLang backs up a request's whole `req_to_token` row.
+        fresh slots of its own (decoded tokens, `2` each), as SGLang backs up a request's whole
+        `req_to_token` row.
         """
         snap = cache.snapshot()
         nodes = snap.by_id()
@@ -138,9 +144,15 @@ class Harness:
         while cur is not None and cur.id != snap.root:
             path.append(cur.id)
             cur = nodes.get(cur.parent) if cur.parent is not None else None
-        prefix = [x for nid in reversed(path) if nodes[nid].slots is not None for x in nodes[nid].slots or ()]
+        device = [nodes[nid] for nid in reversed(path) if nodes[nid].slots is not None]
+        prefix = [x for n in device for x in n.slots or ()]
         own = cache.alloc(op.tail)
         try:
+            if side == 0 and self.capabilities.kv_reads and isinstance(op.tail, int):
+                ns = device[0].namespace if device else None
+                tokens = tuple(t for n in device for t in n.key) + (2,) * op.tail
+                self._made_kv = self._entries(ns, tokens)
+                cache.write_kv(own, self._made_kv[len(prefix) :])  # the decoded tail; the prefix is the tree's
             got: Optional[int] = cache.retraction_backup(tuple(prefix) + tuple(own))
         finally:
             cache.free(own)
@@ -154,6 +166,11 @@ class Harness:
         slots = cache.alloc(pages.page_ceil(tokens, self.config.page_size))
         try:
             node: int = cache.retraction_restore(backup, slots[:tokens])
+            want = self._retraction_kv.get(op.retraction) if side == 0 else None
+            if want is not None and list(cache.read_kv(slots[:tokens])) != list(want):
+                self._step_violations.append(
+                    Violation("INV-KV-3", f"restoring backup {op.retraction} put other KV in the request's slots")
+                )
         finally:
             cache.free(slots)
         return node
@@ -179,11 +196,12 @@ class Harness:
         for store in self.storages:
             store.arm(op.kind, at=op.at)
 
-    @staticmethod
-    def _insert(cache: Any, op: Insert) -> InsertOut:
-        """The caller's side of SGLang's insert: allocate, insert, free the duplicates."""
+    def _insert(self, cache: Any, op: Insert, side: int) -> InsertOut:
+        """The caller's side of SGLang's insert: allocate, run the model (write its KV), insert, free the duplicates."""
         n = len(op.tokens) if op.value_len is None else op.value_len
         slots = cache.alloc(n)
+        if side == 0:
+            self._write_kv(cache, slots, op.namespace, op.tokens)
         try:
             out: InsertOut = cache.insert(op.namespace, op.tokens, slots, op.priority)
         except KVCertError:
@@ -192,12 +210,71 @@ class Harness:
         cache.free(slots[: out.prefix_len])
         return out
 
+    # ------------------------------------------------------------------ KV content (SPEC.md §9.12)
+
+    def _entries(self, namespace: Any, tokens: tuple[Any, ...]) -> tuple[bytes, ...]:
+        """`token_entries` of a path, memoised: every step re-reads the whole tree."""
+        key = (namespace, tokens)
+        if key not in self._kv_memo:
+            if len(self._kv_memo) > 4096:
+                self._kv_memo.clear()
+            self._kv_memo[key] = l3.token_entries(namespace, tokens, self.config.kv_layers)
+        return self._kv_memo[key]
+
+    def _write_kv(self, cache: Any, slots: tuple[int, ...], namespace: Any, tokens: tuple[Any, ...]) -> None:
+        """Play the model: fill the caller's fresh slots with the content of `tokens` (valid ones only)."""
+        if not self.capabilities.kv_reads or not slots:
+            return
+        valid = all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < l3.TOKEN_LIMIT for t in tokens)
+        if valid and (namespace is None or isinstance(namespace, str)):
+            entries = self._entries(namespace, tuple(tokens))
+            cache.write_kv(slots[: len(entries)], entries[: len(slots)])
+
+    def _kv_violations(self, snap: Snapshot) -> list[Violation]:
+        """INV-KV-1/2/3: every settled slot of both tiers, and every retraction backup, holds its content."""
+        if not self.capabilities.kv_reads:
+            return []
+        loading = {n for c in snap.pending if c.kind == "load" for n in c.nodes}
+        writing = {n for c in snap.pending if c.kind == "write" for n in c.nodes}
+        paths = contracts.node_paths(snap)
+        out: list[Violation] = []
+        for node in snap.nodes:
+            if node.id == snap.root or node.id not in paths or not node.key:
+                continue
+            ns, path = paths[node.id]
+            want = self._entries(ns, path)[len(path) - len(node.key) :]
+            if node.slots is not None and node.id not in loading:
+                got = list(self.backend.read_kv(node.slots))  # type: ignore[attr-defined]
+                if got != list(want):
+                    bad = next(i for i, (g, w) in enumerate(zip(got, want)) if g != w) if len(got) == len(want) else 0
+                    out.append(
+                        Violation(
+                            "INV-KV-1",
+                            f"device slot {node.slots[bad]} of the node ending at "
+                            f"{len(path)} tokens holds other KV than token {len(path) - len(node.key) + bad}'s",
+                        )
+                    )
+            if node.host_slots is not None and node.id not in writing:
+                got = list(self.backend.read_host_kv(node.host_slots))  # type: ignore[attr-defined]
+                if got != list(want):
+                    out.append(
+                        Violation("INV-KV-2", f"the host copy of the node ending at {len(path)} tokens holds other KV")
+                    )
+        for view in snap.retractions:
+            k = next((i for i, (b, _) in enumerate(self.retractions) if b == view.id), None)
+            want_r = self._retraction_kv.get(k) if k is not None else None
+            if want_r is not None:
+                got_r = list(self.backend.read_host_kv(view.host_slots[: view.tokens]))  # type: ignore[attr-defined]
+                if got_r != list(want_r):
+                    out.append(Violation("INV-KV-3", f"retraction backup {k} holds other KV than it was made from"))
+        return out
+
     def _run(self, cache: Any, op: Op, side: int, choose: Optional[Chooser] = None) -> Outcome:
         """One op as protocol calls; `choose` steers the oracle's eviction ties (side 1 only)."""
         extra = {"choose": choose} if choose is not None else {}
         try:
             if isinstance(op, Insert):
-                return self._insert(cache, op)
+                return self._insert(cache, op, side)
             if isinstance(op, Match):
                 out: MatchOut = cache.match_prefix(op.namespace, op.tokens)
                 return out
@@ -248,6 +325,7 @@ class Harness:
         self.backend.set_clock(self.clock)
         self.oracle.set_clock(self.clock)
         before = self.backend.snapshot()
+        self._step_violations, self._made_kv = [], None
         if isinstance(op, (StorageFault, Publish)):  # storage-side events: no cache call
             if self.storages:
                 self._fault(op) if isinstance(op, StorageFault) else self._publish(op)
@@ -294,6 +372,9 @@ class Harness:
         started = (len(self.prefetches), len(self.retractions))
         self._track_prefetches(before, after)
         self._track_retractions(before, after)
+        if self._made_kv is not None and len(self.retractions) > started[1]:
+            self._retraction_kv[started[1]] = self._made_kv
+        violations += self._step_violations
         if isinstance(op, (Prefetch, Retract)) and isinstance(op.handle, int):
             kind, count, k = (
                 ("prefetch", len(self.prefetches), started[0])
@@ -549,6 +630,7 @@ class Harness:
                     Violation("INV-RETRACT-2", f"retraction backups (tokens) {mine_rt}, spec says {spec_rt}")
                 )
             violations += self._storage_contents()
+            violations += self._kv_violations(snap)
         if violations:
             raise ConformanceFailure(index, op, violations)
 

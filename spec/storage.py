@@ -153,6 +153,23 @@ def token_kv(prefix_digest: bytes, layer: int, which: str) -> bytes:
     return hashlib.blake2b(prefix_digest + struct.pack("<I", layer) + which.encode(), digest_size=KV_WIDTH).digest()
 
 
+def token_entries(namespace: Optional[str], tokens: Sequence[int], layers: int) -> tuple[bytes, ...]:
+    """What one device or host slot holds for each token: K of every layer, then V of every layer.
+
+    A cache that exposes its KV bytes (`Capabilities.kv_reads`) is written and checked with
+    these; `page_payload` holds the same entries transposed (token innermost).
+
+    pre: layers >= 1
+    pre: all(0 <= t < TOKEN_LIMIT for t in tokens)
+    post: len(__return__) == len(tokens)
+    post: all(len(e) == 2 * layers * KV_WIDTH for e in __return__)
+    """
+    return tuple(
+        b"".join(token_kv(d, layer, w) for w in KV_PARTS for layer in range(layers))
+        for d in prefix_digests(namespace, tokens)
+    )
+
+
 def page_payload(
     namespace: Optional[str], tokens: Sequence[int], page_index: int, page_size: int, layers: int
 ) -> bytes:

@@ -286,4 +286,6 @@ class Capabilities:
     """Fault kinds `inject_fault` accepts (FAULTS)."""
     retraction: bool = False
     """True: the host tier backs up, restores and discards retracted requests' KV (SPEC.md §9.11)."""
+    kv_reads: bool = False
+    """True: the harness writes each request's KV and reads every slot back (`KVBackend`, SPEC.md §9.12)."""
     notes: tuple[str, ...] = field(default_factory=tuple)
