@@ -168,6 +168,67 @@ def selftest_cmd(
     raise typer.Exit(0 if killed == len(mutants) and control.passed else 1)
 
 
+bench_app = typer.Typer(
+    add_completion=False, no_args_is_help=True, help="Performance benchmarks (measured, never asserted)."
+)
+app.add_typer(bench_app, name="bench")
+
+
+@bench_app.command("meta")
+def bench_meta_cmd(
+    page_size: list[int] = typer.Option([1, 64], "--page-size", help="one run per page size"),
+    pages: int = typer.Option(20_000, help="device pool, in pages"),
+    requests: int = typer.Option(20_000, help="requests in the trace"),
+    seed: int = typer.Option(0),
+    budget: float = typer.Option(120.0, help="seconds per implementation before it stops early"),
+    impl: Optional[list[str]] = typer.Option(None, "--impl", help="only these implementations"),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="write the figures as JSON"),
+) -> None:
+    """Replay one multi-turn trace against every implementation; print calls/s per operation and ratios."""
+    from kvcert.conformance import bench
+
+    report = []
+    for ps in page_size:
+        spec = bench.TraceSpec(page_size=ps, pages=pages, requests=requests, seed=seed)
+        trace = bench.make_trace(spec)
+        tokens = sum(len(r.tokens) for r in trace)
+        console.print(f"page size {ps}: {len(trace)} requests, {tokens:,} key tokens, pool {pages:,} pages")
+        results = []
+        for label, make in bench.drivers(ps, pages * ps, impl or bench.IMPLEMENTATIONS):
+            res = bench.replay(make(), trace, budget)
+            results.append((label, res))
+            note = f" (stopped after {res.requests} requests: budget)" if res.requests < len(trace) else ""
+            console.print(f"  {res.name:<34} {res.seconds:7.1f}s{note}{'  ' + res.error if res.error else ''}")
+        base = dict(results).get(bench.BASELINE)
+        table = Table(title=f"calls/s, page size {ps} (ratio to {bench.BASELINE})")
+        table.add_column("implementation")
+        for op in (*bench.OPS, "all"):
+            table.add_column(op, justify="right")
+        for label, res in results:
+            cells = []
+            for op in (*bench.OPS, "all"):
+                rate = res.total_rate if op == "all" else res.rate(op)
+                ref = (base.total_rate if op == "all" else base.rate(op)) if base else None
+                cells.append("-" if rate is None else f"{rate:,.0f}" + (f" ({rate / ref:.2f}x)" if ref else ""))
+            table.add_row(res.name, *cells)
+            report.append(
+                {
+                    "page_size": ps,
+                    "implementation": label,
+                    "name": res.name,
+                    "requests": res.requests,
+                    "seconds": round(res.seconds, 2),
+                    "refused": res.refused,
+                    "error": res.error,
+                    "calls": dict(res.calls),
+                    "calls_per_s": {op: res.rate(op) for op in bench.OPS},
+                }
+            )
+        console.print(table)
+    if json_out is not None:
+        json_out.write_text(json.dumps(report, indent=1))
+
+
 def main() -> None:
     sys.exit(app())
 
