@@ -95,7 +95,7 @@ class StorageTierBackend(HostTierBackend, Protocol):
         """Storage delivers the next page of prefetch `prefetch` (an id from `Snapshot.prefetches`)."""
 
     def check_prefetch(self, prefetch: int) -> Optional[int]:
-        """End the prefetch if its stop policy allows: the tokens it added to the tree, or None (still running)."""
+        """End the prefetch if its stop policy allows: the host tokens the tree gained, or None (still running)."""
 
     def abort_prefetch(self, prefetch: int) -> None:
         """End the prefetch, keeping nothing."""

@@ -365,7 +365,11 @@ class Harness:
                 UNKNOWN_NODE if got.host_node is None else got.host_node,
                 UNKNOWN_NODE if want.host_node is None else want.host_node,
             )
-            self.anchors[index] = pair
+            end = self.oracle.nodes.get(want.node)
+            if want.host_length > 0 or end is self.oracle.root or (end is not None and end.host_slots is not None):
+                # Without a host hit, host_node is the match's end (a backup, or the root) or unspecified
+                # (SGLang: the deepest matched node, backed up or not; D6, D13): only then is it an anchor.
+                self.anchors[index] = pair
             if want.host_length > 0:
                 self.host_handles[index] = pair
         self._track_copies(before, after, violations)
@@ -445,9 +449,17 @@ class Harness:
         def locked(n: Any) -> bool:
             if host:
                 return n.lock_ref > 0 or n.host_lock_ref > 0
-            return n.lock_ref > 0 or self.oracle.pinned(n)
+            if n.lock_ref > 0 or self.oracle.pinned(n):
+                return True
+            # Write-back tries a node that would drop a protected host copy and skips it only if its
+            # backup fails (SPEC.md §9.3): the nodes pinned after the eviction are the ones it could skip.
+            return self._oracle_path(n.id) in stuck_after
 
         gone = set(paths_of(before).values()) - set(paths_of(after).values())
+        stuck_after: set[contracts.Path] = set()
+        if not host and self.config.write_policy == "write_back":
+            after_paths = contracts.node_paths(after)
+            stuck_after = {after_paths[i] for i in contracts.pinned_nodes(after) if i in after_paths}
         oracle_snap = self.oracle.snapshot()
         removed = frozenset(i for i, p in paths_of(oracle_snap).items() if p in gone)
         view = {

@@ -73,8 +73,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "eviction ignores the request size and drains every evictable leaf",
         (
             (
-                "        while freed < n:\n            leaves = self.evictable_leaves()",
-                "        while True:\n            leaves = self.evictable_leaves()",
+                "        while freed < n:\n            leaves = [v for v in self.evictable_leaves() if v.id not in skipped]",
+                "        while True:\n            leaves = [v for v in self.evictable_leaves() if v.id not in skipped]",
             ),
         ),
     ),
@@ -350,7 +350,10 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "prefetch_zero_of_zero",
         "a prefetch with no stored page is issued anyway and reports '0 of 0 pages' complete",
-        (("        if size == 0 or self.host is None:\n", "        if self.host is None:\n"),),
+        (
+            ("        if size == 0 or self.host is None:\n", "        if self.host is None:\n"),
+            ("        if take < self.page_size:\n", "        if take < min(size, self.page_size):\n"),
+        ),
         page_sizes=(1,),
         write_policies=("write_through",),
         prefetch_policies=("wait_complete",),

@@ -157,6 +157,10 @@ class Prefetching:
     fetched: int = 0
     """Pages fetched and verified, from the first."""
     failed: bool = False
+    span_pages: int = 0
+    """Pages the request asked for after the anchor, stored or not: the timeout's budget (D11)."""
+    waiting_since: Optional[int] = None
+    """When the first check_prefetch that kept it running ran: the timeout's start (D11)."""
 
 
 @dataclass(eq=False)
@@ -455,10 +459,18 @@ class RefCache:
         ]
 
     def pinned(self, node: Node) -> bool:
+        """A node eviction may not even try: one that would drop a protected host copy (SPEC.md §9.3).
+
+        Under write-back it is tried all the same: its backup is made first, and only if that
+        fails does eviction skip it (`evict`; SGLang's order, calibration D14).
+        """
+        return self.write_policy != "write_back" and self.drops_protected(node)
+
+    def drops_protected(self, node: Node) -> bool:
         """A node without a backup that eviction would drop along with a protected host copy.
 
         The protected copy is a host-only node below it (locked or host-protected), or the
-        node's own host lock: write-back pins a prefetch anchor that has no backup (SPEC.md §9.3).
+        node's own host lock (a prefetch anchor under write-back).
         """
         return node.host_slots is None and (node.host_lock_ref > 0 or self._pins_subtree(node))
 
@@ -473,13 +485,19 @@ class RefCache:
         """Free device KV of minimal-rank candidates until `n` tokens are freed or none is left."""
         _check_count(n)
         freed = 0
+        skipped: set[int] = set()
         while freed < n:
-            leaves = self.evictable_leaves()
+            leaves = [v for v in self.evictable_leaves() if v.id not in skipped]
             if not leaves:
                 break
             victim = self._pick(leaves, choose)
             if victim.host_slots is None and self.write_policy == "write_back":
-                self._write_backup(victim)  # the engine waits for this copy (writing_check(write_back=True))
+                # the engine waits for this copy (writing_check(write_back=True))
+                if self._write_backup(victim):
+                    self._store([victim])  # D8: the eviction backup is stored
+                elif self.drops_protected(victim):
+                    skipped.add(victim.id)  # D14: "subtree drop declined"; it stays on the device
+                    continue
             if victim.host_slots is not None:
                 self._demote(victim)
             else:
@@ -684,7 +702,8 @@ class RefCache:
                     n.host_lock_ref -= 1
                 consumed += 1
                 if kind == "write":
-                    self._store(copy.nodes)
+                    for node in sorted(copy.nodes, key=lambda n: len(self._full_path(n))):
+                        self._store([node])  # D7: one store copy per node
         return consumed
 
     # ------------------------------------------------------------------ retraction (SPEC.md §9.11)
@@ -803,19 +822,34 @@ class RefCache:
             return 0
         if anchor is not self.root:
             anchor.host_lock_ref += 1  # before making room: the anchor must not be the room made
-        slots = self._host_alloc(size)
+        slots = self._prefetch_alloc(size)
         if slots is None:
             if anchor is not self.root:
                 anchor.host_lock_ref -= 1
             return 0
+        size = len(slots)  # D9: the part that fits
+        span_pages, hit = len(keys), size // self.page_size
         locked = [anchor] if anchor is not self.root else []
         self.prefetches.append(
             Prefetching(
                 self._next_prefetch, anchor, namespace, key[: start + size], start, keys[:hit], slots, self.now, locked
             )
         )
+        self.prefetches[-1].span_pages = span_pages
         self._next_prefetch += 1
         return size
+
+    def _prefetch_alloc(self, size: int) -> Optional[tuple[int, ...]]:
+        """D9: if `size` does not fit, host-evict `size` tokens; reserve the longest whole-page part that fits."""
+        assert self.host is not None
+        if len(self.host.free_list) < size:
+            self.evict_host(size, choose=self.steer)
+        take = min(size, pages.page_floor(len(self.host.free_list), self.page_size))
+        if take < self.page_size:
+            return None
+        slots = self.host.alloc(take)
+        self.host.adopt(slots)
+        return slots
 
     def fetch(self, prefetch_id: int) -> None:
         """Storage delivers the prefetch's next page: one `batch_get`, verified before it counts."""
@@ -840,16 +874,20 @@ class RefCache:
     def check_prefetch(self, prefetch_id: int) -> Optional[int]:
         """End the prefetch if its stop policy allows; then insert what was fetched.
 
-        None: still running. Otherwise the tokens added to the tree as host-only nodes.
+        None: still running. Otherwise the host tokens the tree gained (new host-only nodes,
+        and backups of device nodes the walk met, SPEC.md §10.4).
         """
         p = self._prefetching(prefetch_id)
         done = p.failed or p.fetched == len(p.keys)
         base, per_page = self.timeout
-        if not (
-            done
-            or self.prefetch_policy == "best_effort"
-            or (self.prefetch_policy == "timeout" and self.now - p.issued_at > base + per_page * len(p.keys))
-        ):
+        expired = (
+            self.prefetch_policy == "timeout"
+            and p.waiting_since is not None
+            and self.now - p.waiting_since > base + per_page * p.span_pages
+        )
+        if not (done or self.prefetch_policy == "best_effort" or expired):
+            if p.waiting_since is None:
+                p.waiting_since = self.now  # D11: the deadline starts at the first check that keeps it running
             return None
         return self._end_prefetch(p, keep=p.fetched * self.page_size)
 
@@ -858,13 +896,18 @@ class RefCache:
         self._end_prefetch(self._prefetching(prefetch_id), keep=0)
 
     def _end_prefetch(self, p: Prefetching, keep: int) -> int:
-        """Insert the first `keep` prefetched tokens below the anchor as host-only nodes; free the rest."""
+        """Insert the first `keep` prefetched tokens below the anchor; free the rest.
+
+        The walk backs up a device node without a backup with the fetched pages under the
+        write-through policies and walks past it under write-back (calibration D15).
+        """
         assert self.host is not None
         self.prefetches.remove(p)
         for n in p.host_locked:
             n.host_lock_ref -= 1
         node, at, added = p.anchor, p.start, 0
         end = p.start + keep
+        kept: set[int] = set()
         while at < end:
             child = node.children.get(self._selector(p.namespace, p.tokens[at:end]))
             if child is None:
@@ -878,15 +921,18 @@ class RefCache:
                     creation=self.now,
                 )
                 node.children[self._selector(p.namespace, leaf.key)] = leaf
-                added, at = end - at, end
+                kept.update(leaf.host_slots or ())
+                added += end - at
                 break
             run = pages.match_len(child.key, p.tokens[at:end], self.page_size)
             if run < len(child.key):
                 child = self._split(child, run)
-            if child.host_slots is None:
-                break  # a device node without a backup: nothing may hang below it on the host alone
-            node, at = child, at + run
-        self.host.release(p.host_slots[: at - p.start - added] + p.host_slots[at - p.start :])
+            if child.host_slots is None and self.write_policy != "write_back":
+                child.host_slots = p.host_slots[at - p.start : at - p.start + run]  # D15: a refill backs it up
+                kept.update(child.host_slots)
+                added += run
+            node, at = child, at + run  # D15: write_back walks past a device node without a backup
+        self.host.release(tuple(slot for slot in p.host_slots if slot not in kept))
         return added
 
     # ------------------------------------------------------------------ observation

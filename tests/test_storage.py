@@ -64,6 +64,9 @@ STRATEGIES: dict[str, st.SearchStrategy[dict[str, Any]]] = {
         {"namespace": namespaces, "tokens": any_tokens, "page_size": st.integers(0, 6), "digest": st.text(max_size=6)}
     ),
     "prefix_digests": st.fixed_dictionaries({"namespace": namespaces, "tokens": any_tokens}),
+    "token_entries": st.fixed_dictionaries(
+        {"namespace": namespaces, "tokens": any_tokens, "layers": st.integers(0, 4)}
+    ),
     "token_kv": st.fixed_dictionaries(
         {
             "prefix_digest": st.binary(max_size=16),

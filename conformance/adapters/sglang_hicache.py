@@ -36,7 +36,8 @@ globals. While a call into SGLang runs, the driver swaps all four for its own
 counters and restores them afterwards, so ids and stamps depend only on this
 driver's op sequence. The Rust core mints ids per instance (root is 1) and
 keeps its own counters. Not thread-safe; no L3 storage threads unless
-``storage_dir`` is set.
+``storage_dir`` is set without ``stepped_storage`` (with it, the driver runs the storage threads'
+bodies itself: ``sglang_hicache_storage.py``).
 
 Observation. The Python core is read off its node objects. The Rust core has
 none; it is read through the tree-core interface only (``_snapshot_interface``,
@@ -50,6 +51,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import functools
 import io
 import os
@@ -80,6 +82,8 @@ from sglang.srt.mem_cache.unified_cache.components import ComponentType  # noqa:
 from sglang.srt.mem_cache.unified_cache.components import base as _comp_base  # noqa: E402
 from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache  # noqa: E402
 from sglang.srt.server_args import ServerArgs  # noqa: E402
+
+from kvcert.conformance.adapters.sglang_hicache_storage import SteppedStorage, stepped_threads  # noqa: E402
 
 FULL = ComponentType.FULL
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
@@ -248,6 +252,16 @@ class HiCacheConfig:
     """Submit queued writes after insert and queued loads after init_load_back, as the scheduler does."""
     storage_dir: Optional[str] = None
     """Attach the L3 `file` backend at this directory (starts SGLang's storage threads)."""
+    stepped_storage: bool = False
+    """Attach L3 with SGLang's storage threads stepped by the driver
+    (:class:`~kvcert.conformance.adapters.sglang_hicache_storage.SteppedStorage`, at :attr:`SGLangHiCache.l3`):
+    over a bridge to a kvcert store, or with ``storage_dir`` set, over SGLang's own `file` backend there."""
+    prefetch_policy: str = "best_effort"
+    """hicache_storage_prefetch_policy: best_effort | wait_complete | timeout."""
+    prefetch_timeout: tuple[float, float] = (4.0, 1.0)
+    """timeout policy: (base, per page), in ticks of the driver's logical clock."""
+    model_id: str = "kvcert-synthetic"
+    """Stepped storage: the model id of the spec's compatibility digest (page keys)."""
     host_tier: bool = True
     """False: a device-only UnifiedRadixCache (``init_hicache`` is not called; no host pool, no copies)."""
 
@@ -305,6 +319,9 @@ class SGLangHiCache:
         """Every key inserted, per namespace: the candidates for the tokens of a node (_snapshot_interface)."""
         self._paths: dict[int, tuple[Optional[str], tuple[int, ...]]] = {}
         """Interface reader: node id -> (namespace, its root path), once learned (a node's path never changes)."""
+        if config.stepped_storage and config.storage_dir is None:
+            config = dataclasses.replace(config, storage_dir="")  # SGLang builds `file` first; the bridge replaces it
+            self.config = config
         self._tmp = tempfile.TemporaryDirectory(prefix="kvcert-hicache-") if config.storage_dir == "" else None
         storage_dir = self._tmp.name if self._tmp is not None else config.storage_dir
 
@@ -319,6 +336,7 @@ class SGLangHiCache:
             hicache_write_policy=config.write_policy,
             hicache_storage_backend="file" if storage_dir is not None else None,
             file_storage_path=storage_dir,
+            hicache_storage_prefetch_policy=config.prefetch_policy,
         )
         self.kv_pool = SG.MHATokenToKVPool(
             size=self.capacity,
@@ -362,12 +380,15 @@ class SGLangHiCache:
                 runtime_context.get_parallel().override_permanently(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1)
             self.cache = UnifiedRadixCache(self.params)
             if config.host_tier:
-                self.cache.init_hicache(self.args, self.params)
+                with stepped_threads() if config.stepped_storage else contextlib.nullcontext():
+                    self.cache.init_hicache(self.args, self.params)
         self.is_rust = type(self.cache.tree_core).__name__.startswith("Rust")
         self.host_lock_ledger = HostLockLedger(self.cache.tree_core)
         """host_lock_ref as SGLang's own inc/dec_host_lock_ref calls leave it (the Rust core hides the counter)."""
         self.load_ledger = LoadLedger(self.cache.tree_core)
         """The nodes each in-flight load moves (its ack names only the anchor)."""
+        self.l3: Optional[SteppedStorage] = None
+        """The stepped L3 path (``stepped_storage``); None otherwise."""
         if not config.host_tier:
             return
         # init_hicache registers cache.shutdown with atexit (unified_radix_cache.py:577), which pins every
@@ -377,6 +398,15 @@ class SGLangHiCache:
         self.host_pool = self.cc.mem_pool_host
         self.cc.ack_write_queue = _AckQueue(self, "write")
         self.cc.ack_load_queue = _AckQueue(self, "load")
+        if config.stepped_storage:
+            self.l3 = SteppedStorage(
+                self, self.cache, config.page_size, config.layer_num, config.model_id, bridge=not config.storage_dir
+            )
+            self.cache.prefetch_stop_policy = config.prefetch_policy
+            self.cache.prefetch_threshold = config.page_size  # SGLang's default is 256 tokens
+            self.cache.prefetch_timeout_base, self.cache.prefetch_timeout_per_page = config.prefetch_timeout
+            # Admission rate limit (half the host pool, counted in requested spans): not modelled by §10 (D10).
+            self.cc.prefetch_capacity_limit = 1 << 62
 
     # ------------------------------------------------------------------ plumbing
 
@@ -626,6 +656,8 @@ class SGLangHiCache:
 
     def close(self) -> None:
         """Stop storage threads and free host pools."""
+        if self.l3 is not None:
+            self.l3.close()
         with contextlib.suppress(Exception):
             self.cache.shutdown()
         if self._tmp is not None:
@@ -865,18 +897,20 @@ class HostLockLedger:
         self.locks: list[tuple[int, _Segment]] = []
         """(receipt uuid, segment) of every host lock taken and not released, oldest first."""
         inc, dec = core.inc_host_lock_ref, core.dec_host_lock_ref
+        # A prefetch anchored at the root host-locks it (the Rust core mints a uuid for it): not a segment.
+        root = int(core.root_node_handle())
 
         def inc_host_lock_ref(node_id: int) -> Any:
             result = inc(node_id)
             uuid = result.component_host_lock_uuids.get(FULL)
-            if uuid is not None:
+            if uuid is not None and int(node_id) != root:
                 self.locks.append((int(uuid), _Segment(int(node_id), [int(node_id)], _root_path(core, node_id))))
             return result
 
         def dec_host_lock_ref(node_id: int, params: Any) -> Any:
             result = dec(node_id, params)
             uuid = params.component_host_lock_uuids.get(FULL)
-            if uuid is not None:
+            if uuid is not None and int(node_id) != root:
                 for i, (held, segment) in enumerate(self.locks):
                     if segment.anchor == int(node_id) and held == int(uuid):
                         del self.locks[i]

@@ -3,6 +3,7 @@
     kvcert certify kvcert.conformance.adapters.sglang_hicache_backend:factory             # Python core
     kvcert certify kvcert.conformance.adapters.sglang_hicache_backend:factory_rust        # Rust core
     kvcert certify kvcert.conformance.adapters.sglang_hicache_backend:factory_page_first  # page_first_direct
+    kvcert certify kvcert.conformance.adapters.sglang_hicache_backend:factory_storage     # + L3 storage (§10)
 
 A translation layer over the deterministic CPU driver in `sglang_hicache.py`
 (copies deferred until `complete`). Each factory fixes the tree core (``tree_core_backend``
@@ -46,6 +47,12 @@ Mapping (SPEC.md §9):
   ``inc/dec_host_lock_ref`` calls (``HostLockLedger``; SGLANG_HICACHE_NOTES.md §8).
 * layout: ``page_first_direct`` changes only where host bytes live; the driver's
   ``read_host_kv`` reads both layouts.
+* storage (``factory_storage``, ``factory_rust_storage``; SPEC.md §10): SGLang's L3 path with its
+  threads stepped by the harness (``sglang_hicache_storage.py``). Store copies are SGLang's
+  ``StorageOperation``s (one per backed-up node), prefetches its ``ongoing_prefetch`` entries;
+  ``prefetch`` is the scheduler's ``_prefetch_kvcache`` (only from a backed-up anchor or the root).
+  Inserts write the spec's synthetic KV into the request's device slots, so stored and fetched
+  bytes are checked (INV-STORE-1). Calibration: HICACHE_CALIBRATION.md D7-D15.
 """
 
 from __future__ import annotations
@@ -56,8 +63,19 @@ from typing import Any, Optional
 import torch
 
 from kvcert.conformance.adapters._sglang_env import SGLANG_VERSION
-from kvcert.conformance.adapters.sglang_hicache import CORES, LAYOUTS, HiCacheConfig, SGLangHiCache
+from kvcert.conformance.adapters.sglang_hicache import (
+    CORES,
+    LAYOUTS,
+    HiCacheConfig,
+    SGLangHiCache,
+    _root_path,
+    _Segment,
+)
+from kvcert.conformance.adapters.sglang_hicache_storage import CLOCK, HEAD_DIM, HEAD_NUM, canonical_kv
+from kvcert.spec import pages
+from kvcert.spec.storage import StorageBackend
 from kvcert.spec.types import (
+    PREFETCH_POLICIES,
     CacheConfig,
     Capabilities,
     InsertOut,
@@ -65,10 +83,12 @@ from kvcert.spec.types import (
     MatchOut,
     NodeView,
     PendingCopy,
+    PendingPrefetch,
     PoolExhausted,
     Snapshot,
     StaleHandle,
     UnknownCopy,
+    UnknownPrefetch,
 )
 
 __all__ = [
@@ -77,6 +97,8 @@ __all__ = [
     "factory_page_first",
     "factory_rust",
     "factory_rust_page_first",
+    "factory_rust_storage",
+    "factory_storage",
     "host_ratio_for",
     "make_factory",
 ]
@@ -104,6 +126,18 @@ class SGLangHiCacheBackend:
         self.core, self.layout = core, layout
         self.page_size = ps = config.page_size
         self.host = config.host_capacity > 0
+        self.storage = bool(config.prefetch_policy) and self.host
+        geometry: dict[str, Any] = {}
+        if self.storage:  # one (token, layer, K|V) entry = the spec's 8 bytes of synthetic KV (SPEC.md §10.1)
+            geometry = {
+                "stepped_storage": True,
+                "prefetch_policy": config.prefetch_policy,
+                "prefetch_timeout": (float(config.prefetch_timeout_base), float(config.prefetch_timeout_per_page)),
+                "model_id": config.model_id,
+                "layer_num": config.kv_layers,
+                "head_num": HEAD_NUM,
+                "head_dim": HEAD_DIM,
+            }
         self.h = SGLangHiCache(
             HiCacheConfig(
                 page_size=ps,
@@ -114,6 +148,7 @@ class SGLangHiCacheBackend:
                 layout=layout,
                 eviction_policy=config.policy,
                 host_tier=self.host,
+                **geometry,
             )
         )
         assert self.h.is_rust == (core == "rust"), f"asked for the {core} tree core, SGLang built another"
@@ -126,6 +161,8 @@ class SGLangHiCacheBackend:
         """node id -> driver lock handles (receipts) taken on it, last first out."""
         self._returned: set[int] = set()
         """Request slots SGLang freed itself during an insert; the caller's free of them is a no-op."""
+        self._store_segments: dict[int, _Segment] = {}
+        """Store copy id -> the host-lock segment of its node (a split while it is pending adds the new half)."""
 
     # ------------------------------------------------------------------ plumbing
 
@@ -137,7 +174,7 @@ class SGLangHiCacheBackend:
         pages = self.h.allocator.get_all_free_pages().tolist()
         return {int(p) * ps + i for p in pages for i in range(ps)}
 
-    def _live(self, node: int) -> dict[str, Any]:
+    def _live(self, node: int) -> dict[int, dict[str, Any]]:
         tree = self._tree()
         if not isinstance(node, int) or node not in tree:
             raise StaleHandle(f"no node {node!r} in SGLang's tree")
@@ -146,7 +183,8 @@ class SGLangHiCacheBackend:
     # ------------------------------------------------------------------ Backend
 
     def set_clock(self, now: int) -> None:
-        """SGLang stamps from its own strictly increasing counter; nothing to set."""
+        """SGLang stamps nodes from its own counter; the timeout policy's PollTimer reads this clock."""
+        CLOCK.now = float(now)
 
     def alloc(self, n: int) -> tuple[int, ...]:
         out = self.h.allocator.alloc(n)
@@ -176,6 +214,16 @@ class SGLangHiCacheBackend:
     def insert(
         self, namespace: Optional[str], tokens: Sequence[int], slots: Sequence[int], priority: int = 0
     ) -> InsertOut:
+        if self.storage:  # what the forward pass would write: the spec's KV of every request position
+            n = min(len(tokens), len(slots))
+            if n:
+                kv = canonical_kv(namespace, list(tokens)[:n], self.config.kv_layers)
+                idx = torch.tensor(list(slots)[:n], dtype=torch.int64)
+                for layer in range(self.config.kv_layers):
+                    self.h.kv_pool.k_buffer[layer][idx] = kv[0, layer]
+                    self.h.kv_pool.v_buffer[layer][idx] = kv[1, layer]
+            assert self.h.l3 is not None and self.h.l3.bridge is not None
+            self.h.l3.bridge.learn(namespace, tokens)
         matched, node = self.h.insert(namespace, list(tokens), list(slots))
         # SGLang's prefix_len is every token the walk matched, host-only ones included: those it restores
         # with the request's slots (`_unevict_node_on_insert`, UTC:1300-1308, `record_adopted_range`). The
@@ -214,15 +262,85 @@ class SGLangHiCacheBackend:
         return loaded
 
     def complete(self, copy: int) -> None:
+        if self.h.l3 is not None and isinstance(copy, int) and not isinstance(copy, bool):
+            store = self.h.l3.store_of(copy)
+            if store is not None:
+                with self.h._in_sglang():
+                    self.h.l3.complete_store(store)
+                return
         op = self.h.ops.get(copy) if isinstance(copy, int) else None
         if op is None or op.released or copy not in self.h.pending():
             raise UnknownCopy(f"no pending unfinished copy {copy!r}")
         self.h.complete(copy, poll=False)
 
     def poll(self) -> int:
-        before = set(self.h.pending())
+        before = self._pending_ids()
         self.h.poll()
-        return len(before - set(self.h.pending()))
+        return len(before - self._pending_ids())
+
+    def _pending_ids(self) -> set[int]:
+        ids = set(self.h.pending())
+        if self.h.l3 is not None:
+            ids |= {cid for cid, _, _ in self.h.l3.pending_stores()}
+        return ids
+
+    # ------------------------------------------------------------------ StorageTierBackend
+
+    def attach_storage(self, storage: StorageBackend) -> None:
+        if self.h.l3 is None or self.h.l3.bridge is None:
+            raise ValueError("this cache was built without storage (CacheConfig.prefetch_policy)")
+        self.h.l3.bridge.store = storage
+
+    def prefetch(self, node: int, namespace: Optional[str], tokens: Sequence[int]) -> int:
+        """The scheduler's `_prefetch_kvcache` for a request whose match ended at `node`.
+
+        `node`'s path must be a prefix of the request; the pages after it are asked for. As the
+        scheduler does, only a backed-up anchor or the root is prefetched from (cache mode: an
+        unbacked anchor is "a guaranteed storage miss", scheduler.py `_prefetch_kvcache`).
+        """
+        tree = self._live(node)
+        assert self.h.l3 is not None
+        path: list[int] = []
+        cur: Optional[int] = node
+        while cur is not None and tree[cur]["parent"] is not None:
+            path[:0] = tree[cur]["key"]
+            cur = tree[cur]["parent"]
+        key = [int(t) for t in tokens][: pages.page_floor(len(tokens), self.page_size)]
+        is_root = tree[node]["parent"] is None
+        if key[: len(path)] != path or len(key) <= len(path):
+            return 0
+        if not is_root and tree[node]["namespace"] != namespace:
+            return 0
+        if not is_root and not tree[node]["backed_up"]:
+            return 0
+        with self.h._in_sglang():
+            last_hash = None if is_root else self.h.cache.get_last_hash_value(node)
+            return self.h.l3.prefetch(node, namespace, path, key[len(path) :], last_hash)
+
+    def _prefetching(self, prefetch: Any) -> int:
+        ok = isinstance(prefetch, int) and not isinstance(prefetch, bool)
+        if self.h.l3 is None or not ok or prefetch not in self.h.l3.prefetches:
+            raise UnknownPrefetch(f"no running prefetch {prefetch!r}")
+        return int(prefetch)
+
+    def fetch(self, prefetch: int) -> None:
+        pid = self._prefetching(prefetch)
+        assert self.h.l3 is not None
+        with self.h._in_sglang():
+            if not self.h.l3.fetch(pid):
+                raise UnknownPrefetch(f"prefetch {pid} has no page left to fetch")
+
+    def check_prefetch(self, prefetch: int) -> Optional[int]:
+        pid = self._prefetching(prefetch)
+        assert self.h.l3 is not None
+        with self.h._in_sglang():
+            return self.h.l3.check(pid)
+
+    def abort_prefetch(self, prefetch: int) -> None:
+        pid = self._prefetching(prefetch)
+        assert self.h.l3 is not None
+        with self.h._in_sglang():
+            self.h.l3.abort(pid)
 
     # ------------------------------------------------------------------ observation
 
@@ -230,7 +348,31 @@ class SGLangHiCacheBackend:
         if not self.host:
             return ()
         parents = {nid: v["parent"] for nid, v in tree.items() if v["parent"] is not None}
-        return tuple(PendingCopy(*copy) for copy in self.h.copies(parents))
+        copies = [PendingCopy(*copy) for copy in self.h.copies(parents)]
+        if self.h.l3 is not None:
+            live = set()
+            for cid, node, finished in self.h.l3.pending_stores():
+                live.add(cid)
+                segment = self._store_segments.get(cid)
+                if segment is None:
+                    segment = _Segment(node, [node], _root_path(self.h.cache.tree_core, node))
+                    self._store_segments[cid] = segment
+                copies.append(PendingCopy(cid, "store", tuple(segment.update(parents)), finished))
+            self._store_segments = {c: s for c, s in self._store_segments.items() if c in live}
+        return tuple(sorted(copies, key=lambda c: c.id))
+
+    def _prefetches(self) -> tuple[PendingPrefetch, ...]:
+        if self.h.l3 is None:
+            return ()
+        out = []
+        for pid, p in self.h.l3.prefetches.items():
+            info = self.h.cache.ongoing_prefetch.get(p.request)
+            if info is None:
+                continue
+            requested, fetched, failed = self.h.l3.progress(pid)
+            slots = tuple(int(x) for x in info.host_indices.tolist()) if info.host_indices is not None else ()
+            out.append(PendingPrefetch(pid, int(info.anchor_node_id), requested, fetched, failed, slots))
+        return tuple(out)
 
     def snapshot(self) -> Snapshot:
         ps = self.page_size
@@ -270,14 +412,19 @@ class SGLangHiCacheBackend:
             host_free_slots=host_free,
             write_policy=self.config.write_policy if self.host else "",
             pending=self._pending(tree),
+            prefetches=self._prefetches(),
         )
 
     def close(self) -> None:
         self.h.close()
 
 
-def make_factory(core: str = "python", layout: str = "layer_first") -> Any:
-    """A kvcert factory for one tree core ("python" | "rust") and host layout ("layer_first" | "page_first_direct")."""
+def make_factory(core: str = "python", layout: str = "layer_first", storage: bool = False) -> Any:
+    """A kvcert factory for one tree core ("python" | "rust") and host layout ("layer_first" | "page_first_direct").
+
+    `storage`: also declare the L3 tier (every prefetch stop policy): storage cells run SGLang's
+    storage path stepped by the harness over a bridge to its store (`sglang_hicache_storage.py`).
+    """
     if core not in CORES or layout not in LAYOUTS:
         raise ValueError(f"core must be one of {CORES}, layout one of {LAYOUTS}")
 
@@ -292,6 +439,7 @@ def make_factory(core: str = "python", layout: str = "layer_first") -> Any:
             ("python", "page_first_direct"): "_page_first",
             ("rust", "page_first_direct"): "_rust_page_first",
         }[core, layout]
+        + ("_storage" if storage else "")
     )
     factory.__doc__ = f"SGLang UnifiedRadixCache + HiCache, {core} tree core, {layout} host layout."
     snapshot_note = (
@@ -307,10 +455,19 @@ def make_factory(core: str = "python", layout: str = "layer_first") -> Any:
         namespaces=True,
         strict_input=False,
         write_policies=("write_through", "write_through_selective", "write_back"),
+        prefetch_policies=PREFETCH_POLICIES if storage else (),
         notes=(
             f"{core} tree core, {layout} host layout, direct io via torch shims on CPU; copies held until complete()",
             "host pool sized exactly to host_capacity through hicache_ratio; load_back_threshold set on the cache",
             snapshot_note,
+        )
+        + (
+            (
+                "L3: SGLang's storage threads stepped by the harness (sglang_hicache_storage.py); HiCacheStorage bridge "
+                "to the harness store; prefetch_threshold = one page, rate limit lifted; one-page transfer batches",
+            )
+            if storage
+            else ()
         ),
     )
     return factory
@@ -324,3 +481,7 @@ factory_page_first = make_factory("python", "page_first_direct")
 """`...:factory_page_first`: Python core, page_first_direct host layout."""
 factory_rust_page_first = make_factory("rust", "page_first_direct")
 """`...:factory_rust_page_first`: Rust core, page_first_direct host layout."""
+factory_storage = make_factory("python", "layer_first", storage=True)
+"""`...:factory_storage`: Python core, layer_first, with the L3 storage tier (SPEC.md §10)."""
+factory_rust_storage = make_factory("rust", "layer_first", storage=True)
+"""`...:factory_rust_storage`: Rust core, layer_first, with the L3 storage tier."""
