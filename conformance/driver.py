@@ -9,6 +9,8 @@ model to the backend's choice wherever SPEC.md §6 allows a choice).
 
 from __future__ import annotations
 
+import copy
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
@@ -339,13 +341,24 @@ class Harness:
             ) from err
         after = self.backend.snapshot()
         violations: list[Violation] = []
-        choose = self._witness(op, before, after, got, violations)
-        self.oracle.steer = self._follow(before, after)
-        self.oracle.reclaim = self._reclaimed(before, after)
-        try:
-            want = self._run(self.oracle, op, 1, choose)
-        finally:
-            self.oracle.steer = self.oracle.reclaim = None
+        orders = self._reclaim_orders(before, after)
+        saved = copy.deepcopy(self.oracle) if len(orders) > 1 else None
+        for attempt, order in enumerate(orders):
+            if attempt:  # the last order disagreed with the backend: put the oracle back and try the next
+                self.oracle = copy.deepcopy(saved)
+                if self.storages:
+                    self.storages = (self.storages[0], self.oracle.storage)  # type: ignore[assignment]
+            found: list[Violation] = []
+            choose = self._witness(op, before, after, got, found)
+            self.oracle.steer = self._follow(before, after)
+            self.oracle.reclaim = self._reclaimed(before, after, order)
+            try:
+                want = self._run(self.oracle, op, 1, choose)
+            finally:
+                self.oracle.steer = self.oracle.reclaim = None
+            if attempt == len(orders) - 1 or self._agrees(after):
+                break
+        violations += found
         self._compare(op, before, after, got, want, violations)
         if (
             isinstance(op, HANDLE_PRODUCERS)
@@ -413,15 +426,60 @@ class Harness:
 
         return choose
 
-    def _reclaimed(self, before: Snapshot, after: Snapshot) -> Chooser:
-        """Write-back host eviction drops duplicate backups in any order: prefer those the backend dropped."""
-        paths: list[set[contracts.Path]] = []
+    def _dropped_backups(self, before: Snapshot, after: Snapshot) -> set[contracts.Path]:
+        """Paths whose host copy the backend's write-back reclaim dropped during this op.
+
+        Dropped for good (`host_reclaimed`), or dropped for room and then made again when the same
+        node became an eviction victim: its new host slots, or its new backup's store copy, give it away.
+        """
+        of = contracts.node_paths(before)
+        dropped = {of[i] for i in contracts.host_reclaimed(before, after)}
+        old = {of[n.id]: n.host_slots for n in before.nodes if n.id in of and n.host_slots is not None}
+        now = contracts.node_paths(after)
+        issued = {c.id for c in before.pending}
+        stored = {
+            now[i] for c in after.pending if c.kind == "store" and c.id not in issued for i in c.nodes if i in now
+        }
+        for n in after.nodes:
+            p = now.get(n.id)
+            if p in old and n.host_slots is not None and (n.host_slots != old[p] or p in stored):
+                dropped.add(p)
+        return dropped
+
+    def _reclaim_orders(self, before: Snapshot, after: Snapshot) -> list[Optional[tuple[contracts.Path, ...]]]:
+        """The orders of write-back reclaim the oracle may try to reach the backend's state (SPEC.md §9.4: any order).
+
+        One (the default preference) unless several dropped backups could have gone first; then each
+        order of them, at most 24, tried until the oracle's state agrees with the backend's.
+        """
+        if self.config.write_policy != "write_back" or not self.config.host_capacity:
+            return [None]
+        dropped = sorted(self._dropped_backups(before, after), key=_order)
+        if len(dropped) < 2:
+            return [None]
+        return list(itertools.islice(itertools.permutations(dropped), 24))
+
+    def _agrees(self, after: Snapshot) -> bool:
+        """The oracle reached the backend's state (tree, residency, copies): the steering found the backend's choice."""
+        spec = self.oracle.snapshot()
+        return contracts.shape(after) == contracts.shape(spec) and [(c.kind, c.finished) for c in after.pending] == [
+            (c.kind, c.finished) for c in spec.pending
+        ]
+
+    def _reclaimed(
+        self, before: Snapshot, after: Snapshot, order: Optional[tuple[contracts.Path, ...]] = None
+    ) -> Chooser:
+        """Write-back host eviction drops duplicate backups in any order: prefer those the backend dropped
+        (in `order` when given)."""
+        paths: list[tuple[contracts.Path, ...]] = []
 
         def choose(tied: list[int]) -> int:
             if not paths:
-                of = contracts.node_paths(before)
-                paths.append({of[i] for i in contracts.host_reclaimed(before, after)})
-            return next((i for i in sorted(tied) if self._oracle_path(i) in paths[0]), min(tied))
+                paths.append(
+                    order if order is not None else tuple(sorted(self._dropped_backups(before, after), key=_order))
+                )
+            by_path = {self._oracle_path(i): i for i in tied}
+            return next((by_path[p] for p in paths[0] if p in by_path), min(tied))
 
         return choose
 

@@ -309,9 +309,12 @@ class CacheMachine(RuleBasedStateMachine):
         return self.storage() and self.capabilities.retraction
 
     @precondition(lambda self: self.retraction() and self.on("retract") and bool(self.h.live_handles()))
-    @rule(data=st.data(), tail=st.integers(0, 2))
+    @rule(data=st.data(), tail=st.integers(1, 2))
     def retract(self, data: st.DataObject, tail: int) -> None:
-        """Decode runs out of KV: a running request (its prefix, and `tail` pages of its own) is retracted to host."""
+        """Decode runs out of KV: a running request (its prefix, and `tail` pages it decoded) is retracted to host.
+
+        A running request has decoded at least one token (SGLang asserts `seqlen > 1`), so the
+        tail is never empty; an empty retraction is bad input (the `malformed` rule)."""
         k = data.draw(st.sampled_from(self.h.live_handles()), label="request")
         self.do(Retract(k, tail * self.config.page_size))
 
@@ -356,7 +359,8 @@ class CacheMachine(RuleBasedStateMachine):
         if fresh or not earlier:
             ns, codes = self.draw_request(data)
             self.do(Match(ns, tokens_of(codes, self.config.page_size)))
-            self.do(Prefetch(len(self.h.ops) - 1))
+            if len(self.h.ops) - 1 in self.h.anchors:  # the match names an anchor (SPEC.md §10.4)
+                self.do(Prefetch(len(self.h.ops) - 1))
         else:
             self.do(Prefetch(data.draw(st.sampled_from(earlier), label="deferred match")))
 
@@ -378,9 +382,11 @@ class CacheMachine(RuleBasedStateMachine):
         ns, codes = self.draw_request(data)
         tokens = tokens_of(codes, self.config.page_size)
         self.do(Match(ns, tokens))
-        self.do(Prefetch(len(self.h.ops) - 1))
+        started = len(self.h.prefetches)
+        if len(self.h.ops) - 1 in self.h.anchors:  # the match names an anchor (SPEC.md §10.4)
+            self.do(Prefetch(len(self.h.ops) - 1))
         k = len(self.h.prefetches) - 1
-        if k >= 0 and k in self.h.open_prefetches():
+        if k >= started and k in self.h.open_prefetches():
             while k in self.h.fetchable():
                 self.do(Fetch(k))
             self.do(CheckPrefetch(k))
@@ -443,7 +449,11 @@ class CacheMachine(RuleBasedStateMachine):
             if bad == "retraction":
                 used = [k for k in range(len(self.h.retractions)) if k not in self.h.open_retractions()]
                 k = data.draw(st.sampled_from([10_000, -1, *used]), label="retraction")
-                self.do(Restore(k) if data.draw(st.booleans(), label="restore?") else Discard(k))
+                which = data.draw(st.sampled_from(["restore", "discard", "empty"]), label="retraction defect")
+                if which == "empty":  # nothing to back up: no device prefix, no decoded tail
+                    self.do(Retract(10_000, 0))
+                else:
+                    self.do(Restore(k) if which == "restore" else Discard(k))
             elif bad == "fault":
                 self.do(InjectFault("disk_full"))
             elif bad == "prefetch":

@@ -57,6 +57,7 @@ Mapping (SPEC.md §9):
 
 from __future__ import annotations
 
+import types
 from collections.abc import Sequence
 from typing import Any, Optional
 
@@ -85,10 +86,12 @@ from kvcert.spec.types import (
     PendingCopy,
     PendingPrefetch,
     PoolExhausted,
+    RetractionView,
     Snapshot,
     StaleHandle,
     UnknownCopy,
     UnknownPrefetch,
+    UnknownRetraction,
 )
 
 __all__ = [
@@ -161,6 +164,10 @@ class SGLangHiCacheBackend:
         """node id -> driver lock handles (receipts) taken on it, last first out."""
         self._returned: set[int] = set()
         """Request slots SGLang freed itself during an insert; the caller's free of them is a no-op."""
+        self._retractions: dict[int, tuple[int, Any]] = {}
+        """Retraction id -> (tokens, SGLang's RetractionBackup): SPEC.md §9.11."""
+        self._next_retraction = 0
+        self._req_pool: Any = None
         self._store_segments: dict[int, _Segment] = {}
         """Store copy id -> the host-lock segment of its node (a split while it is pending adds the new half)."""
 
@@ -246,6 +253,54 @@ class SGLangHiCacheBackend:
 
     def evict(self, n: int) -> int:
         return self.h.evict(n)
+
+    # ------------------------------------------------------------------ RetractionBackend (SPEC.md §9.11)
+
+    def _request(self, slots: Sequence[int]) -> Any:
+        """A request whose `req_to_token` row holds `slots`: what backup/restore_kv_cache read (seqlen - 1 tokens)."""
+        if self._req_pool is None:  # the unified cache was built without one (only request-level helpers read it)
+            from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+
+            self._req_pool = ReqToTokenPool(
+                size=1, max_context_len=self.config.capacity + self.page_size, device="cpu", enable_memory_saver=False
+            )
+            self.h.cache.req_to_token_pool = self._req_pool
+        row = 1  # row 0 is the pool's padding row
+        self._req_pool.req_to_token[row, : len(slots)] = torch.tensor(list(slots), dtype=torch.int32)
+        kv = types.SimpleNamespace(req_pool_idx=row, mamba_pool_idx=None)
+        return types.SimpleNamespace(rid="kvcert-retracted", seqlen=len(slots) + 1, kv=kv)
+
+    def retraction_backup(self, slots: Sequence[int]) -> Optional[int]:
+        """SGLang's `backup_kv_cache`: host slots for the request's row (reclaiming by host eviction), synchronous."""
+        if not self.host or not slots:
+            return None
+        with self.h._in_sglang():
+            backup = self.h.cache.backup_kv_cache(self._request(slots))
+        if backup is None:
+            return None
+        rid = self._next_retraction
+        self._next_retraction += 1
+        self._retractions[rid] = (len(slots), backup)
+        return rid
+
+    def retraction_restore(self, backup: int, slots: Sequence[int]) -> int:
+        """SGLang's `restore_kv_cache` into the resumed request's slots; then what its decode path does since
+        the seed-003 fix: the request's last node is the root, locked once (its final unlock balances)."""
+        if backup not in self._retractions:
+            raise UnknownRetraction(f"no retraction backup {backup!r}")
+        _, saved = self._retractions.pop(backup)
+        with self.h._in_sglang():
+            self.h.cache.restore_kv_cache(self._request(slots), saved)
+        root = int(self.h.cache.root_node_handle())
+        self.inc_lock_ref(root)
+        return root
+
+    def retraction_discard(self, backup: int) -> None:
+        if backup not in self._retractions:
+            raise UnknownRetraction(f"no retraction backup {backup!r}")
+        _, saved = self._retractions.pop(backup)
+        with self.h._in_sglang():
+            self.h.cache.discard_kv_cache_backup(saved)
 
     # ------------------------------------------------------------------ HostTierBackend
 
@@ -413,6 +468,10 @@ class SGLangHiCacheBackend:
             write_policy=self.config.write_policy if self.host else "",
             pending=self._pending(tree),
             prefetches=self._prefetches(),
+            retractions=tuple(
+                RetractionView(rid, tokens, tuple(int(x) for x in saved.host_indices.tolist()))
+                for rid, (tokens, saved) in sorted(self._retractions.items())
+            ),
         )
 
     def close(self) -> None:
@@ -456,6 +515,7 @@ def make_factory(core: str = "python", layout: str = "layer_first", storage: boo
         strict_input=False,
         write_policies=("write_through", "write_through_selective", "write_back"),
         prefetch_policies=PREFETCH_POLICIES if storage else (),
+        retraction=True,
         notes=(
             f"{core} tree core, {layout} host layout, direct io via torch shims on CPU; copies held until complete()",
             "host pool sized exactly to host_capacity through hicache_ratio; load_back_threshold set on the cache",
