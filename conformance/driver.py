@@ -534,9 +534,19 @@ class Harness:
                 Violation(inv, f"no {self.config.policy} eviction order removes exactly {sorted(p[1] for p in gone)}")
             )
             return None
-        order = iter(witness)
-        # Past the witness (the oracle's own reclaim differed): any pick; the comparison reports it.
-        return lambda tied: next(order, min(tied))
+        remaining = list(witness)
+
+        def choose(tied: list[int]) -> int:
+            """The first victim of the witness among the oracle's tied candidates. A write-back victim the
+            backend tried and skipped (its backup failed) is no witness element, so the oracle's attempt
+            on it must not consume one; past the witness any pick will do, the comparison reports it."""
+            pick = next((i for i in remaining if i in tied), None)
+            if pick is None:
+                return min(tied)
+            remaining.remove(pick)
+            return pick
+
+        return choose
 
     def _track_copies(self, before: Snapshot, after: Snapshot, out: list[Violation]) -> None:
         """Number the copies this op issued, in issue order, on both sides (INV-COPY-1)."""

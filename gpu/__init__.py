@@ -1,4 +1,72 @@
-"""The production cache (torch KV pools, pinned host pool, copy engines).
+"""The production cache: torch KV pools, a pinned host pool, copy engines, incremental metadata.
 
-Not built yet: it is the subject of issue 4. Nothing here claims otherwise.
+`kvcert certify kvcert.gpu:factory` certifies it (layer-first pools, the deterministic CPU copy
+engine); `factory_page_first` uses the page-first device layout. `make_factory(...)` builds a
+factory for any layout, geometry and copy engine. Design and complexity: docs/gpu.md.
+
+This package imports only `kvcert.spec`, torch and the standard library: the suite compares it
+with `kvcert.refimpl`, so it must share none of the model's code.
 """
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Optional
+
+import torch
+
+from kvcert.gpu.cache import GpuCache
+from kvcert.gpu.kv import KVGeometry
+from kvcert.spec.types import FAULTS, POLICIES, PREFETCH_POLICIES, WRITE_POLICIES, CacheConfig, Capabilities
+
+__all__ = [
+    "CAPABILITIES",
+    "GpuCache",
+    "KVGeometry",
+    "factory",
+    "factory_page_first",
+    "factory_threaded",
+    "make_factory",
+]
+
+CAPABILITIES = Capabilities(
+    name="kvcert.gpu",
+    page_sizes=(1, 2, 4, 8, 16),
+    policies=POLICIES,
+    namespaces=True,
+    strict_input=True,
+    write_policies=WRITE_POLICIES,
+    prefetch_policies=PREFETCH_POLICIES,
+    faults=FAULTS,
+    retraction=True,
+    kv_reads=True,
+)
+
+
+def make_factory(
+    *,
+    layout: str = "layer_first",
+    host_layout: str = "layer_first",
+    heads: int = 1,
+    head_dim: int = 2,
+    dtype: torch.dtype = torch.float32,
+    engine: str = "deferred",
+    device: Optional[torch.device] = None,
+) -> Callable[[CacheConfig], GpuCache]:
+    """A factory (with `capabilities`) for caches of this layout, per-layer geometry and copy engine."""
+
+    def build(config: CacheConfig) -> GpuCache:
+        geometry = KVGeometry(layers=config.kv_layers, heads=heads, head_dim=head_dim, dtype=dtype)
+        return GpuCache(config, layout=layout, host_layout=host_layout, geometry=geometry, engine=engine, device=device)
+
+    f: Any = build
+    f.capabilities = CAPABILITIES
+    return build
+
+
+factory = make_factory()
+"""`kvcert certify kvcert.gpu:factory`: layer-first pools, deterministic CPU copy engine."""
+factory_page_first = make_factory(layout="page_first", host_layout="page_first")
+"""The page-first layout on both tiers."""
+factory_threaded = make_factory(engine="threaded")
+"""Copies moved by a worker thread as soon as they are issued (soak runs); acks still wait for `complete`."""

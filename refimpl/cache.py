@@ -816,7 +816,10 @@ class RefCache:
         if anchor is not self.root and anchor.namespace != namespace:
             return 0
         keys = l3.page_keys(namespace, key, self.page_size, self.digest)[start // self.page_size :]
-        hit = self.storage.batch_exists(keys)
+        try:
+            hit = self.storage.batch_exists(keys)
+        except l3.StorageError:
+            hit = 0  # a failed lookup is a miss (SPEC.md §10.2)
         size = hit * self.page_size
         if size == 0 or self.host is None:
             return 0
@@ -844,6 +847,9 @@ class RefCache:
         assert self.host is not None
         if len(self.host.free_list) < size:
             self.evict_host(size, choose=self.steer)
+        if self.armed_faults.get("host_alloc"):  # an injected failure declines the prefetch (SPEC.md §10.5)
+            self.armed_faults["host_alloc"] -= 1
+            return None
         take = min(size, pages.page_floor(len(self.host.free_list), self.page_size))
         if take < self.page_size:
             return None
