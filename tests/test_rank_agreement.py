@@ -110,3 +110,72 @@ def test_two_gloo_ranks_consume_identical_acks(tmp_path: Path, seed: int) -> Non
 def test_single_rank_agreement_is_the_local_count() -> None:
     assert Agreement().agree([3, 0, 2]) == [3, 0, 2]
     assert finished_prefix([True, True, False, True]) == 2 and finished_prefix([]) == 0
+
+
+def _gpu_rank(rank: int, world: int, store: str, out: str) -> None:
+    """One rank's kvcert.gpu cache; rank 1 alone has a failing copy and a corrupt stored page."""
+    from kvcert.conformance.storage import MemoryStorage
+    from kvcert.gpu.cache import GpuCache
+    from kvcert.spec import storage as l3
+    from kvcert.spec.contracts import shape
+    from kvcert.spec.types import CacheConfig
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    config = CacheConfig(capacity=16, host_capacity=16, prefetch_policy="wait_complete")
+    cache = GpuCache(config, agreement=GroupAgreement())
+    disk = MemoryStorage()
+    pairs = l3.stored_pages(None, list(range(1, 9)), 1, config.kv_layers, l3.canonical_digest(1, config.model_id))
+    disk.batch_set([k for k, _ in pairs], [v for _, v in pairs])
+    if rank == 1:  # rank-local damage: token 7's page is corrupt on this rank's store only
+        key = pairs[6][0]
+        blob = bytearray(disk.contents()[key])
+        blob[-1] ^= 1
+        disk.batch_set([key], [bytes(blob)])
+    cache.attach_storage(disk)
+    log: dict[str, object] = {}
+    slots = cache.alloc(3)
+    cache.insert(None, (1, 2, 3), slots)
+    (write,) = cache.snapshot().pending
+    if rank == 1:
+        cache.inject_fault("copy")  # this rank's copy engine fails the write once: it is retried
+    cache.complete(write.id)
+    log["poll while rank 1 retries"] = cache.poll()
+    if rank == 1:
+        cache.complete(write.id)
+    log["poll after the retry"] = cache.poll()
+    for c in cache.snapshot().pending:  # the write's ack issued store copies: land them everywhere
+        cache.complete(c.id)
+    log["store acks"] = cache.poll()
+    match = cache.match_prefix(None, list(range(1, 9)))
+    log["requested"] = cache.prefetch(match.node, None, list(range(1, 9)))
+    (p,) = cache.snapshot().prefetches
+    while True:
+        view = next(v for v in cache.snapshot().prefetches if v.id == p.id)
+        if view.failed or view.fetched == view.requested:
+            break
+        cache.fetch(p.id)
+    log["fetched here"] = next(v for v in cache.snapshot().prefetches if v.id == p.id).fetched
+    log["added"] = cache.check_prefetch(p.id)
+    log["tree"] = sorted((str(k), str(v)) for k, v in shape(cache.snapshot()).items())
+    Path(out).write_text(json.dumps(log))
+    dist.destroy_process_group()
+
+
+def test_two_gloo_ranks_of_the_gpu_cache_take_identical_decisions(tmp_path: Path) -> None:
+    """The production cache over a gloo group: rank 1's copy fails once and one of its stored pages is
+    corrupt; both ranks consume the same acks at every poll and insert the same prefetched pages."""
+    outs = [str(tmp_path / f"gpu{r}.json") for r in range(2)]
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_gpu_rank, args=(r, 2, str(tmp_path / "store"), outs[r])) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=180)
+        assert p.exitcode == 0, f"rank exited with {p.exitcode}"
+    logs = [json.loads(Path(o).read_text()) for o in outs]
+    assert logs[0]["requested"] == 5, "pages 4..8 follow the cached [1, 2, 3]"
+    assert logs[0]["fetched here"] == 5 and logs[1]["fetched here"] == 3, "the ranks' local progress differs"
+    for key in ("poll while rank 1 retries", "poll after the retry", "store acks", "requested", "added", "tree"):
+        assert logs[0][key] == logs[1][key], key
+    assert logs[0]["poll while rank 1 retries"] == 0 and logs[0]["poll after the retry"] == 1
+    assert logs[0]["added"] == 3, "the slowest rank decides: the page rank 1 could not verify is used nowhere"
