@@ -479,6 +479,10 @@ class GpuCache:
     def set_clock(self, now: int) -> None:
         self.now = now
 
+    def free_count(self) -> int:
+        """Free device slots, in O(1): what a scheduler reads before it allocates (not in the protocol)."""
+        return self.alloc_dev.available
+
     def alloc(self, n: int) -> tuple[int, ...]:
         _check_count(n)
         if n % self.page_size:
