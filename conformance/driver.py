@@ -341,22 +341,27 @@ class Harness:
             ) from err
         after = self.backend.snapshot()
         violations: list[Violation] = []
-        orders = self._reclaim_orders(before, after)
-        saved = copy.deepcopy(self.oracle) if len(orders) > 1 else None
-        for attempt, order in enumerate(orders):
-            if attempt:  # the last order disagreed with the backend: put the oracle back and try the next
+        # Where the spec leaves the backend a choice the snapshots cannot show, try the oracle once per
+        # candidate choice until it reaches the backend's state: write-back's reclaim order, and whether
+        # a write-back eviction tried a node it then skipped before the victims it evicted.
+        attempts = [(order, False) for order in self._reclaim_orders(before, after)]
+        if self._skippable(op, after):
+            attempts += [(order, True) for order, _ in attempts]
+        saved = copy.deepcopy(self.oracle) if len(attempts) > 1 else None
+        for attempt, (order, skipped_first) in enumerate(attempts):
+            if attempt:  # the last choice disagreed with the backend: put the oracle back and try the next
                 self.oracle = copy.deepcopy(saved)
                 if self.storages:
                     self.storages = (self.storages[0], self.oracle.storage)  # type: ignore[assignment]
             found: list[Violation] = []
-            choose = self._witness(op, before, after, got, found)
+            choose = self._witness(op, before, after, got, found, skipped_first)
             self.oracle.steer = self._follow(before, after)
             self.oracle.reclaim = self._reclaimed(before, after, order)
             try:
                 want = self._run(self.oracle, op, 1, choose)
             finally:
                 self.oracle.steer = self.oracle.reclaim = None
-            if attempt == len(orders) - 1 or self._agrees(after):
+            if attempt == len(attempts) - 1 or self._agrees(after):
                 break
         violations += found
         self._compare(op, before, after, got, want, violations)
@@ -483,8 +488,23 @@ class Harness:
 
         return choose
 
+    def _skippable(self, op: Op, after: Snapshot) -> bool:
+        """A write-back eviction that left a node it may have tried and skipped (SPEC.md §9.3)."""
+        return (
+            isinstance(op, Evict)
+            and self.config.write_policy == "write_back"
+            and bool(self.config.host_capacity)
+            and bool(contracts.pinned_nodes(after))
+        )
+
     def _witness(
-        self, op: Op, before: Snapshot, after: Snapshot, got: Outcome, out: list[Violation]
+        self,
+        op: Op,
+        before: Snapshot,
+        after: Snapshot,
+        got: Outcome,
+        out: list[Violation],
+        skipped_first: bool = False,
     ) -> Optional[Chooser]:
         """For Evict / EvictHost: check the backend's victims are a legal greedy choice; steer the oracle to them."""
         if not isinstance(op, (Evict, EvictHost)) or not isinstance(got, int):
@@ -535,11 +555,19 @@ class Harness:
             )
             return None
         remaining = list(witness)
+        skippable = sorted(i for i in self.oracle.nodes if self._oracle_path(i) in stuck_after)
 
         def choose(tied: list[int]) -> int:
             """The first victim of the witness among the oracle's tied candidates. A write-back victim the
             backend tried and skipped (its backup failed) is no witness element, so the oracle's attempt
-            on it must not consume one; past the witness any pick will do, the comparison reports it."""
+            on it must not consume one; with `skipped_first` such a node is tried before the witness's
+            victim it ties with (its failed attempt consumed what the victim's would have: an armed
+            fault, host room). Past the witness any pick will do; the comparison reports it."""
+            if skipped_first:
+                first = next((i for i in skippable if i in tied), None)
+                if first is not None:
+                    skippable.remove(first)
+                    return first
             pick = next((i for i in remaining if i in tied), None)
             if pick is None:
                 return min(tied)

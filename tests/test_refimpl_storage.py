@@ -183,3 +183,30 @@ def test_write_back_keeps_an_anchor_that_lost_its_backup() -> None:
     assert anchor.id in h.oracle.nodes and anchor.slots is None and anchor.host_slots is not None
     assert anchor.host_lock_ref >= 1 and h.oracle.prefetches[0].anchor is anchor
     h.quiesce()
+
+
+def test_harness_follows_a_write_back_attempt_that_was_skipped() -> None:
+    """Found by the long run: under write-back an eviction tries a node whose backup fails (an armed
+    fault) and skips it, then evicts a tied victim. The oracle must try the same node first, or the
+    fault lands on the victim instead (SPEC.md §9.3; the harness tries both orders)."""
+    from kvcert.conformance.driver import run_trace
+    from kvcert.refimpl import factory
+    from kvcert.spec.ops import Evict, InjectFault, Insert
+
+    config = CacheConfig(
+        capacity=6, host_capacity=6, write_policy="write_back", load_back_threshold=1, prefetch_policy="timeout"
+    )
+    ops = [
+        Insert(None, (2,)),
+        Insert(None, (1, 1)),
+        Evict(1),  # [2] backed up, stored, demoted: its store copy host-locks it
+        Insert(None, (1, 1, 2)),
+        Evict(1),  # the new [2] leaf likewise: [1, 1] now sits above a protected host copy
+        InjectFault("host_alloc"),
+        Evict(1),  # [1, 1]'s backup fails: skipped, nothing freed
+        Insert(None, (1, 2)),  # splits [1, 1]; the new leaf ties with its tail
+        InjectFault("host_alloc"),
+        Evict(2),  # tries the tail first (the fault is spent on it), then evicts the leaf
+    ]
+    h = run_trace(factory(config), config, factory.capabilities, ops)
+    assert not h.oracle.armed_faults.get("host_alloc")
