@@ -24,6 +24,7 @@ import contextlib
 import importlib
 import random
 import time
+from array import array
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -156,7 +157,27 @@ class ProtocolDriver(Driver):
         return True
 
 
-class SGLangRadixDriver(Driver):
+class _SGLangDriver(Driver):
+    """The calls SGLang's two trees share: keys, match, the allocator, eviction."""
+
+    sg: Any
+    cache: Any
+    allocator: Any
+
+    def _key(self, req: Request) -> Any:
+        return self.sg.RadixKey(array("q", req.tokens), extra_key=req.namespace)
+
+    def match(self, req: Request) -> Any:
+        return self.cache.match_prefix(self.sg.MatchPrefixParams(key=self._key(req))).last_device_node
+
+    def free_count(self) -> int:
+        return int(self.allocator.available_size())
+
+    def evict(self, n: int) -> None:
+        self.cache.evict(self.sg.EvictParams(num_tokens=n))
+
+
+class SGLangRadixDriver(_SGLangDriver):
     """SGLang's `RadixCache` (Python tree), native calls only."""
 
     name = "sglang RadixCache (python)"
@@ -167,7 +188,7 @@ class SGLangRadixDriver(Driver):
         from kvcert.conformance.adapters._sglang_env import import_sglang
 
         sg = import_sglang()
-        self.sg, self.torch = sg, torch
+        self.sg = sg
         kv = sg.MHATokenToKVPool(
             size=capacity,
             page_size=page_size,
@@ -196,26 +217,12 @@ class SGLangRadixDriver(Driver):
         )
         self.cache = sg.RadixCache(params)
 
-    def _key(self, req: Request) -> Any:
-        from array import array
-
-        return self.sg.RadixKey(array("q", req.tokens), extra_key=req.namespace)
-
-    def match(self, req: Request) -> Any:
-        return self.cache.match_prefix(self.sg.MatchPrefixParams(key=self._key(req))).last_device_node
-
     def lock(self, node: Any) -> Any:
         self.cache.inc_lock_ref(node)
         return node
 
     def unlock(self, lock: Any) -> None:
         self.cache.dec_lock_ref(lock)
-
-    def free_count(self) -> int:
-        return int(self.allocator.available_size())
-
-    def evict(self, n: int) -> None:
-        self.cache.evict(self.sg.EvictParams(num_tokens=n))
 
     def insert(self, req: Request) -> bool:
         slots = self.allocator.alloc(len(req.tokens))
@@ -227,7 +234,7 @@ class SGLangRadixDriver(Driver):
         return True
 
 
-class SGLangUnifiedDriver(Driver):
+class SGLangUnifiedDriver(_SGLangDriver):
     """SGLang's `UnifiedRadixCache` (device tier only), one tree core, native calls only.
 
     Built through the HiCache driver (`sglang_hicache.SGLangHiCache`, host tier off) for its
@@ -243,26 +250,12 @@ class SGLangUnifiedDriver(Driver):
         )
         self.cache, self.sg, self.allocator = self.drv.cache, hc.SG, self.drv.allocator
 
-    def _key(self, req: Request) -> Any:
-        from array import array
-
-        return self.sg.RadixKey(array("q", req.tokens), extra_key=req.namespace)
-
-    def match(self, req: Request) -> Any:
-        return self.cache.match_prefix(self.sg.MatchPrefixParams(key=self._key(req))).last_device_node
-
     def lock(self, node: Any) -> Any:
         return node, self.cache.inc_lock_ref(node).to_dec_params()
 
     def unlock(self, lock: Any) -> None:
         node, receipt = lock
         self.cache.dec_lock_ref(node, receipt)
-
-    def free_count(self) -> int:
-        return int(self.allocator.available_size())
-
-    def evict(self, n: int) -> None:
-        self.cache.evict(self.sg.EvictParams(num_tokens=n))
 
     def insert(self, req: Request) -> bool:
         slots = self.allocator.alloc(len(req.tokens))
