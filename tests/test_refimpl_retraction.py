@@ -6,6 +6,7 @@ One rule per test; every bad call is checked to change nothing (snapshots before
 from __future__ import annotations
 
 import pytest
+from _refcache import put, settle
 
 from kvcert.conformance.driver import Harness, run_trace
 from kvcert.conformance.zoo import MUTANTS, build
@@ -26,21 +27,6 @@ from kvcert.spec.types import (
 
 def make(write_policy: str = "write_through", capacity: int = 16, host: int = 16, page: int = 1) -> RefCache:
     return RefCache(CacheConfig(page_size=page, capacity=capacity, host_capacity=host, write_policy=write_policy))
-
-
-def put(cache: RefCache, tokens: list[int]) -> int:
-    slots = cache.alloc(len(tokens))
-    out = cache.insert(None, tokens, slots)
-    cache.free(slots[: out.prefix_len])
-    return out.node
-
-
-def settle(cache: RefCache) -> None:
-    while cache.copies:
-        for copy in list(cache.copies):
-            if not copy.finished:
-                cache.complete(copy.id)
-        cache.poll()
 
 
 def path_slots(cache: RefCache, node_id: int) -> tuple[int, ...]:

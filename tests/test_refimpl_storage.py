@@ -6,6 +6,8 @@ from the model under test.
 
 from __future__ import annotations
 
+from _refcache import put, settle
+
 from kvcert.conformance.storage import FaultyStorage, MemoryStorage
 from kvcert.refimpl import RefCache
 from kvcert.spec import storage as l3
@@ -20,21 +22,6 @@ def make(policy: str = "wait_complete", host: int = 8, write_policy: str = "writ
     cache, store = RefCache(config), FaultyStorage(MemoryStorage())
     cache.attach_storage(store)
     return cache, store
-
-
-def put(cache: RefCache, tokens: list[int]) -> int:
-    slots = cache.alloc(len(tokens))
-    out = cache.insert(None, tokens, slots)
-    cache.free(slots[: out.prefix_len])
-    return out.node
-
-
-def settle(cache: RefCache) -> None:
-    while cache.copies:
-        for copy in list(cache.copies):
-            if not copy.finished:
-                cache.complete(copy.id)
-        cache.poll()
 
 
 def publish(store: FaultyStorage, tokens: list[int], namespace: str | None = None) -> None:
