@@ -46,7 +46,6 @@ from kvcert.spec.types import (
     CacheConfig,
     InsertOut,
     InvalidCount,
-    InvalidToken,
     LengthMismatch,
     LockUnderflow,
     MatchOut,
@@ -64,6 +63,8 @@ from kvcert.spec.types import (
     UnknownFault,
     UnknownPrefetch,
     UnknownRetraction,
+    check_count,
+    check_tokens,
 )
 
 Selector = tuple[Namespace, tuple[int, ...]]
@@ -161,19 +162,6 @@ class Retraction:
     id: int
     tokens: int
     host_slots: tuple[int, ...]
-
-
-def _check_count(n: object) -> int:
-    if not isinstance(n, int) or isinstance(n, bool) or n < 0:
-        raise InvalidCount(f"count must be a non-negative int, got {n!r}")
-    return n
-
-
-def _check_tokens(tokens: Sequence[object]) -> tuple[int, ...]:
-    for t in tokens:
-        if not isinstance(t, int) or isinstance(t, bool) or t < 0:
-            raise InvalidToken(f"token ids must be non-negative ints, got {t!r}")
-    return tuple(t for t in tokens if isinstance(t, int))
 
 
 def _is_id(x: object) -> TypeGuard[int]:
@@ -484,7 +472,7 @@ class GpuCache:
         return self.alloc_dev.available
 
     def alloc(self, n: int) -> tuple[int, ...]:
-        _check_count(n)
+        check_count(n)
         if n % self.page_size:
             raise UnalignedKey(f"alloc of {n} slots is not whole pages of {self.page_size}")
         if n > self.alloc_dev.available:
@@ -497,7 +485,7 @@ class GpuCache:
         self.alloc_dev.give_back(slots)
 
     def match_prefix(self, namespace: Namespace, tokens: Sequence[int]) -> MatchOut:
-        key = _check_tokens(tokens)
+        key = check_tokens(tokens)
         key = key[: pages.page_floor(len(key), self.page_size)]
         self.root.last_access = self.now
         _, path = self._walk(namespace, key, None)
@@ -516,7 +504,7 @@ class GpuCache:
         return MatchOut(length, tuple(slots), node.id, host_length, host_node.id)
 
     def insert(self, namespace: Namespace, tokens: Sequence[int], slots: Sequence[int], priority: int = 0) -> InsertOut:
-        key = _check_tokens(tokens)
+        key = check_tokens(tokens)
         if len(key) % self.page_size:
             raise UnalignedKey(f"key of {len(key)} tokens is not whole pages of {self.page_size}")
         if len(slots) != len(key):
@@ -565,7 +553,7 @@ class GpuCache:
         self._lock_path(n, -1)
 
     def evict(self, n: int) -> int:
-        _check_count(n)
+        check_count(n)
         freed = self._evict(n)
         self._compact()
         return freed
@@ -697,7 +685,7 @@ class GpuCache:
         return c
 
     def evict_host(self, n: int) -> int:
-        _check_count(n)
+        check_count(n)
         freed = self._evict_host(n)
         self._compact()
         return freed
@@ -905,7 +893,7 @@ class GpuCache:
 
     def prefetch(self, node: int, namespace: Namespace, tokens: Sequence[int]) -> int:
         anchor = self._live(node)
-        key = _check_tokens(tokens)
+        key = check_tokens(tokens)
         key = key[: pages.page_floor(len(key), self.page_size)]
         path = self._path(anchor)
         start = len(path)

@@ -28,7 +28,6 @@ from kvcert.spec.types import (
     Capabilities,
     InsertOut,
     InvalidCount,
-    InvalidToken,
     LengthMismatch,
     LockUnderflow,
     MatchOut,
@@ -47,6 +46,8 @@ from kvcert.spec.types import (
     UnknownFault,
     UnknownPrefetch,
     UnknownRetraction,
+    check_count,
+    check_tokens,
 )
 
 _DEFAULT_CONFIG = CacheConfig()
@@ -69,7 +70,7 @@ class SlotPool:
         return tuple(sorted(self.free_list))
 
     def alloc(self, n: int) -> tuple[int, ...]:
-        _check_count(n)
+        check_count(n)
         if n % self.page_size:
             raise UnalignedKey(f"alloc of {n} slots is not whole pages of {self.page_size}")
         if n > len(self.free_list):
@@ -170,18 +171,6 @@ class Retraction:
     id: int
     tokens: int
     host_slots: tuple[int, ...]
-
-
-def _check_count(n: object) -> None:
-    if not isinstance(n, int) or isinstance(n, bool) or n < 0:
-        raise InvalidCount(f"count must be a non-negative int, got {n!r}")
-
-
-def _check_tokens(tokens: Sequence[object]) -> Tokens:
-    for t in tokens:
-        if not isinstance(t, int) or isinstance(t, bool) or t < 0:
-            raise InvalidToken(f"token ids must be non-negative ints, got {t!r}")
-    return tuple(tokens)  # type: ignore[arg-type]
 
 
 def _cut(slots: Optional[tuple[int, ...]], at: int) -> tuple[Optional[tuple[int, ...]], Optional[tuple[int, ...]]]:
@@ -369,7 +358,7 @@ class RefCache:
         self.pool.give_back(slots)
 
     def match_prefix(self, namespace: Namespace, tokens: Sequence[int]) -> MatchOut:
-        key = _check_tokens(tokens)
+        key = check_tokens(tokens)
         key = key[: pages.page_floor(len(key), self.page_size)]
         self.root.last_access = self.now
         _, path = self._walk(namespace, key, lambda n: None)
@@ -385,7 +374,7 @@ class RefCache:
         )
 
     def insert(self, namespace: Namespace, tokens: Sequence[int], slots: Sequence[int], priority: int = 0) -> InsertOut:
-        key = _check_tokens(tokens)
+        key = check_tokens(tokens)
         if not pages.is_aligned(len(key), self.page_size):
             raise UnalignedKey(f"key of {len(key)} tokens is not whole pages of {self.page_size}")
         if len(slots) != len(key):
@@ -483,7 +472,7 @@ class RefCache:
 
     def evict(self, n: int, choose: Optional[Chooser] = None) -> int:
         """Free device KV of minimal-rank candidates until `n` tokens are freed or none is left."""
-        _check_count(n)
+        check_count(n)
         freed = 0
         skipped: set[int] = set()
         while freed < n:
@@ -612,7 +601,7 @@ class RefCache:
 
     def evict_host(self, n: int, choose: Optional[Chooser] = None) -> int:
         """Free `n` host tokens: write-back's duplicate backups (any order), then host-only leaves by rank."""
-        _check_count(n)
+        check_count(n)
         freed = 0
         while freed < n and self.host is not None and self.write_policy == "write_back":
             duplicates = self.host_duplicates()
@@ -808,7 +797,7 @@ class RefCache:
         is host-protected until the prefetch ends.
         """
         anchor = self._live(node_id)
-        key = _check_tokens(tokens)
+        key = check_tokens(tokens)
         key = key[: pages.page_floor(len(key), self.page_size)]
         start = len(self._full_path(anchor))
         if self.storage is None or key[:start] != self._full_path(anchor) or len(key) <= start:

@@ -6,6 +6,7 @@ the `Snapshot` it exposes and the results it returns, never by its internals.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -84,6 +85,23 @@ class UnknownFault(BadInput):
 
 class UnknownRetraction(BadInput):
     """retraction_restore/discard named a backup that does not exist (never made, or already used)."""
+
+
+def check_count(n: object) -> int:
+    """A count (evict, alloc): a non-negative int, never a bool; `InvalidCount` otherwise."""
+    if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+        raise InvalidCount(f"count must be a non-negative int, got {n!r}")
+    return n
+
+
+def check_tokens(tokens: Sequence[object]) -> Tokens:
+    """Token ids: non-negative ints, never bools; `InvalidToken` otherwise."""
+    out: list[int] = []
+    for t in tokens:
+        if not isinstance(t, int) or isinstance(t, bool) or t < 0:
+            raise InvalidToken(f"token ids must be non-negative ints, got {t!r}")
+        out.append(t)
+    return tuple(out)
 
 
 class PoolExhausted(KVCertError):
