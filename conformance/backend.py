@@ -14,7 +14,16 @@ from collections.abc import Callable, Sequence
 from typing import Optional, Protocol, runtime_checkable
 
 from kvcert.spec.storage import StorageBackend
-from kvcert.spec.types import CacheConfig, Capabilities, InsertOut, MatchOut, Snapshot
+from kvcert.spec.types import (
+    AdmissionPlan,
+    AdmissionProfile,
+    CacheConfig,
+    Capabilities,
+    InsertOut,
+    MatchOut,
+    Running,
+    Snapshot,
+)
 
 __all__ = [
     "Backend",
@@ -24,6 +33,7 @@ __all__ = [
     "InsertOut",
     "KVBackend",
     "MatchOut",
+    "PriorityBackend",
     "RetractionBackend",
     "StorageTierBackend",
     "capabilities_of",
@@ -142,6 +152,28 @@ class RetractionBackend(HostTierBackend, Protocol):
 
     def retraction_discard(self, backup: int) -> None:
         """Free backup `backup`."""
+
+
+@runtime_checkable
+class PriorityBackend(Backend, Protocol):
+    """Session refs, ref tiers and scoped eviction (SPEC.md §11); declared by `Capabilities.priority_refs`."""
+
+    def register_ref(self, session: str, node: int, priority: int) -> None:
+        """Session `session` holds the path ending at `node`, at `priority` (again: moved there)."""
+
+    def update_ref(self, session: str, priority: int) -> None:
+        """Session `session` changes priority; an adaptive demotion is cleared."""
+
+    def release_ref(self, session: str) -> None:
+        """Session `session` holds nothing any more."""
+
+    def evict(self, n: int, allow_low: bool = True, allow_high: bool = True) -> int:  # type: ignore[override]
+        """Free at least `n` device tokens, touching only the ref tiers the scope allows."""
+
+    def plan_admission(
+        self, tokens: int, priority: int, running: Sequence[Running], profile: Optional[AdmissionProfile]
+    ) -> AdmissionPlan:
+        """What admitting a request of `tokens` new tokens takes (SPEC.md §11.5); changes nothing."""
 
 
 Factory = Callable[[CacheConfig], Backend]

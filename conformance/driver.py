@@ -40,10 +40,13 @@ from kvcert.spec.ops import (
     Poll,
     Prefetch,
     Publish,
+    RegisterRef,
+    ReleaseRef,
     Restore,
     Retract,
     StorageFault,
     Unlock,
+    UpdateRef,
 )
 from kvcert.spec.types import CacheConfig, Capabilities, InsertOut, KVCertError, MatchOut, Snapshot
 
@@ -285,7 +288,9 @@ class Harness:
             if isinstance(op, Unlock):
                 return cache.dec_lock_ref(self._node(op.handle, side))
             if isinstance(op, Evict):
-                return int(cache.evict(op.n, **extra))
+                if op.allow_low is True and op.allow_high is True:  # the full scope: any backend's plain evict
+                    return int(cache.evict(op.n, **extra))
+                return int(cache.evict(op.n, allow_low=op.allow_low, allow_high=op.allow_high, **extra))
             if isinstance(op, EvictHost):
                 return int(cache.evict_host(op.n, **extra))
             if isinstance(op, LoadBack):
@@ -315,6 +320,12 @@ class Harness:
                 return self._restore(cache, op, side)
             if isinstance(op, Discard):
                 return cache.retraction_discard(self._retraction(op.retraction, side))
+            if isinstance(op, RegisterRef):
+                return cache.register_ref(op.session, self._node(op.handle, side), op.priority)
+            if isinstance(op, UpdateRef):
+                return cache.update_ref(op.session, op.priority)
+            if isinstance(op, ReleaseRef):
+                return cache.release_ref(op.session)
             raise TypeError(f"not an op: {op!r}")
         except KVCertError as err:
             return err
@@ -517,7 +528,9 @@ class Harness:
             asked = max(0, asked - sum(len(nodes[i].key) for i in contracts.host_reclaimed(before, after)))
             paths_of = contracts.node_paths
         else:  # device eviction sees the device tree and its locks
-            bounds = contracts.eviction_bounds(before, after, asked, got)
+            scoped = isinstance(op, Evict) and (op.allow_low, op.allow_high) != (True, True)
+            tiers = contracts.scope_tiers(op.allow_low, op.allow_high) if scoped else None  # type: ignore[union-attr]
+            bounds = contracts.eviction_bounds(before, after, asked, got, tiers)
             paths_of = contracts.device_paths
         out += [Violation(i, m) for i, m in bounds]
 
@@ -527,11 +540,17 @@ class Harness:
         def locked(n: Any) -> bool:
             if host:
                 return n.lock_ref > 0 or n.host_lock_ref > 0
-            if n.lock_ref > 0 or self.oracle.pinned(n):
+            if n.lock_ref > 0 or self.oracle.pinned(n) or not in_scope(n):
                 return True
             # Write-back tries a node that would drop a protected host copy and skips it only if its
             # backup fails (SPEC.md §9.3): the nodes pinned after the eviction are the ones it could skip.
             return self._oracle_path(n.id) in stuck_after
+
+        scope = (op.allow_low, op.allow_high) if isinstance(op, Evict) else (True, True)
+
+        def in_scope(n: Any) -> bool:
+            tier = self.oracle.tier(n)
+            return tier == 0 or (tier == 1 and scope[0] is True) or (tier == 2 and scope[1] is True)
 
         gone = set(paths_of(before).values()) - set(paths_of(after).values())
         stuck_after: set[contracts.Path] = set()
@@ -627,6 +646,11 @@ class Harness:
             self._check_insert(op, before, after, got, out)
         if isinstance(op, Evict) and got != want:
             out.append(Violation("INV-EVICT-5", f"freed {got}, the oracle (same victims) freed {want}"))
+        if self.capabilities.priority_refs and isinstance(op, Evict):
+            scope = (op.allow_low, op.allow_high)
+            out += [Violation(i, m) for i, m in contracts.tier_eviction_violations(before, after, *scope)]
+        if self.capabilities.priority_refs and isinstance(op, EvictHost):
+            out += [Violation(i, m) for i, m in contracts.host_tier_violations(before, after)]
         if isinstance(op, EvictHost) and got != want:
             out.append(Violation("INV-HOST-8", f"freed {got} host tokens, the oracle (same victims) freed {want}"))
         if isinstance(op, LoadBack) and got != want:
@@ -730,6 +754,14 @@ class Harness:
             if mine_pf != spec_pf:
                 violations.append(
                     Violation("INV-PF-3", f"prefetches (requested, fetched, failed) {mine_pf}, spec says {spec_pf}")
+                )
+            mine_ss, spec_ss = contracts.session_paths(snap), contracts.session_paths(self.oracle.snapshot())
+            if mine_ss != spec_ss:
+                differ = next((a, b) for a, b in itertools.zip_longest(mine_ss, spec_ss) if a != b)
+                violations.append(
+                    Violation(
+                        "INV-TIER-5", f"session (id, path, priority, high, demoted) {differ[0]}, spec says {differ[1]}"
+                    )
                 )
             mine_rt = [r.tokens for r in snap.retractions]
             spec_rt = [r.tokens for r in self.oracle.retractions]
@@ -910,6 +942,8 @@ def _same_state(a: Snapshot, b: Snapshot) -> bool:
         and set(a.host_free_slots) == set(b.host_free_slots)
         and [(c.kind, c.finished) for c in a.pending] == [(c.kind, c.finished) for c in b.pending]
         and [r.tokens for r in a.retractions] == [r.tokens for r in b.retractions]
+        and contracts.session_paths(a) == contracts.session_paths(b)
+        and a.tier_evictable == b.tier_evictable
         and (a.evictable_size, a.protected_size) == (b.evictable_size, b.protected_size)
     )
 

@@ -37,10 +37,13 @@ from kvcert.spec.ops import (
     Poll,
     Prefetch,
     Publish,
+    RegisterRef,
+    ReleaseRef,
     Restore,
     Retract,
     StorageFault,
     Unlock,
+    UpdateRef,
 )
 from kvcert.spec.pages import page_ceil
 from kvcert.spec.types import CacheConfig, Capabilities, KVCertError
@@ -64,6 +67,10 @@ SWARM_RULES = (
 """Rules a storage run may switch off (swarm testing): with fewer kinds of step, each run goes
 deeper into the ones it keeps (Groce et al., "Swarm Testing", ISSTA 2012)."""
 MAX_PAGES = 5
+SESSIONS = ("a", "b", "c")
+"""Session ids a priority run registers (SPEC.md §11): few, so they share paths and re-register."""
+SCOPES = ((True, True), (True, False), (False, False))
+"""Eviction scopes (allow_low, allow_high): a high-priority requester's, a low one's, the UNUSED tier only."""
 
 
 def page_tokens(code: int, page_size: int) -> tuple[int, ...]:
@@ -230,7 +237,28 @@ class CacheMachine(RuleBasedStateMachine):
     @rule(data=st.data(), small=st.booleans())
     def evict(self, data: st.DataObject, small: bool) -> None:
         high = 2 * self.config.page_size if small else self.config.capacity
-        self.do(Evict(data.draw(st.integers(1 if small else 0, high), label="tokens")))
+        n = data.draw(st.integers(1 if small else 0, high), label="tokens")
+        scope = data.draw(st.sampled_from(SCOPES), label="scope") if self.priority() else (True, True)
+        self.do(Evict(n, *scope))
+
+    # ----------------------------------------------------------------- priority tiers (SPEC.md §11)
+
+    def priority(self) -> bool:
+        return self.capabilities.priority_refs
+
+    @precondition(lambda self: self.priority() and bool(self.h.live_handles()))
+    @rule(data=st.data(), action=st.sampled_from(["register", "register", "update", "release"]))
+    def session(self, data: st.DataObject, action: str) -> None:
+        """A conversation's turn ends and it holds its path (again), changes priority, or ends."""
+        registered = list(self.h.oracle.sessions)
+        priority = data.draw(st.integers(0, 2), label="priority")
+        if action == "register" or not registered:
+            name = data.draw(st.sampled_from(SESSIONS), label="session")
+            self.do(RegisterRef(name, data.draw(st.sampled_from(self.h.live_handles()), label="handle"), priority))
+        elif action == "update":
+            self.do(UpdateRef(data.draw(st.sampled_from(registered), label="session"), priority))
+        else:
+            self.do(ReleaseRef(data.draw(st.sampled_from(registered), label="session")))
 
     # ----------------------------------------------------------------- host tier (SPEC.md §9)
 
@@ -437,10 +465,25 @@ class CacheMachine(RuleBasedStateMachine):
         return self.bad_input
 
     @precondition(lambda self: self.strict() and self.on("malformed"))
-    @rule(data=st.data(), kind=st.sampled_from(["insert", "match", "handle", "evict", "host"]))
+    @rule(data=st.data(), kind=st.sampled_from(["insert", "match", "handle", "evict", "host", "session"]))
     def malformed(self, data: st.DataObject, kind: str) -> None:
         """One rule for every kind of bad input, so valid traffic keeps most of the steps."""
         ps = self.config.page_size
+        if kind == "session" and self.priority():
+            bad = data.draw(st.sampled_from(["id", "unknown", "priority", "scope", "handle"]), label="session defect")
+            if bad == "id":
+                self.do(RegisterRef(7, 10_000, 1))
+            elif bad == "unknown":
+                self.do(ReleaseRef("nobody") if data.draw(st.booleans(), label="release?") else UpdateRef("nobody", 1))
+            elif bad == "priority":
+                self.do(UpdateRef(data.draw(st.sampled_from(SESSIONS), label="session"), 1.5))
+            elif bad == "scope":
+                self.do(
+                    Evict(ps, *data.draw(st.sampled_from([(False, True), (1, False), (True, None)]), label="scope"))
+                )
+            else:
+                self.do(RegisterRef("a", 10_000, 1))
+            return
         if kind == "host" and self.host():
             defects = ["copy", "evict_host", "load_back"] + (["prefetch"] if self.storage() else [])
             defects += ["fault"] if self.storage() and self.capabilities.faults else []

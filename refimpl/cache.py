@@ -20,14 +20,18 @@ from kvcert.spec import pages
 from kvcert.spec import storage as l3
 from kvcert.spec.types import (
     FAULTS,
+    HIGH_REF,
     POLICIES,
     PREFETCH_POLICIES,
     WRITE_POLICIES,
     WRITE_THROUGH_THRESHOLD,
+    AdmissionPlan,
+    AdmissionProfile,
     CacheConfig,
     Capabilities,
     InsertOut,
     InvalidCount,
+    InvalidPlan,
     LengthMismatch,
     LockUnderflow,
     MatchOut,
@@ -37,6 +41,8 @@ from kvcert.spec.types import (
     PendingPrefetch,
     PoolExhausted,
     RetractionView,
+    Running,
+    SessionView,
     SlotNotOwned,
     Snapshot,
     StaleHandle,
@@ -46,8 +52,13 @@ from kvcert.spec.types import (
     UnknownFault,
     UnknownPrefetch,
     UnknownRetraction,
+    UnknownSession,
     check_count,
+    check_priority,
+    check_scope,
+    check_session,
     check_tokens,
+    tier_of,
 )
 
 _DEFAULT_CONFIG = CacheConfig()
@@ -121,6 +132,9 @@ class Node:
     hit_count: int = 0
     creation: int = 0
     priority: int = 0
+    high_ref: int = 0
+    """High-priority sessions whose path holds this node (SPEC.md §11.1)."""
+    low_ref: int = 0
 
 
 @dataclass(eq=False)
@@ -165,12 +179,48 @@ class Prefetching:
 
 
 @dataclass(eq=False)
+class Session:
+    """A registered session (SPEC.md §11.1): it holds the path from the root to `node`."""
+
+    id: str
+    node: Node
+    priority: int
+    seq: int
+    """When it was (re-)registered: ties between idle sessions go to the earliest (§11.4)."""
+    demoted: bool = False
+
+
+@dataclass(eq=False)
 class Retraction:
     """A retracted request's KV on host slots outside the tree, until it is restored or discarded."""
 
     id: int
     tokens: int
     host_slots: tuple[int, ...]
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_count(x: object) -> bool:
+    return _is_int(x) and x >= 0  # type: ignore[operator]
+
+
+def _retraction_picks(low: list[Running], short: int) -> Optional[list[Running]]:
+    """The fewest low-priority requests freeing `short` tokens (SPEC.md §11.5): the largest first, the last
+    pick the smallest that closes the gap; None if all of them cannot."""
+    largest = sorted(low, key=lambda r: (-r.tokens, r.id))
+    total, k = 0, 0
+    while k < len(largest) and total < short:
+        total += largest[k].tokens
+        k += 1
+    if total < short:
+        return None
+    first = largest[: k - 1]
+    base = sum(r.tokens for r in first)
+    rest = [r for r in low if r not in first and base + r.tokens >= short]
+    return first + [min(rest, key=lambda r: (r.tokens, r.id))]
 
 
 def _cut(slots: Optional[tuple[int, ...]], at: int) -> tuple[Optional[tuple[int, ...]], Optional[tuple[int, ...]]]:
@@ -193,6 +243,7 @@ class RefCache:
         prefetch_policies=PREFETCH_POLICIES,
         faults=FAULTS,
         retraction=True,
+        priority_refs=True,
     )
 
     def __init__(self, config: CacheConfig = _DEFAULT_CONFIG) -> None:
@@ -236,6 +287,16 @@ class RefCache:
         """Injected faults not yet triggered, by kind."""
         self.retractions: list[Retraction] = []
         self._next_retraction = 0
+        self.threshold = config.high_priority_threshold
+        self.sessions: dict[str, Session] = {}
+        """Registered sessions in registration order (SPEC.md §11.1)."""
+        self._next_seq = 0
+        self.demotions: list[str] = []
+        """Sessions adaptive demotion demoted, oldest first (SPEC.md §11.4)."""
+        self.tier_evictable = [0, 0, 0]
+        """Device tokens of unlocked nodes per tier (SPEC.md §11.2)."""
+        self.scope = (True, True)
+        """The running eviction's scope (allow_low, allow_high); the full scope between calls."""
 
     # ------------------------------------------------------------------ helpers
 
@@ -275,6 +336,8 @@ class RefCache:
             hit_count=child.hit_count,
             creation=self.now,
             priority=child.priority,
+            high_ref=child.high_ref,
+            low_ref=child.low_ref,
         )
         parent.children[self._selector(child.namespace, head_key)] = head
         child.key, child.slots, child.host_slots, child.parent = tail_key, child_slots, child_host, head
@@ -338,9 +401,15 @@ class RefCache:
             self.protected_size += sign * len(node.key)
         else:
             self.evictable_size += sign * len(node.key)
+            self.tier_evictable[self.tier(node)] += sign * len(node.key)
+
+    def tier(self, node: Node) -> int:
+        return tier_of(node.high_ref, node.low_ref)
 
     def rank(self, node: Node) -> tuple[int, ...]:
-        return pages.policy_rank(self.policy, node.last_access, node.hit_count, node.creation, node.priority)
+        """SPEC.md §11.3: tier and refs first (fewer sessions hurt first), then the policy."""
+        policy = pages.policy_rank(self.policy, node.last_access, node.hit_count, node.creation, node.priority)
+        return (self.tier(node), node.high_ref, node.low_ref, *policy)
 
     def _pick(self, candidates: list[Node], choose: Optional[Chooser]) -> Node:
         tied = pages.min_rank_ids([(self.rank(n), n.id) for n in candidates])
@@ -432,7 +501,7 @@ class RefCache:
         self._lock_path(node, -1)
 
     def evictable_leaves(self) -> list[Node]:
-        """Device eviction candidates: unlocked, on device, no child on device.
+        """Device eviction candidates: unlocked, on device, no child on device, in the eviction's scope.
 
         A node without a backup is dropped with its host-only subtree, so it is no
         candidate while that subtree holds a protected host copy (SPEC.md §9.3).
@@ -445,7 +514,14 @@ class RefCache:
             and n.lock_ref == 0
             and not any(c.slots is not None for c in n.children.values())
             and not self.pinned(n)
+            and self.in_scope(n)
         ]
+
+    def in_scope(self, node: Node) -> bool:
+        """May the running eviction touch this node's tier (SPEC.md §11.3)?"""
+        allow_low, allow_high = self.scope
+        tier = self.tier(node)
+        return tier == 0 or (tier == 1 and allow_low) or (tier == 2 and allow_high)
 
     def pinned(self, node: Node) -> bool:
         """A node eviction may not even try: one that would drop a protected host copy (SPEC.md §9.3).
@@ -470,9 +546,17 @@ class RefCache:
             if c.slots is None
         )
 
-    def evict(self, n: int, choose: Optional[Chooser] = None) -> int:
-        """Free device KV of minimal-rank candidates until `n` tokens are freed or none is left."""
+    def evict(self, n: int, allow_low: bool = True, allow_high: bool = True, choose: Optional[Chooser] = None) -> int:
+        """Free device KV of minimal-rank candidates in scope until `n` tokens are freed or none is left."""
         check_count(n)
+        scope = check_scope(allow_low, allow_high)
+        outer, self.scope = self.scope, scope
+        try:
+            return self._evict(n, choose)
+        finally:
+            self.scope = outer  # the scope belongs to this call (SPEC.md §11.3)
+
+    def _evict(self, n: int, choose: Optional[Chooser]) -> int:
         freed = 0
         skipped: set[int] = set()
         while freed < n:
@@ -509,6 +593,7 @@ class RefCache:
         del self.nodes[leaf.id]
         self._account(leaf, -1)
         self.pool.release(leaf.slots or ())
+        self._sessions_leave(leaf)
 
     def _delete_host_leaf(self, node: Node) -> None:
         for child in list(node.children.values()):
@@ -517,6 +602,9 @@ class RefCache:
         del node.parent.children[self._selector(node.namespace, node.key)]
         del self.nodes[node.id]
         self.host.release(node.host_slots or ())
+        for session in self.sessions.values():  # they now hold the path to the surviving parent
+            if session.node is node:
+                session.node = node.parent
 
     # ------------------------------------------------------------------ host tier (SPEC.md §9)
 
@@ -583,6 +671,7 @@ class RefCache:
             and not n.children
             and n.lock_ref == 0
             and n.host_lock_ref == 0
+            and self.tier(n) != HIGH_REF
         ]
         # fmt: on
 
@@ -615,6 +704,8 @@ class RefCache:
         while freed < n and self.host is not None:
             leaves = self.host_leaves()
             if not leaves:
+                if self._demote_idle_session():
+                    continue  # its host copies may be LOW_REF now (SPEC.md §11.4)
                 break
             victim = self._pick(leaves, choose)
             self._delete_host_leaf(victim)
@@ -694,6 +785,136 @@ class RefCache:
                     for node in sorted(copy.nodes, key=lambda n: len(self._full_path(n))):
                         self._store([node])  # D7: one store copy per node
         return consumed
+
+    # ------------------------------------------------------------------ sessions (SPEC.md §11)
+
+    def _is_high(self, session: Session) -> bool:
+        return session.priority >= self.threshold and not session.demoted
+
+    def _hold(self, session: Session, sign: int) -> None:
+        """Add (+1) or remove (-1) the session's refs along its path, keeping the tier counters exact."""
+        high = self._is_high(session)
+        for node in self._path_to_root(session.node):
+            if node.slots is not None:
+                self._account(node, -1)
+            if high:
+                node.high_ref += sign
+            else:
+                node.low_ref += sign
+            if node.slots is not None:
+                self._account(node, +1)
+
+    def _session(self, session_id: object) -> Session:
+        found = self.sessions.get(session_id) if isinstance(session_id, str) else None
+        if found is None:
+            raise UnknownSession(f"no registered session {session_id!r}")
+        return found
+
+    def _sessions_leave(self, node: Node) -> None:
+        """`node` left the tree: sessions that ended there now end at its parent (SPEC.md §11.1)."""
+        for session in self.sessions.values():
+            if session.node is node:
+                session.node = node.parent or self.root
+
+    def register_ref(self, session_id: str, node_id: int, priority: int) -> None:
+        """The session holds the path to `node_id` at `priority` (again: moved there, undemoted)."""
+        check_session(session_id)
+        node = self._live(node_id)
+        check_priority(priority)
+        old = self.sessions.pop(session_id, None)
+        if old is not None:
+            self._hold(old, -1)
+        session = Session(session_id, node, priority, self._next_seq)
+        self._next_seq += 1
+        self.sessions[session_id] = session
+        self._hold(session, +1)
+
+    def update_ref(self, session_id: str, priority: int) -> None:
+        """A new priority for the session's path; clears an adaptive demotion."""
+        check_priority(priority)
+        session = self._session(session_id)
+        self._hold(session, -1)
+        session.priority, session.demoted = priority, False
+        self._hold(session, +1)
+
+    def release_ref(self, session_id: str) -> None:
+        """The session holds nothing any more; a high one gives its room back to a demoted one."""
+        session = self._session(session_id)
+        was_high = self._is_high(session)
+        self._hold(session, -1)
+        del self.sessions[session_id]
+        if was_high:
+            while self.demotions:
+                back = self.sessions.get(self.demotions.pop())
+                if back is not None and back.demoted:
+                    self._hold(back, -1)
+                    back.demoted = False
+                    self._hold(back, +1)
+                    break
+
+    def _demote_idle_session(self) -> bool:
+        """Host pressure: demote the idle high session with the fewest tokens (SPEC.md §11.4); False if none."""
+        idle = [
+            s
+            for s in self.sessions.values()
+            if self._is_high(s) and any(n.slots is None for n in self._path_to_root(s.node))
+        ]
+        if not idle:
+            return False
+        victim = min(idle, key=lambda s: (len(self._full_path(s.node)), s.seq))
+        self._hold(victim, -1)
+        victim.demoted = True
+        self._hold(victim, +1)
+        self.demotions = [d for d in self.demotions if d != victim.id] + [victim.id]
+        return True
+
+    # ------------------------------------------------------------------ admission (SPEC.md §11.5, §11.6)
+
+    def plan_admission(
+        self, tokens: int, priority: int, running: Sequence[Running], profile: Optional[AdmissionProfile]
+    ) -> AdmissionPlan:
+        """What admitting `tokens` new tokens at `priority` takes: evict in scope, retract, or keep fewer layers."""
+        if not _is_count(tokens):
+            raise InvalidPlan(f"a request needs a non-negative int of tokens, got {tokens!r}")
+        check_priority(priority)
+        if not isinstance(running, Sequence) or not all(
+            isinstance(r, Running) and _is_count(r.id) and _is_count(r.tokens) and _is_int(r.priority) for r in running
+        ):
+            raise InvalidPlan(f"running requests must be Running(id, priority, tokens) of ints, got {running!r}")
+        if len({r.id for r in running}) != len(running):
+            raise InvalidPlan("running request ids repeat")
+        if profile is not None and not (
+            isinstance(profile, AdmissionProfile)
+            and all(_is_count(v) for v in (profile.load, profile.store, profile.step, profile.target))
+        ):
+            raise InvalidPlan(f"a profile holds non-negative ints, got {profile!r}")
+        high = priority >= self.threshold
+        free = len(self.pool.free_list)
+        in_scope = self.tier_evictable[0] + self.tier_evictable[1] + (self.tier_evictable[2] if high else 0)
+        host_room = len(self.host.free_list) if self.host is not None else 0
+        layers_all = self.kv_layers
+        low = [r for r in running if r.priority < self.threshold]  # a high-priority request is never retracted
+        for layers in range(layers_all, 0, -1):
+            if layers < layers_all and (
+                profile is None
+                or profile.step + (layers_all - layers) * tokens * (profile.load + profile.store) > profile.target
+            ):
+                break  # fewer layers stream more: past the first refusal none is admitted
+            need = pages.page_ceil(-(-tokens * layers // layers_all), self.page_size)
+            if free + in_scope >= need:
+                return AdmissionPlan(True, max(0, need - free), high, (), (), layers, need)
+            if not high:
+                continue
+            picks = _retraction_picks(low, need - free - in_scope)
+            if picks is None:
+                continue
+            keep = []
+            for r in picks:
+                size = pages.page_ceil(r.tokens, self.page_size)
+                keep.append(0 < size <= host_room)
+                host_room -= size if keep[-1] else 0
+            return AdmissionPlan(True, in_scope, True, tuple(r.id for r in picks), tuple(keep), layers, need)
+        return AdmissionPlan(False, allow_high=high)
 
     # ------------------------------------------------------------------ retraction (SPEC.md §9.11)
 
@@ -943,6 +1164,8 @@ class RefCache:
                 lock_ref=n.lock_ref,
                 host_slots=n.host_slots,
                 host_lock_ref=n.host_lock_ref,
+                high_ref=n.high_ref,
+                low_ref=n.low_ref,
             )
             for n in self.nodes.values()
         )
@@ -966,6 +1189,11 @@ class RefCache:
                 for p in self.prefetches
             ),
             retractions=tuple(RetractionView(r.id, r.tokens, r.host_slots) for r in self.retractions),
+            sessions=tuple(
+                SessionView(s.id, s.node.id, s.priority, self._is_high(s), s.demoted) for s in self.sessions.values()
+            ),
+            tier_evictable=(self.tier_evictable[0], self.tier_evictable[1], self.tier_evictable[2]),
+            high_priority_threshold=self.threshold,
         )
 
 

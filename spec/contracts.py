@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from kvcert.spec.pages import min_rank_ids, overshoot_ok
-from kvcert.spec.types import Namespace, Snapshot, Tokens
+from kvcert.spec.types import HIGH_REF, LOW_REF, UNUSED, Namespace, Snapshot, Tokens, tier_of
 
 Path = tuple[Namespace, Tokens]
 """A node named by where it ends: (namespace, every token from the root)."""
@@ -141,7 +141,9 @@ class EvictNode:
     rank: tuple[int, ...]
 
 
-def eviction_witness(nodes: Mapping[int, EvictNode], root: int, asked: int, removed: frozenset[int]) -> Optional[list[int]]:
+def eviction_witness(
+    nodes: Mapping[int, EvictNode], root: int, asked: int, removed: frozenset[int]
+) -> Optional[list[int]]:
     """An eviction order that removes exactly `removed`, or None if none is legal.
 
     Legal (SPEC.md §4.5): repeatedly remove an unlocked leaf of minimal rank
@@ -185,7 +187,11 @@ def host_duplicates(s: Snapshot) -> set[int]:
     return {
         n.id
         for n in s.nodes
-        if n.id != s.root and n.slots is not None and n.host_slots is not None and n.host_lock_ref == 0 and n.id not in moving
+        if n.id != s.root
+        and n.slots is not None
+        and n.host_slots is not None
+        and n.host_lock_ref == 0
+        and n.id not in moving
     }
 
 
@@ -195,7 +201,11 @@ def host_reclaimed(before: Snapshot, after: Snapshot) -> set[int]:
     backed_after = {p for i, p in paths_after.items() if nodes_after[i].host_slots is not None}
     kept = set(paths_after.values())
     nodes = before.by_id()
-    return {i for i, p in node_paths(before).items() if nodes[i].host_slots is not None and p in kept and p not in backed_after}
+    return {
+        i
+        for i, p in node_paths(before).items()
+        if nodes[i].host_slots is not None and p in kept and p not in backed_after
+    }
 
 
 def host_eviction_bounds(before: Snapshot, after: Snapshot, asked: int, reported: int) -> list[tuple[str, str]]:
@@ -260,7 +270,12 @@ def pinned_nodes(s: Snapshot) -> set[int]:
 
     stuck: set[int] = set()
     for n in s.nodes:
-        if n.id != s.root and n.slots is not None and n.host_slots is None and (n.host_lock_ref > 0 or protected_below(n.id)):
+        if (
+            n.id != s.root
+            and n.slots is not None
+            and n.host_slots is None
+            and (n.host_lock_ref > 0 or protected_below(n.id))
+        ):
             cur: Optional[int] = n.id
             while cur is not None and cur != s.root and cur not in stuck:
                 stuck.add(cur)
@@ -268,11 +283,14 @@ def pinned_nodes(s: Snapshot) -> set[int]:
     return stuck
 
 
-def eviction_bounds(before: Snapshot, after: Snapshot, asked: int, reported: int) -> list[tuple[str, str]]:
+def eviction_bounds(
+    before: Snapshot, after: Snapshot, asked: int, reported: int, tiers: Optional[frozenset[int]] = None
+) -> list[tuple[str, str]]:
     """INV-EVICT-1/2/3/5 from two snapshots alone; returns (inv, message) pairs.
 
     A node is evicted when its KV leaves the device, whether it leaves the tree or
-    stays on the host (demotion).
+    stays on the host (demotion). With `tiers` (a scoped eviction, SPEC.md §11.3) only the
+    evictable tokens of those ref tiers count for INV-EVICT-1.
     """
     out: list[tuple[str, str]] = []
     paths_b, paths_a = device_paths(before), device_paths(after)
@@ -301,9 +319,95 @@ def eviction_bounds(before: Snapshot, after: Snapshot, asked: int, reported: int
     evictable = before.evictable_size - sum(
         len(nodes[i].key) for i in stuck if i in nodes and nodes[i].slots is not None and nodes[i].lock_ref == 0
     )
+    if tiers is not None:
+        evictable = sum(
+            len(n.key)
+            for n in before.nodes
+            if n.id != before.root
+            and n.slots is not None
+            and n.lock_ref == 0
+            and n.id not in stuck
+            and tier_of(n.high_ref, n.low_ref) in tiers
+        )
     if freed_tokens < min(asked, evictable):
         out.append(("INV-EVICT-1", f"asked {asked}, evictable {evictable}, freed only {freed_tokens}"))
     tops = [i for i in gone if nodes[i].parent not in gone]
     if gone and not any(overshoot_ok(freed_tokens, asked, len(nodes[i].key)) for i in tops):
         out.append(("INV-EVICT-2", f"asked {asked}, freed {freed_tokens}: went on past the node that sufficed"))
     return out
+
+
+# --------------------------------------------------------------------------- priority tiers (SPEC.md §11)
+
+
+def _tier(s: Snapshot, node_id: int) -> int:
+    n = s.by_id()[node_id]
+    return tier_of(n.high_ref, n.low_ref)
+
+
+def session_paths(s: Snapshot) -> list[tuple[str, Path, int, bool, bool]]:
+    """The sessions as the spec fixes them: (id, the path they hold, priority, high, demoted), in order."""
+    paths = node_paths(s)
+    return [(x.id, paths.get(x.node, (None, ())), x.priority, x.high, x.demoted) for x in s.sessions]
+
+
+def scope_tiers(allow_low: bool, allow_high: bool) -> frozenset[int]:
+    """The ref tiers a scope lets an eviction touch (SPEC.md §11.3)."""
+    return frozenset({UNUSED} | ({LOW_REF} if allow_low else set()) | ({HIGH_REF} if allow_high else set()))
+
+
+def tier_eviction_violations(
+    before: Snapshot, after: Snapshot, allow_low: bool, allow_high: bool
+) -> list[tuple[str, str]]:
+    """INV-TIER-3/4 for one device eviction: nothing outside the scope, and no lower tier left behind.
+
+    Tiers are read off `before` (an eviction may demote sessions on the way, §11.4; the oracle
+    comparison checks that part). Nodes it could skip (§9.3, `pinned_nodes` after it) are no candidates.
+    """
+    allowed = scope_tiers(allow_low, allow_high)
+    paths_after = set(device_paths(after).values())
+    gone = [i for i, p in device_paths(before).items() if p not in paths_after]
+    out: list[tuple[str, str]] = []
+    outside = sorted(i for i in gone if _tier(before, i) not in allowed)
+    if outside:
+        out.append(
+            (
+                "INV-TIER-3",
+                f"evicted nodes {outside} of tiers {[_tier(before, i) for i in outside]} "
+                f"outside the scope (allow_low={allow_low}, allow_high={allow_high})",
+            )
+        )
+    top = max((_tier(before, i) for i in gone), default=-1)
+    nodes, kids, skip, known = after.by_id(), after.children(), pinned_nodes(after), before.by_id()
+    for n in after.nodes:
+        if (
+            n.id == after.root
+            or n.id not in known
+            or n.slots is None
+            or n.lock_ref > 0
+            or n.id in skip
+            or any(nodes[c].slots is not None for c in kids.get(n.id, []))
+        ):
+            continue
+        tier = _tier(before, n.id)
+        if tier in allowed and tier < top:
+            out.append(("INV-TIER-4", f"a tier-{top} node was evicted while tier-{tier} node {n.id} stays a candidate"))
+            break
+    return out
+
+
+def host_tier_violations(before: Snapshot, after: Snapshot) -> list[tuple[str, str]]:
+    """INV-TIER-4 for host eviction: no host copy goes while a high session holds it, counting the
+    demotions the eviction made (the sessions' `high` after it, on the paths they held before)."""
+    high_after = {x.id: x.high for x in after.sessions}
+    nodes, after_ids = before.by_id(), {n.id for n in after.nodes}
+    held: set[int] = set()
+    for x in before.sessions:
+        if not high_after.get(x.id, False):
+            continue
+        cur: Optional[int] = x.node
+        while cur is not None and cur != before.root and cur in nodes:
+            held.add(cur)
+            cur = nodes[cur].parent
+    gone = sorted(i for i in held if i not in after_ids)
+    return [("INV-TIER-4", f"host eviction removed nodes {gone} that a high-priority session holds")] if gone else []

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvcert.spec import pages
-from kvcert.spec.types import NodeView, Snapshot
+from kvcert.spec.types import NodeView, Snapshot, tier_of
 
 
 @dataclass(frozen=True)
@@ -307,6 +307,52 @@ def host_locks_sane(s: Snapshot) -> list[str]:
     return [f"node {n.id} host_lock_ref {n.host_lock_ref}" for n in _non_root(s) if n.host_lock_ref < 0]
 
 
+def derived_refs(s: Snapshot) -> dict[int, tuple[int, int]]:
+    """Node id -> (high_ref, low_ref) as the sessions define them: the high / low sessions whose path holds it."""
+    nodes = s.by_id()
+    out = {nid: (0, 0) for nid in nodes}
+    for session in s.sessions:
+        cur = nodes.get(session.node)
+        while cur is not None and cur.id != s.root:
+            high, low = out[cur.id]
+            out[cur.id] = (high + 1, low) if session.high else (high, low + 1)
+            cur = nodes.get(cur.parent) if cur.parent is not None else None
+    return out
+
+
+def refs_exact(s: Snapshot) -> list[str]:
+    """INV-TIER-1: sessions end in the tree, `high` follows priority and demotion, refs equal the sessions'."""
+    nodes = s.by_id()
+    out = []
+    for session in s.sessions:
+        if session.node not in nodes:
+            out.append(f"session {session.id!r} holds node {session.node}, which is not in the tree")
+        if session.high != (session.priority >= s.high_priority_threshold and not session.demoted):
+            out.append(
+                f"session {session.id!r} (priority {session.priority}, demoted {session.demoted}) "
+                f"counts as {'high' if session.high else 'low'}"
+            )
+    if out:
+        return out
+    for nid, (high, low) in derived_refs(s).items():
+        n = nodes[nid]
+        if nid != s.root and (n.high_ref, n.low_ref) != (high, low):
+            out.append(f"node {nid} has refs high {n.high_ref} low {n.low_ref}; its sessions make {high}, {low}")
+    return out[:3]
+
+
+def tier_sizes_exact(s: Snapshot) -> list[str]:
+    """INV-TIER-2: `tier_evictable` = device tokens of unlocked nodes per tier (by the node's own refs)."""
+    if s.tier_evictable is None:
+        return []
+    want = [0, 0, 0]
+    for n in _non_root(s):
+        if n.lock_ref == 0 and n.slots is not None:
+            want[tier_of(n.high_ref, n.low_ref)] += len(n.key)
+    got = list(s.tier_evictable)
+    return [] if got == want else [f"tier_evictable {tuple(got)}, the tree says {tuple(want)}"]
+
+
 SNAPSHOT_INVARIANTS: dict[str, Callable[[Snapshot], list[str]]] = {
     "INV-TREE-1": tree_links,
     "INV-TREE-2": tree_keys,
@@ -329,6 +375,8 @@ SNAPSHOT_INVARIANTS: dict[str, Callable[[Snapshot], list[str]]] = {
     "INV-HOST-6": copies_pinned,
     "INV-HOST-7": host_locks_sane,
     "INV-PF-1": prefetches_sane,
+    "INV-TIER-1": refs_exact,
+    "INV-TIER-2": tier_sizes_exact,
 }
 
 

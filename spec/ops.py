@@ -56,9 +56,11 @@ class Unlock:
 
 @dataclass(frozen=True)
 class Evict:
-    """Ask the cache to free at least `n` tokens of unlocked KV."""
+    """Ask the cache to free at least `n` tokens of unlocked KV, in a scope of ref tiers (SPEC.md §11.3)."""
 
     n: Any
+    allow_low: Any = True
+    allow_high: Any = True
 
 
 @dataclass(frozen=True)
@@ -168,6 +170,30 @@ class Discard:
     retraction: int
 
 
+@dataclass(frozen=True)
+class RegisterRef:
+    """Session `session` holds the path of the node behind `handle`, at `priority` (SPEC.md §11.1)."""
+
+    session: Any
+    handle: int
+    priority: Any = 0
+
+
+@dataclass(frozen=True)
+class UpdateRef:
+    """Session `session` changes priority."""
+
+    session: Any
+    priority: Any = 0
+
+
+@dataclass(frozen=True)
+class ReleaseRef:
+    """Session `session` ends: it holds nothing any more."""
+
+    session: Any
+
+
 Op = Union[
     Insert,
     Match,
@@ -188,6 +214,9 @@ Op = Union[
     Retract,
     Restore,
     Discard,
+    RegisterRef,
+    UpdateRef,
+    ReleaseRef,
 ]
 OP_TYPES: dict[str, type] = {t.__name__: t for t in get_args(Op)}
 """Op name -> class, for JSON traces: derived from `Op`, so a new op cannot be left out."""

@@ -104,6 +104,45 @@ def check_tokens(tokens: Sequence[object]) -> Tokens:
     return tuple(out)
 
 
+class InvalidSession(BadInput):
+    """A session id that is not a `str` (SPEC.md §11.1)."""
+
+
+class UnknownSession(BadInput):
+    """update_ref/release_ref of a session that is not registered (SPEC.md §11.1)."""
+
+
+class InvalidScope(BadInput):
+    """Eviction scope flags that are not bools, or `allow_high` without `allow_low` (SPEC.md §11.3)."""
+
+
+class InvalidPlan(BadInput):
+    """plan_admission with a malformed token count, running request or profile (SPEC.md §11.5)."""
+
+
+def check_priority(priority: object) -> int:
+    """A priority: an int, never a bool; `InvalidCount` otherwise (SPEC.md §7)."""
+    if not isinstance(priority, int) or isinstance(priority, bool):
+        raise InvalidCount(f"priority must be an int, got {priority!r}")
+    return priority
+
+
+def check_session(session: object) -> str:
+    """A session id: a `str`; `InvalidSession` otherwise."""
+    if not isinstance(session, str):
+        raise InvalidSession(f"session ids are strings, got {session!r}")
+    return session
+
+
+def check_scope(allow_low: object, allow_high: object) -> tuple[bool, bool]:
+    """An eviction scope (SPEC.md §11.3): two bools, and the high tier only with the low one."""
+    if not isinstance(allow_low, bool) or not isinstance(allow_high, bool):
+        raise InvalidScope(f"scope flags must be bools, got {allow_low!r}, {allow_high!r}")
+    if allow_high and not allow_low:
+        raise InvalidScope("a scope that allows HIGH_REF must allow LOW_REF (UNUSED -> LOW_REF -> HIGH_REF)")
+    return allow_low, allow_high
+
+
 class PoolExhausted(KVCertError):
     """The slot pool has fewer free slots than asked for; nothing was allocated."""
 
@@ -130,6 +169,10 @@ class NodeView:
     """Host slots of the node's backup; None when it has none."""
     host_lock_ref: int = 0
     """Host-copy protections (in-flight load-back, prefetch) at or below this node."""
+    high_ref: int = 0
+    """High-priority sessions whose path holds this node (SPEC.md §11.1)."""
+    low_ref: int = 0
+    """Low-priority sessions whose path holds this node."""
 
 
 @dataclass(frozen=True)
@@ -161,6 +204,13 @@ class Snapshot:
     """Storage prefetches issued and not yet ended, in issue order (SPEC.md §10)."""
     retractions: tuple[RetractionView, ...] = ()
     """Retraction backups held on the host, in creation order (SPEC.md §9.11)."""
+    sessions: tuple[SessionView, ...] = ()
+    """Registered sessions, in registration order (SPEC.md §11.1)."""
+    tier_evictable: Optional[tuple[int, int, int]] = None
+    """The backend's counters: device tokens of unlocked nodes per tier (UNUSED, LOW_REF, HIGH_REF);
+    None for a backend without priority refs (SPEC.md §11.2)."""
+    high_priority_threshold: int = 1
+    """Priorities at or above this are high (SPEC.md §11.1)."""
 
     def by_id(self) -> dict[int, NodeView]:
         return {n.id: n for n in self.nodes}
@@ -230,6 +280,74 @@ class RetractionView:
     """Host slots it holds: `tokens` rounded up to whole pages."""
 
 
+@dataclass(frozen=True)
+class SessionView:
+    """A registered session (SPEC.md §11.1): the path it holds ends at `node`."""
+
+    id: str
+    node: int
+    priority: int
+    high: bool
+    """Counts as high priority now: priority at or above the threshold and not demoted."""
+    demoted: bool = False
+    """Adaptive demotion (SPEC.md §11.4) made it count as low."""
+
+
+UNUSED, LOW_REF, HIGH_REF = 0, 1, 2
+"""Eviction tiers (SPEC.md §11.2)."""
+
+
+def tier_of(high_ref: int, low_ref: int) -> int:
+    """A node's tier from its refs: HIGH_REF if any high session holds it, else LOW_REF if any low one."""
+    return HIGH_REF if high_ref > 0 else LOW_REF if low_ref > 0 else UNUSED
+
+
+# --------------------------------------------------------------------------- admission (SPEC.md §11.5)
+
+
+@dataclass(frozen=True)
+class Running:
+    """A running request a high-priority admission may retract."""
+
+    id: int
+    priority: int
+    tokens: int
+    """Device tokens retracting it frees (its own slots)."""
+
+
+@dataclass(frozen=True)
+class AdmissionProfile:
+    """Offline-profiled costs for partial residency (SPEC.md §11.6), in one time unit of the profiler's choosing."""
+
+    load: int
+    """Loading one token's KV of one layer."""
+    store: int
+    """Storing one token's KV of one layer."""
+    step: int
+    """A decode step without streaming."""
+    target: int
+    """The time per output token the operator promises."""
+
+
+@dataclass(frozen=True)
+class AdmissionPlan:
+    """What admitting a request takes (SPEC.md §11.5); `fits=False` means nothing is applied."""
+
+    fits: bool
+    evict: int = 0
+    """Device tokens to evict, in the request's scope."""
+    allow_high: bool = False
+    """The scope: a high-priority request may evict HIGH_REF."""
+    retract: tuple[int, ...] = ()
+    """Running request ids to retract, in pick order."""
+    keep: tuple[bool, ...] = ()
+    """Per retracted request: backed up to host (True) or discarded."""
+    layers: int = 0
+    """Resident layers (kv_layers: fully resident)."""
+    slots: int = 0
+    """Device slots to allocate for the resident part."""
+
+
 # --------------------------------------------------------------------------- results
 
 
@@ -284,6 +402,8 @@ class CacheConfig:
     """Part of the storage compatibility digest: caches of different models never share pages."""
     kv_layers: int = 2
     """Layers of synthetic KV per token in stored pages (`kvcert.spec.storage.page_payload`)."""
+    high_priority_threshold: int = 1
+    """Session priorities at or above this are high (SPEC.md §11.1)."""
 
 
 @dataclass(frozen=True)
@@ -306,4 +426,6 @@ class Capabilities:
     """True: the host tier backs up, restores and discards retracted requests' KV (SPEC.md §9.11)."""
     kv_reads: bool = False
     """True: the harness writes each request's KV and reads every slot back (`KVBackend`, SPEC.md §9.12)."""
+    priority_refs: bool = False
+    """True: sessions, tiered and scoped eviction, adaptive demotion, admission plans (SPEC.md §11)."""
     notes: tuple[str, ...] = field(default_factory=tuple)

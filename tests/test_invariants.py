@@ -186,7 +186,9 @@ CASES += [
         "INV-HOST-6", "a pending write whose node is unlocked", _host(lambda s: _edit(s, H_WRITING, lock_ref=0))
     ),
     Corruption(
-        "INV-HOST-6", "a pending load whose node's host copy is unprotected", _host(lambda s: _edit(s, H_LOADING, host_lock_ref=0))
+        "INV-HOST-6",
+        "a pending load whose node's host copy is unprotected",
+        _host(lambda s: _edit(s, H_LOADING, host_lock_ref=0)),
     ),
     Corruption("INV-HOST-7", "negative host lock", _host(lambda s: _edit(s, H_TAIL, host_lock_ref=-1)), only=True),
 ]
@@ -194,7 +196,9 @@ CASES += [
 
 def _prefetch_base() -> Snapshot:
     """A storage tier mid-flight: a prefetch of two stored pages below a host-only anchor."""
-    config = CacheConfig(page_size=PS, capacity=32, host_capacity=48, write_policy="write_through", prefetch_policy="wait_complete")
+    config = CacheConfig(
+        page_size=PS, capacity=32, host_capacity=48, write_policy="write_through", prefetch_policy="wait_complete"
+    )
     cache = RefCache(config)
     store = FaultyStorage(MemoryStorage())
     cache.attach_storage(store)
@@ -243,7 +247,9 @@ CASES += [
     Corruption("INV-PF-1", "the prefetch's anchor left the tree", _pf_edit(anchor=9_999), only=True),
     Corruption("INV-PF-1", "fetched more than requested", _pf_edit(fetched=3 * PS), only=True),
     Corruption("INV-PF-1", "reserves less than it requested", _pf(_pf_short), only=True),
-    Corruption("INV-HOST-4", "prefetch reservation leaked", _pf(lambda s: replace(s, host_free_slots=s.host_free_slots[PS:]))),
+    Corruption(
+        "INV-HOST-4", "prefetch reservation leaked", _pf(lambda s: replace(s, host_free_slots=s.host_free_slots[PS:]))
+    ),
 ]
 
 
@@ -282,13 +288,72 @@ CASES += [
         _rt(lambda s: replace(s, retractions=(s.retractions[0], replace(s.retractions[1], id=s.retractions[0].id)))),
         only=True,
     ),
-    Corruption("INV-HOST-4", "a retraction backup's host slots leaked", _rt(lambda s: replace(s, retractions=s.retractions[:1]))),
+    Corruption(
+        "INV-HOST-4",
+        "a retraction backup's host slots leaked",
+        _rt(lambda s: replace(s, retractions=s.retractions[:1])),
+    ),
     Corruption(
         "INV-HOST-5",
         "a backup and the free list own one host slot",
-        _rt(lambda s: replace(s, retractions=(replace(s.retractions[1], host_slots=s.host_free_slots[:PS]),) + s.retractions[:1])),
+        _rt(
+            lambda s: replace(
+                s, retractions=(replace(s.retractions[1], host_slots=s.host_free_slots[:PS]),) + s.retractions[:1]
+            )
+        ),
     ),
 ]
+
+
+def _session_base() -> Snapshot:
+    """BASE's tree with sessions: high "h" holds LEAF_9's path, low "l" holds HEAD's, low "x" LEAF_30's."""
+    cache = RefCache(CacheConfig(page_size=PS, capacity=48, policy="lru", high_priority_threshold=2))
+    _put(cache, None, list(range(1, 13)))
+    locked = _put(cache, None, [1, 2, 3, 4, 5, 6, 7, 8, 20, 21, 22, 23])
+    side = _put(cache, None, [30, 31, 32, 33])
+    cache.inc_lock_ref(locked)
+    leaf = cache.match_prefix(None, list(range(1, 13))).node
+    head = cache.match_prefix(None, list(range(1, 9))).node
+    cache.register_ref("h", leaf, 5)
+    cache.register_ref("l", head, 0)
+    cache.register_ref("x", side, 1)
+    return cache.snapshot()
+
+
+SS_BASE = _session_base()
+SS_LEAF = _node(SS_BASE, None, tuple(range(1, 13)))
+SS_HEAD = _node(SS_BASE, None, tuple(range(1, 9)))
+
+
+def _ss(corrupt: Callable[[Snapshot], Snapshot]) -> Callable[[Snapshot], Snapshot]:
+    return lambda _: corrupt(SS_BASE)
+
+
+def _session(s: Snapshot, name: str, **changes: object) -> Snapshot:
+    return replace(s, sessions=tuple(replace(x, **changes) if x.id == name else x for x in s.sessions))
+
+
+CASES += [
+    Corruption("INV-TIER-1", "a split head without its suffix's refs", _ss(lambda s: _edit(s, SS_HEAD, high_ref=0))),
+    Corruption("INV-TIER-1", "a ref kept past the session", _ss(lambda s: replace(s, sessions=s.sessions[:1]))),
+    Corruption("INV-TIER-1", "a session on a deleted node", _ss(lambda s: _session(s, "x", node=999)), only=True),
+    Corruption("INV-TIER-1", "a demoted session still high", _ss(lambda s: _session(s, "h", demoted=True)), only=True),
+    Corruption("INV-TIER-1", "below threshold yet high", _ss(lambda s: _session(s, "x", high=True))),
+    Corruption(
+        "INV-TIER-2",
+        "tier sizes drift",
+        _ss(lambda s: replace(s, tier_evictable=(s.tier_evictable[0] + PS, s.tier_evictable[1], s.tier_evictable[2]))),
+        only=True,
+    ),
+]
+
+
+def test_session_base_is_what_the_cases_assume() -> None:
+    assert check_snapshot(SS_BASE) == []
+    assert (SS_LEAF.high_ref, SS_LEAF.low_ref) == (1, 0) and (SS_HEAD.high_ref, SS_HEAD.low_ref) == (1, 1)
+    assert [(x.id, x.high) for x in SS_BASE.sessions] == [("h", True), ("l", False), ("x", False)]
+    # HEAD is locked (through LEAF_20); LEAF_9 is HIGH_REF, LEAF_30 LOW_REF; nothing evictable is UNUSED
+    assert SS_BASE.tier_evictable == (0, PS, PS)
 
 
 def test_retraction_base_is_what_the_cases_assume() -> None:

@@ -15,16 +15,21 @@ from kvcert.spec import types
 from kvcert.spec.contracts import cached_prefix_len, slot_changes
 from kvcert.spec.invariants import check_snapshot
 from kvcert.spec.types import (
+    AdmissionProfile,
     BadInput,
     CacheConfig,
     InsertOut,
     InvalidCount,
+    InvalidPlan,
+    InvalidScope,
+    InvalidSession,
     InvalidToken,
     KVCertError,
     LengthMismatch,
     LockUnderflow,
     Namespace,
     PoolExhausted,
+    Running,
     SlotNotOwned,
     StaleHandle,
     UnalignedKey,
@@ -32,6 +37,7 @@ from kvcert.spec.types import (
     UnknownFault,
     UnknownPrefetch,
     UnknownRetraction,
+    UnknownSession,
 )
 
 
@@ -334,6 +340,7 @@ def scene() -> Scene:
     cache.inc_lock_ref(was_locked)
     cache.dec_lock_ref(was_locked)
     assert cache.evict(4) == 4 and stale not in cache.nodes  # the oldest leaf
+    cache.register_ref("s", locked, 2)  # a high-priority session, so bad session calls have something to spoil
     lent = cache.alloc(4)
     returned = cache.alloc(4)
     cache.free(returned)
@@ -349,7 +356,8 @@ def hidden_state(cache: RefCache) -> tuple[Any, ...]:
         for n in cache.nodes.values()
     )
     faults = tuple(sorted(cache.armed_faults.items()))
-    counters = (cache._next_id, cache._next_copy, cache._next_prefetch, cache._next_retraction)
+    counters = (cache._next_id, cache._next_copy, cache._next_prefetch, cache._next_retraction, cache._next_seq)
+    faults += (tuple(cache.demotions), cache.scope, tuple(cache.tier_evictable))
     return nodes, tuple(sorted(cache.pool.lent)), tuple(cache.pool.free_list), counters, cache.now, faults
 
 
@@ -408,6 +416,29 @@ BAD_INPUTS: list[tuple[str, type[KVCertError], Callable[[Scene], object]]] = [
     ("retraction_backup: a free slot", SlotNotOwned, lambda s: s.cache.retraction_backup(s.returned)),
     ("retraction_restore: a backup never made", UnknownRetraction, lambda s: s.cache.retraction_restore(0, s.lent)),
     ("retraction_discard: a bool backup id", UnknownRetraction, lambda s: s.cache.retraction_discard(True)),
+    ("register_ref: int session id", InvalidSession, lambda s: s.cache.register_ref(7, s.leaf, 1)),
+    ("register_ref: evicted node", StaleHandle, lambda s: s.cache.register_ref("a", s.stale, 1)),
+    ("register_ref: float priority", InvalidCount, lambda s: s.cache.register_ref("a", s.leaf, 0.5)),
+    ("update_ref: unknown session", UnknownSession, lambda s: s.cache.update_ref("nobody", 1)),
+    ("update_ref: bool priority", InvalidCount, lambda s: s.cache.update_ref("s", True)),
+    ("release_ref: unknown session", UnknownSession, lambda s: s.cache.release_ref("nobody")),
+    ("release_ref: None session", UnknownSession, lambda s: s.cache.release_ref(None)),
+    ("evict: high tier without low", InvalidScope, lambda s: s.cache.evict(4, allow_low=False, allow_high=True)),
+    ("evict: int scope flag", InvalidScope, lambda s: s.cache.evict(4, allow_low=1)),
+    ("evict: bad count before bad scope", InvalidCount, lambda s: s.cache.evict(-1, allow_low=None)),
+    ("plan_admission: negative tokens", InvalidPlan, lambda s: s.cache.plan_admission(-4, 0, (), None)),
+    ("plan_admission: float priority", InvalidCount, lambda s: s.cache.plan_admission(4, 1.0, (), None)),
+    (
+        "plan_admission: repeated running ids",
+        InvalidPlan,
+        lambda s: s.cache.plan_admission(4, 1, (Running(1, 0, 4), Running(1, 0, 8)), None),
+    ),
+    ("plan_admission: running not Running", InvalidPlan, lambda s: s.cache.plan_admission(4, 1, ((1, 0, 4),), None)),
+    (
+        "plan_admission: negative profile",
+        InvalidPlan,
+        lambda s: s.cache.plan_admission(4, 1, (), AdmissionProfile(1, 1, -1, 10)),
+    ),
     ("evict: float count", InvalidCount, lambda s: s.cache.evict(1.5)),
     ("evict: str count", InvalidCount, lambda s: s.cache.evict("4")),
     ("evict: bool count", InvalidCount, lambda s: s.cache.evict(True)),
