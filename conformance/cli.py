@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import statistics
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Optional
 
@@ -14,7 +15,8 @@ from rich.table import Table
 
 from kvcert.conformance.certify import CellResult, Certificate, certify, load_factory
 from kvcert.conformance.driver import ConformanceFailure, Outcome, run_trace
-from kvcert.spec.ops import Op, Trace, op_to_json
+from kvcert.spec.ops import Evict, Match, Op, RegisterRef, ReleaseRef, Trace, UpdateRef, op_to_json
+from kvcert.spec.types import MatchOut
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
 console = Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 160)
@@ -118,22 +120,62 @@ def _describe(outcome: Outcome) -> str:
 def replay_cmd(
     trace_file: Path = typer.Argument(..., exists=True, readable=True),
     target: Optional[str] = typer.Option(None, help="override the trace's target MODULE:FACTORY"),
+    versus_plain: bool = typer.Option(
+        False,
+        "--versus-plain",
+        help="also replay it ref-blind (no sessions, full-scope evictions) and compare the matches",
+    ),
 ) -> None:
     """Re-run a saved trace step by step; exit 1 if it still breaks the spec."""
     trace = Trace.from_json(trace_file.read_text())
     name = target or trace.target
     factory = load_factory(name)
-    console.print(f"replaying {len(trace.ops)} ops on {name} ({trace.config})")
+    if trace.note:
+        console.print(trace.note)
+    runs = [("proactive" if versus_plain else "", list(trace.ops))]
+    if versus_plain:
+        runs.append(("plain LRU", plain_ops(trace.ops)))
+    hits: dict[str, dict[int, int]] = {}
+    for label, ops in runs:
+        console.print(f"replaying {len(ops)} ops on {name} ({trace.config}){f' — {label}' if label else ''}")
+        matched: dict[int, int] = {}
 
-    def hook(i: int, op: Op, outcome: Outcome) -> None:
-        console.print(f"  {i:>3} {op_to_json(op)} -> {_describe(outcome)}")
+        def hook(i: int, op: Op, outcome: Outcome, matched: dict[int, int] = matched) -> None:
+            console.print(f"  {i:>3} {op_to_json(op)} -> {_describe(outcome)}")
+            if isinstance(outcome, MatchOut):
+                matched[i] = outcome.length
 
-    try:
-        run_trace(factory(trace.config), trace.config, factory.capabilities, list(trace.ops), hook=hook)  # type: ignore[attr-defined]
-    except ConformanceFailure as failure:
-        console.print(f"[red]FAIL[/] {failure}")
-        raise typer.Exit(1) from None
-    console.print("[green]PASS[/]: the trace satisfies the spec")
+        try:
+            run_trace(factory(trace.config), trace.config, factory.capabilities, ops, hook=hook)  # type: ignore[attr-defined]
+        except ConformanceFailure as failure:
+            console.print(f"[red]FAIL[/] {failure}")
+            raise typer.Exit(1) from None
+        console.print("[green]PASS[/]: the trace satisfies the spec")
+        hits[label] = matched
+    if versus_plain:
+        table = Table(title="lookups: tokens hit")
+        table.add_column("op")
+        table.add_column("tokens asked")
+        for label, _ in runs:
+            table.add_column(label)
+        for i, op in enumerate(trace.ops):
+            if isinstance(op, Match) and op.tokens:
+                table.add_row(str(i), str(len(op.tokens)), *(str(hits[label].get(i, "-")) for label, _ in runs))
+        console.print(table)
+
+
+def plain_ops(ops: Sequence[Op]) -> list[Op]:
+    """The same trace for a ref-blind cache: session calls become empty lookups (so handle positions
+    stay put) and every eviction takes the full scope, as a scheduler without tiers would."""
+    out: list[Op] = []
+    for op in ops:
+        if isinstance(op, (RegisterRef, UpdateRef, ReleaseRef)):
+            out.append(Match(None, ()))
+        elif isinstance(op, Evict):
+            out.append(Evict(op.n))
+        else:
+            out.append(op)
+    return out
 
 
 @app.command("selftest")

@@ -25,6 +25,7 @@ from kvcert.spec.invariants import Violation, check_snapshot
 from kvcert.spec.ops import (
     HANDLE_PRODUCERS,
     AbortPrefetch,
+    Admit,
     CheckPrefetch,
     Complete,
     Discard,
@@ -48,7 +49,18 @@ from kvcert.spec.ops import (
     Unlock,
     UpdateRef,
 )
-from kvcert.spec.types import CacheConfig, Capabilities, InsertOut, KVCertError, MatchOut, Snapshot
+from kvcert.spec.types import (
+    AdmissionPlan,
+    AdmissionProfile,
+    CacheConfig,
+    Capabilities,
+    InsertOut,
+    KVCertError,
+    MatchOut,
+    PoolExhausted,
+    Running,
+    Snapshot,
+)
 
 UNKNOWN_NODE = -1
 """The id a trace's never-issued handle maps to: no conforming backend uses it."""
@@ -64,7 +76,7 @@ class ConformanceFailure(AssertionError):
         super().__init__(f"{where}\n{lines}")
 
 
-Outcome = Union[MatchOut, InsertOut, int, None, KVCertError]
+Outcome = Union[MatchOut, InsertOut, AdmissionPlan, int, None, KVCertError]
 
 
 @dataclass
@@ -103,6 +115,10 @@ class Harness:
     storages: tuple[FaultyStorage, ...] = ()
     """(backend's, oracle's) L3 stores when the config has a storage tier; faults hit both alike."""
     trace_hook: Optional[Callable[[int, Op, Outcome], None]] = None
+    _planned: Optional[Snapshot] = None
+    """The backend's state when it made this step's admission plan (after the running requests' allocations)."""
+    admitted: list[bool] = field(default_factory=list)
+    """Per admission that fit, whether the backend could then allocate the planned slots."""
 
     def __post_init__(self) -> None:
         self.oracle = RefCache(self.config)
@@ -179,6 +195,44 @@ class Harness:
         finally:
             cache.free(slots)
         return node
+
+    def _admit(self, cache: Any, op: Admit, side: int) -> AdmissionPlan:
+        """The scheduler's side of admission (SPEC.md §11.5): the running requests hold their slots,
+        the cache plans, and the plan is applied: a scoped evict, the retractions (a backup for a kept
+        one, then its slots freed), the request's allocation. The request then finishes at once."""
+        running = _running(op.running)
+        held: list[tuple[int, ...]] = []
+        try:
+            for r in running:
+                held.append(cache.alloc(r.tokens))
+            if side == 0:
+                self._planned = cache.snapshot()
+            profile = (
+                AdmissionProfile(*op.profile)
+                if isinstance(op.profile, (tuple, list)) and len(op.profile) == 4
+                else op.profile
+            )
+            plan: AdmissionPlan = cache.plan_admission(op.length, op.priority, running, profile)
+            if not plan.fits:
+                return plan
+            cache.evict(plan.evict, allow_low=True, allow_high=plan.allow_high)
+            for i, keep in zip(plan.retract, plan.keep):
+                if keep:
+                    cache.retraction_backup(held[i])
+                cache.free(held[i])
+                held[i] = ()
+            try:
+                cache.free(cache.alloc(plan.slots))
+                admitted = True
+            except PoolExhausted:
+                admitted = False  # the plan counted KV eviction could not free (pinned, §9.3)
+            if side == 0:
+                self.admitted.append(admitted)
+            return plan
+        finally:
+            for slots in held:
+                if slots:
+                    cache.free(slots)
 
     def _publish(self, op: Publish) -> None:
         """Write `op.tokens`' canonical pages into both stores, as a peer engine would."""
@@ -320,6 +374,8 @@ class Harness:
                 return self._restore(cache, op, side)
             if isinstance(op, Discard):
                 return cache.retraction_discard(self._retraction(op.retraction, side))
+            if isinstance(op, Admit):
+                return self._admit(cache, op, side)
             if isinstance(op, RegisterRef):
                 return cache.register_ref(op.session, self._node(op.handle, side), op.priority)
             if isinstance(op, UpdateRef):
@@ -338,7 +394,7 @@ class Harness:
         self.backend.set_clock(self.clock)
         self.oracle.set_clock(self.clock)
         before = self.backend.snapshot()
-        self._step_violations, self._made_kv = [], None
+        self._step_violations, self._made_kv, self._planned = [], None, None
         if isinstance(op, (StorageFault, Publish)):  # storage-side events: no cache call
             if self.storages:
                 self._fault(op) if isinstance(op, StorageFault) else self._publish(op)
@@ -649,6 +705,21 @@ class Harness:
         if self.capabilities.priority_refs and isinstance(op, Evict):
             scope = (op.allow_low, op.allow_high)
             out += [Violation(i, m) for i, m in contracts.tier_eviction_violations(before, after, *scope)]
+        if isinstance(op, Admit) and isinstance(got, AdmissionPlan) and self._planned is not None:
+            out += [
+                Violation(i, m)
+                for i, m in contracts.plan_violations(
+                    self._planned,
+                    op.length,
+                    op.priority,
+                    _running(op.running),
+                    AdmissionProfile(*op.profile) if op.profile is not None else None,
+                    self.config.kv_layers,
+                    got,
+                )
+            ]
+            if got != want:
+                out.append(Violation("INV-ADMIT-4", f"plan {got}, the spec's {want}"))
         if self.capabilities.priority_refs and isinstance(op, EvictHost):
             out += [Violation(i, m) for i, m in contracts.host_tier_violations(before, after)]
         if isinstance(op, EvictHost) and got != want:
@@ -927,6 +998,11 @@ class Harness:
                     )
                 ],
             )
+
+
+def _running(running: Any) -> tuple[Running, ...]:
+    """An Admit op's running requests as the protocol's values: (priority, tokens) pairs, ids by position."""
+    return tuple(Running(i, r[0], r[1]) for i, r in enumerate(running))
 
 
 def _order(path: contracts.Path) -> tuple[str, tuple[int, ...]]:

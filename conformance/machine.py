@@ -22,6 +22,7 @@ from kvcert.conformance.backend import Factory
 from kvcert.conformance.driver import Harness
 from kvcert.spec.ops import (
     AbortPrefetch,
+    Admit,
     CheckPrefetch,
     Complete,
     Discard,
@@ -247,18 +248,47 @@ class CacheMachine(RuleBasedStateMachine):
         return self.capabilities.priority_refs
 
     @precondition(lambda self: self.priority() and bool(self.h.live_handles()))
-    @rule(data=st.data(), action=st.sampled_from(["register", "register", "update", "release"]))
+    @rule(data=st.data(), action=st.sampled_from(["register", "register", "fork", "update", "release"]))
     def session(self, data: st.DataObject, action: str) -> None:
-        """A conversation's turn ends and it holds its path (again), changes priority, or ends."""
+        """A conversation's turn ends and it holds its path (again), forks (a rollout group sharing its
+        prefix: a second session on the same node), changes priority, or ends."""
         registered = list(self.h.oracle.sessions)
         priority = data.draw(st.integers(0, 2), label="priority")
-        if action == "register" or not registered:
+        if action == "fork" and registered:
+            node = self.h.oracle.sessions[data.draw(st.sampled_from(registered), label="forked")].node.id
+            same = [k for k in self.h.live_handles() if self.h.handles[k][1] == node]
+            if same:
+                name = data.draw(st.sampled_from(SESSIONS), label="session")
+                self.do(RegisterRef(name, same[0], priority))
+                return
+        if action in ("register", "fork") or not registered:
             name = data.draw(st.sampled_from(SESSIONS), label="session")
             self.do(RegisterRef(name, data.draw(st.sampled_from(self.h.live_handles()), label="handle"), priority))
         elif action == "update":
             self.do(UpdateRef(data.draw(st.sampled_from(registered), label="session"), priority))
         else:
             self.do(ReleaseRef(data.draw(st.sampled_from(registered), label="session")))
+
+    @precondition(lambda self: self.priority())
+    @rule(data=st.data(), profiled=st.booleans())
+    def admit(self, data: st.DataObject, profiled: bool) -> None:
+        """A request asks for room while others decode: plan (evict, retract, fewer layers), then apply it."""
+        ps = self.config.page_size
+        free = len(self.h.oracle.pool.free_list) // ps
+        running = []
+        for _ in range(data.draw(st.integers(0, 3), label="running requests")):
+            pages = data.draw(st.integers(0, min(2, free)), label="pages held")
+            free -= pages
+            running.append((data.draw(st.integers(0, 2), label="its priority"), pages * ps))
+        pages = data.draw(st.integers(1, self.config.capacity // ps + 1), label="pages asked")
+        tokens = pages * ps - data.draw(st.integers(0, ps - 1), label="short of a page")
+        profile = None
+        if profiled:
+            profile = tuple(data.draw(st.integers(0, high), label=k) for k, high in self.PROFILE)
+        self.do(Admit(tokens, data.draw(st.integers(0, 2), label="priority"), tuple(running), profile))
+
+    PROFILE = (("load", 1), ("store", 1), ("step", 8), ("target", 64))
+    """Ranges of the drawn profile: streaming one layer of a few pages lands on either side of the target."""
 
     # ----------------------------------------------------------------- host tier (SPEC.md §9)
 
@@ -470,8 +500,12 @@ class CacheMachine(RuleBasedStateMachine):
         """One rule for every kind of bad input, so valid traffic keeps most of the steps."""
         ps = self.config.page_size
         if kind == "session" and self.priority():
-            bad = data.draw(st.sampled_from(["id", "unknown", "priority", "scope", "handle"]), label="session defect")
-            if bad == "id":
+            bad = data.draw(
+                st.sampled_from(["id", "unknown", "priority", "scope", "handle", "plan"]), label="session defect"
+            )
+            if bad == "plan":
+                self.do(Admit(data.draw(st.sampled_from([-1, 2.5]), label="bad tokens"), 1, (), None))
+            elif bad == "id":
                 self.do(RegisterRef(7, 10_000, 1))
             elif bad == "unknown":
                 self.do(ReleaseRef("nobody") if data.draw(st.booleans(), label="release?") else UpdateRef("nobody", 1))

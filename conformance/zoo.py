@@ -316,10 +316,10 @@ MUTANTS: tuple[Mutant, ...] = (
         "write acks are drained only when no load is pending: protected size grows while loads run",
         (
             (
-                '            for copy in [c for c in self.copies if c.kind == kind]:\n',
+                "            for copy in [c for c in self.copies if c.kind == kind]:\n",
                 '            if kind == "write" and any(c.kind == "load" for c in self.copies):\n'
-                '                continue\n'
-                '            for copy in [c for c in self.copies if c.kind == kind]:\n',
+                "                continue\n"
+                "            for copy in [c for c in self.copies if c.kind == kind]:\n",
             ),
         ),
         page_sizes=(1,),
@@ -503,14 +503,125 @@ MUTANTS: tuple[Mutant, ...] = (
         write_policies=("write_through",),
         prefetch_policies=("best_effort",),
     ),
+    # ------------------------------------------------------------- priority tiers (SPEC.md §11)
+    Mutant(
+        "high_ref_evicted_for_low_requester",
+        "a low-priority requester's eviction (allow_high=False) still takes HIGH_REF nodes",
+        (
+            (
+                "        return tier == 0 or (tier == 1 and allow_low) or (tier == 2 and allow_high)\n",
+                "        return tier == 0 or (tier == 1 and allow_low) or tier == 2\n",
+            ),
+        ),
+    ),
+    Mutant(
+        "split_drops_refs",
+        "a split's new prefix node starts with no refs: the tier sets miss it until the sessions move",
+        (("            high_ref=child.high_ref,\n            low_ref=child.low_ref,\n", ""),),
+    ),
+    Mutant(
+        "host_eviction_leaks_refs",
+        "host eviction deletes a session's last node but the session still holds it (a ref on a dead node)",
+        (
+            (
+                "        for session in self.sessions.values():  # they now hold the path to the surviving parent\n"
+                "            if session.node is node:\n"
+                "                session.node = node.parent\n",
+                "",
+            ),
+        ),
+        page_sizes=(1,),
+        write_policies=("write_through",),
+    ),
+    Mutant(
+        "demotion_never_restored",
+        "releasing a high-priority session pops a demoted session but never makes it high again",
+        (("                    back.demoted = False\n", ""),),
+        page_sizes=(1,),
+        write_policies=("write_through",),
+    ),
+    Mutant(
+        "eviction_scope_leaks",
+        "a scoped eviction's (allow_low, allow_high) is never popped: the next plain evict inherits it",
+        (("            self.scope = outer  # the scope belongs to this call (SPEC.md §11.3)\n", "            pass\n"),),
+    ),
+    Mutant(
+        "partial_residency_over_budget",
+        "partial residency is admitted on the streaming time alone, forgetting the decode step's own time",
+        (
+            (
+                "                or profile.step + (layers_all - layers) * tokens * (profile.load + profile.store)",
+                "                or (layers_all - layers) * tokens * (profile.load + profile.store)",
+            ),
+        ),
+    ),
+    Mutant(
+        "high_priority_retracted",
+        "admission retracts any running request, high-priority ones included",
+        (
+            (
+                "        low = [r for r in running if r.priority < self.threshold]  # a high-priority request is never",
+                "        low = list(running)  # a high-priority request is never",
+            ),
+        ),
+    ),
+    Mutant(
+        "tier_size_drift",
+        "a ref change moves a node between tiers without moving its tokens between the per-tier sizes",
+        (
+            (
+                "            if node.slots is not None:\n"
+                "                self._account(node, -1)\n"
+                "            if high:\n"
+                "                node.high_ref += sign\n"
+                "            else:\n"
+                "                node.low_ref += sign\n"
+                "            if node.slots is not None:\n"
+                "                self._account(node, +1)\n",
+                "            if high:\n                node.high_ref += sign\n            else:\n                node.low_ref += sign\n",
+            ),
+        ),
+    ),
+    Mutant(
+        "host_evicts_high_tier",
+        "host eviction treats HIGH_REF host copies like any other: a waiting high-priority session loses them",
+        (("            and self.tier(n) != HIGH_REF\n", ""),),
+        page_sizes=(1,),
+        write_policies=("write_through",),
+    ),
 )
 
 
-DIRECTED: tuple[Mutant, ...] = ()
-"""Mutants the state machine kills in only some runs at the zoo's budget: each would be checked by a
-hand-written trace in tests/test_zoo.py instead, and stay out of `kvcert selftest` until generation
-reaches it reliably. Empty since warm storage requests (machine.py `draw_request`) brought
-`failed_store_visible` within reach."""
+DIRECTED: tuple[Mutant, ...] = (
+    Mutant(
+        "demotes_longest_session",
+        "host pressure demotes the idle high-priority session with the most cached tokens, not the fewest",
+        (
+            (
+                "        victim = min(idle, key=lambda s: (len(self._full_path(s.node)), s.seq))\n",
+                "        victim = max(idle, key=lambda s: (len(self._full_path(s.node)), -s.seq))\n",
+            ),
+        ),
+        page_sizes=(1,),
+        write_policies=("write_through",),
+    ),
+    Mutant(
+        "tier_ignores_ref_counts",
+        "within a tier the policy alone orders victims: a node many sessions hold goes before one held by few",
+        (
+            (
+                "        return (self.tier(node), node.high_ref, node.low_ref, *policy)\n",
+                "        return (self.tier(node), *policy)\n",
+            ),
+        ),
+    ),
+)
+"""Mutants the state machine kills in only some runs at the zoo's budget: each is checked by a
+hand-written trace in tests/test_zoo.py instead, and stays out of `kvcert selftest` until generation
+reaches it reliably. `demotes_longest_session` needs two idle high-priority sessions on the host
+while host eviction has nothing UNUSED or LOW_REF left; `tier_ignores_ref_counts` needs two same-tier candidates held by different
+numbers of sessions with the policy preferring the busier one; 600 examples at seed 0 did not
+build that (`failed_store_visible` left this list once warm storage requests reached it)."""
 
 
 def build(mutant: Mutant) -> Factory:

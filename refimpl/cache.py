@@ -550,6 +550,8 @@ class RefCache:
         """Free device KV of minimal-rank candidates in scope until `n` tokens are freed or none is left."""
         check_count(n)
         scope = check_scope(allow_low, allow_high)
+        if scope == (True, True):
+            return self._evict(n, choose)  # the full scope: the one in force between calls
         outer, self.scope = self.scope, scope
         try:
             return self._evict(n, choose)
@@ -729,7 +731,7 @@ class RefCache:
         node.host_lock_ref += 1  # the host copy must survive eviction made for room
         self._lock_path(node, +1)  # and so must the device path it hangs from
         if len(self.pool.free_list) < size:
-            self.evict(size - len(self.pool.free_list), choose=self.steer)
+            self._evict(size - len(self.pool.free_list), self.steer)  # the full scope: no request's
         if len(self.pool.free_list) < size:
             self._lock_path(node, -1)
             node.host_lock_ref -= 1

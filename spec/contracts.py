@@ -11,8 +11,19 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Optional
 
-from kvcert.spec.pages import min_rank_ids, overshoot_ok
-from kvcert.spec.types import HIGH_REF, LOW_REF, UNUSED, Namespace, Snapshot, Tokens, tier_of
+from kvcert.spec.pages import min_rank_ids, overshoot_ok, page_ceil
+from kvcert.spec.types import (
+    HIGH_REF,
+    LOW_REF,
+    UNUSED,
+    AdmissionPlan,
+    AdmissionProfile,
+    Namespace,
+    Running,
+    Snapshot,
+    Tokens,
+    tier_of,
+)
 
 Path = tuple[Namespace, Tokens]
 """A node named by where it ends: (namespace, every token from the root)."""
@@ -411,3 +422,97 @@ def host_tier_violations(before: Snapshot, after: Snapshot) -> list[tuple[str, s
             cur = nodes[cur].parent
     gone = sorted(i for i in held if i not in after_ids)
     return [("INV-TIER-4", f"host eviction removed nodes {gone} that a high-priority session holds")] if gone else []
+
+
+def plan_violations(
+    s: Snapshot,
+    tokens: int,
+    priority: int,
+    running: Sequence[Running],
+    profile: Optional[AdmissionProfile],
+    layers_total: int,
+    plan: AdmissionPlan,
+) -> list[tuple[str, str]]:
+    """INV-ADMIT-1..4: check an admission plan against the state it was made in (SPEC.md §11.5, §11.6).
+
+    Sizes come from the tree, not the backend's counters, so a drifting tier counter that skews a
+    plan shows here as well as in INV-TIER-2.
+    """
+    threshold, ps = s.high_priority_threshold, s.page_size
+    high = priority >= threshold
+    free = len(s.free_slots)
+    tiers = scope_tiers(True, high)
+    scope_size = sum(
+        len(n.key)
+        for n in s.nodes
+        if n.id != s.root and n.slots is not None and n.lock_ref == 0 and tier_of(n.high_ref, n.low_ref) in tiers
+    )
+    low = [r for r in running if r.priority < threshold]
+    reserve = sum(r.tokens for r in low) if high else 0
+
+    def need(layers: int) -> int:
+        return page_ceil(-(-tokens * layers // layers_total), ps)
+
+    def affordable(layers: int) -> bool:
+        if layers == layers_total:
+            return True
+        return profile is not None and (
+            profile.step + (layers_total - layers) * tokens * (profile.load + profile.store) <= profile.target
+        )
+
+    def coverable(layers: int) -> bool:
+        return need(layers) <= free + scope_size + reserve
+
+    if not plan.fits:
+        fits = [k for k in range(1, layers_total + 1) if affordable(k) and coverable(k)]
+        return [("INV-ADMIT-4", f"'does not fit', yet {max(fits)} resident layers would")] if fits else []
+    out: list[tuple[str, str]] = []
+    if plan.allow_high != high:
+        out.append(("INV-ADMIT-1", f"scope allow_high={plan.allow_high} for a request of priority {priority}"))
+    if not 1 <= plan.layers <= layers_total or plan.slots != need(plan.layers):
+        out.append(("INV-ADMIT-1", f"{plan.slots} slots for {plan.layers} of {layers_total} layers of {tokens} tokens"))
+        return out
+    by_id = {r.id: r for r in running}
+    taken = [by_id[i] for i in plan.retract if i in by_id]
+    if len(taken) != len(plan.retract) or len(set(plan.retract)) != len(plan.retract):
+        out.append(("INV-ADMIT-1", f"retracts {plan.retract}: not each a distinct running request"))
+        return out
+    if any(r.priority >= threshold for r in taken) or (taken and not high):
+        out.append(("INV-ADMIT-1", f"retracts {[(r.id, r.priority) for r in taken]} for a priority-{priority} request"))
+    short = plan.slots - free - scope_size
+    want_evict = scope_size if taken else max(0, plan.slots - free)
+    if plan.evict != want_evict or plan.evict > scope_size:
+        out.append(("INV-ADMIT-1", f"evicts {plan.evict}; the scope holds {scope_size}, the plan needs {want_evict}"))
+    if free + plan.evict + sum(r.tokens for r in taken) < plan.slots:
+        out.append(("INV-ADMIT-1", f"frees {free + plan.evict + sum(r.tokens for r in taken)} for {plan.slots} slots"))
+    if taken:
+        if short <= 0:
+            out.append(("INV-ADMIT-2", "retracts running requests although eviction frees enough"))
+        else:
+            largest = sorted(low, key=lambda r: (-r.tokens, r.id))
+            fewest = next((k for k in range(1, len(largest) + 1) if sum(r.tokens for r in largest[:k]) >= short), 0)
+            first = largest[: fewest - 1] if fewest else []
+            base = sum(r.tokens for r in first)
+            closing = [r for r in low if r not in first and base + r.tokens >= short]
+            rule = [r.id for r in first] + [min(closing, key=lambda r: (r.tokens, r.id)).id] if fewest else []
+            if not fewest:
+                out.append(
+                    ("INV-ADMIT-2", f"retracts {plan.retract}, yet no set of low-priority requests covers {short}")
+                )
+            elif [r.id for r in taken] != rule:
+                out.append(("INV-ADMIT-2", f"retracts {plan.retract}; the fewest, by the stated rule: {tuple(rule)}"))
+        room, keep = len(s.host_free_slots), []
+        for r in taken:
+            size = page_ceil(r.tokens, ps)
+            keep.append(0 < size <= room)
+            room -= size if keep[-1] else 0
+        if list(plan.keep) != keep:
+            out.append(("INV-ADMIT-2", f"backs up {plan.keep}; the host's free slots allow {tuple(keep)}"))
+    elif len(plan.keep):
+        out.append(("INV-ADMIT-2", "keeps backups of no retraction"))
+    if plan.layers < layers_total:
+        if not affordable(plan.layers):
+            out.append(("INV-ADMIT-3", f"{plan.layers} resident layers stream past the profile's target"))
+        if affordable(plan.layers + 1) and coverable(plan.layers + 1):
+            out.append(("INV-ADMIT-3", f"{plan.layers} resident layers, yet {plan.layers + 1} would fit"))
+    return out

@@ -194,6 +194,21 @@ class ReleaseRef:
     session: Any
 
 
+@dataclass(frozen=True)
+class Admit:
+    """A request of `length` new tokens at `priority` asks for room while `running` requests decode (SPEC.md §11.5).
+
+    `running` holds (priority, tokens) per running request: each holds `tokens` fresh slots of its
+    own, and its id is its position. `profile` is (load, store, step, target) or None (§11.6). The
+    harness asks both sides for a plan, compares them, and applies the plan.
+    """
+
+    length: Any
+    priority: Any = 0
+    running: tuple[Any, ...] = ()
+    profile: Any = None
+
+
 Op = Union[
     Insert,
     Match,
@@ -217,6 +232,7 @@ Op = Union[
     RegisterRef,
     UpdateRef,
     ReleaseRef,
+    Admit,
 ]
 OP_TYPES: dict[str, type] = {t.__name__: t for t in get_args(Op)}
 """Op name -> class, for JSON traces: derived from `Op`, so a new op cannot be left out."""

@@ -75,3 +75,53 @@ def test_failed_store_visible_is_caught_by_its_trace() -> None:
     with pytest.raises(ConformanceFailure) as failure:
         run_trace(factory(config), config, factory.capabilities, ops)
     assert failure.value.step == 9 and "INV-PF-2" in {v.inv for v in failure.value.violations}
+
+
+def test_tier_ignores_ref_counts_is_caught_by_its_trace() -> None:
+    """Within a tier, the node fewer sessions hold goes first (SPEC.md §11.3): LRU alone would take
+    the older node two sessions share; the mutant that drops refs from the rank does."""
+    from kvcert.conformance.driver import ConformanceFailure, run_trace
+    from kvcert.spec.ops import Evict, Insert, RegisterRef
+    from kvcert.spec.types import CacheConfig
+
+    (mutant,) = [m for m in zoo.DIRECTED if m.name == "tier_ignores_ref_counts"]
+    config = CacheConfig(page_size=1, capacity=8)
+    ops = [
+        Insert(None, (1,)),
+        Insert(None, (2,)),
+        RegisterRef("a", 0, 0),
+        RegisterRef("b", 0, 0),
+        RegisterRef("c", 1, 0),
+        Evict(1),
+    ]
+    run_trace(zoo.refcache.RefCache(config), config, zoo.refcache.RefCache.capabilities, ops)
+    factory = zoo.build(mutant)
+    with pytest.raises(ConformanceFailure) as failure:
+        run_trace(factory(config), config, factory.capabilities, ops)  # type: ignore[attr-defined]
+    assert failure.value.step == 5 and "INV-EVICT-4" in str(failure.value)
+
+
+def test_demotes_longest_session_is_caught_by_its_trace() -> None:
+    """Host pressure demotes the idle high-priority session with the fewest tokens (SPEC.md §11.4)."""
+    from kvcert.conformance.driver import ConformanceFailure, run_trace
+    from kvcert.spec.ops import Complete, Evict, EvictHost, Insert, Poll, RegisterRef
+    from kvcert.spec.types import CacheConfig
+
+    (mutant,) = [m for m in zoo.DIRECTED if m.name == "demotes_longest_session"]
+    config = CacheConfig(page_size=1, capacity=8, host_capacity=6, write_policy="write_through")
+    ops = [
+        Insert(None, (1, 1)),  # write-through backs each insert up: copies 0 and 1
+        Insert(None, (2, 2, 2)),
+        Complete(0),
+        Complete(1),
+        Poll(),
+        RegisterRef("short", 0, 1),
+        RegisterRef("long", 1, 1),
+        Evict(8),  # both demoted to the host: idle
+        EvictHost(2),  # nothing UNUSED or LOW_REF: demote "short" and evict its 2 tokens
+    ]
+    run_trace(zoo.refcache.RefCache(config), config, zoo.refcache.RefCache.capabilities, ops)
+    factory = zoo.build(mutant)
+    with pytest.raises(ConformanceFailure) as failure:
+        run_trace(factory(config), config, factory.capabilities, ops)  # type: ignore[attr-defined]
+    assert failure.value.step == 8 and "INV-TIER-5" in str(failure.value)

@@ -1,0 +1,264 @@
+"""Priority tiers (SPEC.md §11) in the reference model, and the checkers that judge them.
+
+Each rule is pinned by a small hand-built state; the checkers (`contracts.tier_eviction_violations`,
+`host_tier_violations`, `plan_violations`) are shown to accept the model and to flag a broken result.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from _refcache import put, settle
+
+from kvcert.conformance.cli import plain_ops
+from kvcert.conformance.driver import run_trace
+from kvcert.refimpl import RefCache
+from kvcert.spec import contracts
+from kvcert.spec.invariants import check_snapshot
+from kvcert.spec.ops import Match, Trace
+from kvcert.spec.types import (
+    HIGH_REF,
+    LOW_REF,
+    UNUSED,
+    AdmissionPlan,
+    AdmissionProfile,
+    CacheConfig,
+    Running,
+)
+
+EXAMPLE = Path(__file__).resolve().parent.parent / "docs" / "examples" / "proactive_vs_lru.json"
+
+
+def make(capacity: int = 16, host: int = 0, layers: int = 2) -> RefCache:
+    return RefCache(
+        CacheConfig(page_size=1, capacity=capacity, host_capacity=host, kv_layers=layers, high_priority_threshold=1)
+    )
+
+
+def tiers(cache: RefCache) -> dict[tuple[int, ...], int]:
+    return {cache._full_path(n): cache.tier(n) for n in cache.nodes.values() if n is not cache.root}
+
+
+# --------------------------------------------------------------------------- refs (§11.1)
+
+
+def test_refs_follow_sessions_through_split_and_release() -> None:
+    cache = make()
+    leaf = put(cache, [1, 2, 3, 4])
+    cache.register_ref("hi", leaf, 5)
+    cache.register_ref("lo", leaf, 0)
+    put(cache, [1, 2, 9])  # splits (1,2,3,4) at 2: the new head lies on both sessions' paths
+    assert tiers(cache) == {(1, 2): HIGH_REF, (1, 2, 3, 4): HIGH_REF, (1, 2, 9): UNUSED}
+    head = cache.match_prefix(None, [1, 2]).node
+    assert (cache.nodes[head].high_ref, cache.nodes[head].low_ref) == (1, 1)
+    cache.release_ref("hi")
+    assert tiers(cache)[(1, 2, 3, 4)] == LOW_REF
+    cache.update_ref("lo", 3)
+    assert tiers(cache)[(1, 2, 3, 4)] == HIGH_REF
+    assert check_snapshot(cache.snapshot()) == []
+
+
+def test_a_deleted_node_moves_its_sessions_to_the_surviving_parent() -> None:
+    cache = make()
+    put(cache, [1, 2])
+    leaf = put(cache, [1, 2, 3])
+    cache.register_ref("s", leaf, 0)
+    assert cache.evict(1) == 1  # the leaf (3) goes; the session now holds (1, 2)
+    (view,) = cache.snapshot().sessions
+    assert cache._full_path(cache.nodes[view.node]) == (1, 2)
+    assert check_snapshot(cache.snapshot()) == []
+
+
+def test_tier_sizes_track_locks_and_refs() -> None:
+    cache = make()
+    a = put(cache, [1, 2])
+    b = put(cache, [3, 4, 5])
+    cache.register_ref("hi", a, 1)
+    cache.register_ref("lo", b, 0)
+    assert cache.snapshot().tier_evictable == (0, 3, 2)
+    cache.inc_lock_ref(b)
+    assert cache.snapshot().tier_evictable == (0, 0, 2)
+    cache.release_ref("hi")
+    assert cache.snapshot().tier_evictable == (2, 0, 0)
+
+
+# --------------------------------------------------------------------------- scoped eviction (§11.3)
+
+
+def test_scope_orders_tiers_and_spares_what_it_does_not_allow() -> None:
+    cache = make()
+    hi = put(cache, [1])  # oldest: LRU alone would take it first
+    lo = put(cache, [2])
+    put(cache, [3])
+    cache.register_ref("hi", hi, 1)
+    cache.register_ref("lo", lo, 0)
+    before = cache.snapshot()
+    assert cache.evict(3, allow_low=True, allow_high=False) == 2  # UNUSED (3), then LOW_REF (2); HIGH_REF stays
+    assert [cache._full_path(n) for n in cache.nodes.values() if n is not cache.root] == [(1,)]
+    assert contracts.tier_eviction_violations(before, cache.snapshot(), True, False) == []
+    assert cache.scope == (True, True)  # the scope did not outlive the call
+    assert cache.evict(1) == 1  # the full scope takes it
+
+
+def test_fewer_refs_go_first_within_a_tier() -> None:
+    cache = make()
+    shared = put(cache, [1])  # older, but two sessions hold it
+    single = put(cache, [2])
+    cache.register_ref("a", shared, 0)
+    cache.register_ref("b", shared, 0)
+    cache.register_ref("c", single, 0)
+    cache.evict(1)
+    assert [cache._full_path(n) for n in cache.nodes.values() if n is not cache.root] == [(1,)]
+
+
+def test_tier_checker_flags_out_of_scope_and_out_of_order_evictions() -> None:
+    cache = make()
+    hi = put(cache, [1])
+    put(cache, [2])
+    cache.register_ref("hi", hi, 1)
+    before = cache.snapshot()
+    cache.evict(1, allow_low=True, allow_high=False)  # the UNUSED (2) goes, as it should
+    assert contracts.tier_eviction_violations(before, cache.snapshot(), True, False) == []
+    # Had the HIGH_REF node gone instead: out of a low requester's scope, and before an UNUSED candidate.
+    gone = before.by_id()[hi]
+    wrong = replace(
+        before,
+        nodes=tuple(n for n in before.nodes if n.id != hi),
+        free_slots=tuple(sorted(before.free_slots + (gone.slots or ()))),
+    )
+    found = {i for i, _ in contracts.tier_eviction_violations(before, wrong, True, False)}
+    assert found == {"INV-TIER-3", "INV-TIER-4"}
+
+
+# --------------------------------------------------------------------------- host pressure (§11.4)
+
+
+def host_scene() -> RefCache:
+    """Two idle high sessions on the host only (2 and 3 tokens), and a free device."""
+    cache = make(capacity=8, host=6)
+    short = put(cache, [1, 1])
+    long = put(cache, [2, 2, 2])
+    settle(cache)  # write-through backed both up as they were inserted
+    cache.register_ref("short", short, 1)
+    cache.register_ref("long", long, 1)
+    cache.evict(8)  # both demoted to host
+    assert all(n.slots is None for n in cache.nodes.values() if n is not cache.root)
+    return cache
+
+
+def test_host_pressure_demotes_the_shortest_idle_session_first_and_release_restores_it() -> None:
+    cache = host_scene()
+    before = cache.snapshot()
+    assert cache.evict_host(2) == 2  # nothing UNUSED or LOW_REF: demote "short" (2 tokens), then evict it
+    after = cache.snapshot()
+    demoted = {s.id: s.demoted for s in after.sessions}
+    assert demoted == {"short": True, "long": False}
+    assert contracts.host_tier_violations(before, after) == []
+    cache.register_ref("other", cache.root.id, 1)
+    cache.release_ref("other")  # a high session leaves: the most recent demotion is undone
+    assert {s.id: s.high for s in cache.snapshot().sessions} == {"short": True, "long": True}
+    assert check_snapshot(cache.snapshot()) == []
+
+
+def test_host_tier_checker_flags_a_high_copy_evicted_without_demotion() -> None:
+    cache = host_scene()
+    before = cache.snapshot()
+    cache.evict_host(2)
+    after = cache.snapshot()
+    undone = replace(after, sessions=tuple(replace(s, high=True, demoted=False) for s in after.sessions))
+    assert [i for i, _ in contracts.host_tier_violations(before, undone)] == ["INV-TIER-4"]
+
+
+# --------------------------------------------------------------------------- admission (§11.5, §11.6)
+
+
+def admission_scene(host: int = 0) -> RefCache:
+    """An 8-token device: 2 tokens UNUSED, 2 LOW_REF, 2 HIGH_REF, 2 free."""
+    cache = make(capacity=8, host=host)
+    put(cache, [1, 1])
+    lo = put(cache, [2, 2])
+    hi = put(cache, [3, 3])
+    cache.register_ref("lo", lo, 0)
+    cache.register_ref("hi", hi, 1)
+    return cache
+
+
+def check(cache: RefCache, tokens: int, priority: int, running: tuple[Running, ...], profile=None) -> AdmissionPlan:
+    plan = cache.plan_admission(tokens, priority, running, profile)
+    assert contracts.plan_violations(cache.snapshot(), tokens, priority, running, profile, cache.kv_layers, plan) == []
+    return plan
+
+
+def test_plan_evicts_within_the_requesters_scope() -> None:
+    cache = admission_scene()
+    assert check(cache, 6, 0, ()) == AdmissionPlan(True, 4, False, (), (), 2, 6)
+    assert check(cache, 8, 0, ()).fits is False  # the HIGH_REF pair is out of a low request's reach
+    assert check(cache, 8, 1, ()) == AdmissionPlan(True, 6, True, (), (), 2, 8)
+
+
+def test_plan_retracts_the_fewest_low_requests_by_the_stated_rule() -> None:
+    cache = make(capacity=16, host=4)
+    running = (Running(0, 0, 3), Running(1, 0, 5), Running(2, 1, 8), Running(3, 0, 2))
+    for r in running[:3]:
+        cache.alloc(r.tokens)  # they hold their slots: 3 + 5 + 8 fill the device
+    plan = check(cache, 6, 1, running[:3])
+    # short 6: the largest low request (5) is not enough alone; two are needed: 5, then the smallest closing (3)
+    assert (plan.retract, plan.keep) == ((1, 0), (False, True))  # 5 does not fit the 4-slot host; 3 does
+    assert check(cache, 6, 0, running[:3]).fits is False  # a low-priority request retracts nobody
+    assert check(cache, 20, 1, running[:3]).fits is False  # nothing retractable covers it; high ones are spared
+
+
+def test_partial_residency_needs_the_profile() -> None:
+    cache = make(capacity=8, layers=4)
+    cache.alloc(4)
+    assert check(cache, 8, 0, ()).fits is False  # 4 free, 8 needed, no profile
+    cheap = AdmissionProfile(load=1, store=1, step=10, target=26)  # 2 layers streamed: 10 + 2*8*2 = 42 > 26
+    assert check(cache, 8, 0, (), cheap).fits is False
+    roomy = AdmissionProfile(load=1, store=1, step=10, target=42)
+    assert check(cache, 8, 0, (), roomy) == AdmissionPlan(True, 0, False, (), (), 2, 4)
+
+
+def test_plan_checker_has_teeth() -> None:
+    cache = admission_scene()
+    snap = cache.snapshot()
+    good = check(cache, 6, 0, ())
+
+    def invs(plan: AdmissionPlan, running: tuple[Running, ...] = (), profile=None) -> set[str]:
+        return {i for i, _ in contracts.plan_violations(snap, 6, 0, running, profile, 2, plan)}
+
+    assert invs(replace(good, allow_high=True)) == {"INV-ADMIT-1"}
+    assert invs(replace(good, evict=2)) == {"INV-ADMIT-1"}
+    assert invs(AdmissionPlan(False)) == {"INV-ADMIT-4"}
+    assert "INV-ADMIT-1" in invs(replace(good, retract=(0,), keep=(False,)), (Running(0, 2, 4),))
+    tight = AdmissionProfile(1, 1, 0, 1)
+    assert "INV-ADMIT-3" in invs(replace(good, layers=1, slots=3), (), tight)
+
+
+def test_bad_plan_input_changes_nothing() -> None:
+    cache = admission_scene()
+    before = cache.snapshot()
+    for args in [(-1, 0, (), None), (2, 0, (Running(0, 0, -2),), None), (2, 0, (), AdmissionProfile(-1, 0, 0, 0))]:
+        with pytest.raises(Exception) as raised:
+            cache.plan_admission(*args)
+        assert type(raised.value).__name__ == "InvalidPlan"
+    assert cache.snapshot() == before
+
+
+# --------------------------------------------------------------------------- the worked example (docs/priority.md)
+
+
+def test_worked_example_proactive_keeps_the_agents_prefix_and_lru_loses_it() -> None:
+    trace = Trace.from_json(EXAMPLE.read_text())
+    hits = {}
+    for label, ops in (("proactive", list(trace.ops)), ("plain", plain_ops(trace.ops))):
+        matched: dict[int, int] = {}
+
+        def hook(i, op, outcome, matched=matched) -> None:
+            if isinstance(op, Match) and op.tokens:
+                matched[i] = outcome.length
+
+        run_trace(RefCache(trace.config), trace.config, RefCache.capabilities, ops, hook=hook)
+        hits[label] = matched
+    assert hits == {"proactive": {7: 4}, "plain": {7: 0}}
