@@ -2,15 +2,23 @@
 
 The cache issues a copy (`submit`) when SPEC.md §9 says a copy is issued, and learns that it
 landed only through `finish`, which the cache calls from `complete(copy)` — the harness decides
-when. So the three engines differ only in *when the bytes move*, never in what the cache
-observes:
+when. So the engines differ only in *when the bytes move*, never in what the cache observes:
 
 - `DeferredCopyEngine` (CPU, the suite's): records the copy; `finish` moves the bytes. Fully
   deterministic.
 - `ThreadedCopyEngine` (CPU, soak runs): a worker thread moves the bytes as soon as the copy is
   submitted; `finish` waits for it. Completion is still reported only through the same ack path.
-- `CudaCopyEngine`: a side stream per direction (D2H, H2D), an event per copy; slice copies for
-  contiguous runs, one gather/scatter otherwise. Needs `torch.cuda.is_available()`.
+- `CudaCopyEngine`: copies by plan (`kvcert.gpu.kv.plan_copy`) on a side stream per direction
+  (D2H, H2D) that first waits for the forward pass's stream; an event per copy and, for a
+  load-back, one per layer (`wait_layer`: a forward pass can run layer `l` once its KV landed).
+  Cells are merged into runs contiguous in the host pool: a few runs contiguous on both sides are
+  single copies; otherwise one device gather (D2H) or scatter (H2D) through a contiguous device
+  buffer and one DMA per host run, straight into / out of the pinned host pool (`dma`); or, for
+  runs too short to DMA one by one, one DMA through a pinned staging buffer and one CPU
+  scatter / gather (`staged`; a staged D2H's CPU scatter runs in `finish`, after the event).
+  Needs `torch.cuda.is_available()`.
+- `PlannedCopyEngine`: the CUDA engine's plans run synchronously on CPU pools: certifies the
+  plans and dry-runs scripts/gpu_check.py without a GPU.
 
 A store copy (host to storage) has no tensor work: its ticket carries no job and the cache writes
 storage itself once `finish` says the copy did not fail.
@@ -25,13 +33,14 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Optional
+from functools import partial
+from typing import Any, Optional
 
 import torch
 
-from kvcert.gpu.kv import KVPool
+from kvcert.gpu.kv import MIN_RUN_BYTES, PLAN_STRATEGIES, CopyPlan, KVPool, PlanGroup, plan_copy
 
 
 @dataclass
@@ -56,6 +65,16 @@ class Ticket:
     done: bool = False
     event: object = field(default=None, repr=False)
     """Engine-specific completion handle (a threading.Event, a torch.cuda.Event)."""
+    layer_events: Optional[list[Any]] = field(default=None, repr=False)
+    """CUDA load-back: one event per layer, in layer order (`CudaCopyEngine.wait_layer`)."""
+    plan: Optional[CopyPlan] = field(default=None, repr=False)
+    """How a planned engine moves it (None: not planned)."""
+    keep: list[object] = field(default_factory=list, repr=False)
+    """Buffers the copy still uses while in flight (indices, staging): released when it lands."""
+    post: list[Callable[[], object]] = field(default_factory=list, repr=False)
+    """Host work that must wait for the device work (a staged D2H's CPU scatter): run by `finish`."""
+    errors: list[BaseException] = field(default_factory=list, repr=False)
+    """What the threaded engine's worker raised moving it: re-raised by `finish` on the caller's thread."""
 
 
 class CopyEngine:
@@ -99,6 +118,11 @@ class CopyEngine:
         """A synchronous copy the caller waits for (never faulted)."""
         CopyJob(src, tuple(src_slots), dst, tuple(dst_slots)).run()
 
+    def drain(self) -> None:
+        """Wait until no copy is in motion: every copy submitted so far that moves its bytes on its own
+        (a worker thread, a stream) has moved them. Acknowledges nothing; `finish` still must be called.
+        Engines that move bytes only in `finish` (deferred) have nothing in motion."""
+
     def close(self) -> None:
         pass
 
@@ -116,6 +140,9 @@ class DeferredCopyEngine(CopyEngine):
             ticket.job.run()
 
 
+_Work = Optional[tuple[Optional[CopyJob], threading.Event, list[BaseException]]]
+
+
 class ThreadedCopyEngine(CopyEngine):
     """A worker thread moves bytes at submit time; `finish` joins the copy (no timeout)."""
 
@@ -123,7 +150,7 @@ class ThreadedCopyEngine(CopyEngine):
 
     def __init__(self) -> None:
         super().__init__()
-        self._queue: queue.Queue[Optional[tuple[CopyJob, threading.Event]]] = queue.Queue()
+        self._queue: queue.Queue[_Work] = queue.Queue()
         self._worker = threading.Thread(target=self._work, name="kvcert-copy", daemon=True)
         self._worker.start()
 
@@ -132,9 +159,12 @@ class ThreadedCopyEngine(CopyEngine):
             item = self._queue.get()
             if item is None:
                 return
-            job, done = item
+            job, done, errors = item
             try:
-                job.run()
+                if job is not None:
+                    job.run()
+            except BaseException as err:  # re-raised on the caller's thread by finish / copy_now
+                errors.append(err)
             finally:
                 done.set()
 
@@ -149,21 +179,32 @@ class ThreadedCopyEngine(CopyEngine):
         if t.job is None:
             event.set()
         else:
-            self._queue.put((t.job, event))
+            self._queue.put((t.job, event, t.errors))
 
-    def _retry(self, ticket: Ticket) -> None:
+    def _join(self, ticket: Ticket) -> None:
         assert isinstance(ticket.event, threading.Event)
         ticket.event.wait()
+        if ticket.errors:
+            raise ticket.errors[0]
+
+    def _retry(self, ticket: Ticket) -> None:
+        self._join(ticket)
         self._enqueue(ticket)
 
     def _land(self, ticket: Ticket) -> None:
-        assert isinstance(ticket.event, threading.Event)
-        ticket.event.wait()
+        self._join(ticket)
 
     def copy_now(self, src: KVPool, src_slots: Sequence[int], dst: KVPool, dst_slots: Sequence[int]) -> None:
-        done = threading.Event()
-        self._queue.put((CopyJob(src, tuple(src_slots), dst, tuple(dst_slots)), done))
+        done, errors = threading.Event(), list[BaseException]()
+        self._queue.put((CopyJob(src, tuple(src_slots), dst, tuple(dst_slots)), done, errors))
         done.wait()  # in queue order: after every copy submitted before it
+        if errors:
+            raise errors[0]
+
+    def drain(self) -> None:
+        done = threading.Event()
+        self._queue.put((None, done, []))
+        done.wait()  # one worker, FIFO: every job queued before the marker has run
 
     def close(self) -> None:
         if self._worker.is_alive():
@@ -171,55 +212,295 @@ class ThreadedCopyEngine(CopyEngine):
             self._worker.join()
 
 
-class CudaCopyEngine(CopyEngine):
-    """Side streams for D2H and H2D, an event per copy; the host pool must be pinned for overlap."""
+def _host_pieces(cells: torch.Tensor, firsts: Sequence[int], lengths: Sequence[int]) -> list[torch.Tensor]:
+    """Views of rows [first, first + length) of `cells` for ascending, disjoint runs: one C++ split, not a slice each."""
+    bounds: list[int] = []
+    for first, n in zip(firsts, lengths):
+        bounds += (first, first + n)
+    return list(cells.tensor_split(bounds)[1::2])
 
-    name = "cuda"
 
-    def __init__(self) -> None:
+def _copy_all(dsts: list[torch.Tensor], srcs: list[torch.Tensor], non_blocking: bool) -> None:
+    """dsts[i].copy_(srcs[i]) for every i, launched from C++ where torch has it."""
+    foreach = getattr(torch, "_foreach_copy_", None)
+    if foreach is not None:
+        try:
+            foreach(dsts, srcs, non_blocking=non_blocking)
+            return
+        except (RuntimeError, TypeError):  # e.g. mixed devices where a torch build refuses them: copy one by one
+            pass
+    for d, s in zip(dsts, srcs):
+        d.copy_(s, non_blocking=non_blocking)
+
+
+class PlannedCopyEngine(CopyEngine):
+    """Copies by plan (`kvcert.gpu.kv.plan_copy`): the CUDA engine's path, run synchronously on CPU pools.
+
+    Bytes of a `dma` plan move at submit; a `staged` D2H lands its CPU scatter in `finish`, as on
+    CUDA. Which pool is the device tier: the one not on the CPU; with both on the CPU,
+    `device_pool` (unbound: the source of every copy is taken as the device pool).
+    """
+
+    name = "planned"
+    pin = False
+    """Staging buffers in pinned memory (CUDA)."""
+    non_blocking = False
+
+    def __init__(
+        self,
+        strategy: str = "auto",
+        by_layer: bool = True,
+        min_run_bytes: int = MIN_RUN_BYTES,
+        device_pool: Optional[KVPool] = None,
+    ) -> None:
         super().__init__()
-        if not torch.cuda.is_available():
-            raise RuntimeError("CudaCopyEngine needs CUDA")
-        self.d2h = torch.cuda.Stream()
-        self.h2d = torch.cuda.Stream()
+        if strategy not in PLAN_STRATEGIES:
+            raise ValueError(f"unknown strategy {strategy!r}; one of {PLAN_STRATEGIES}")
+        self.strategy, self.by_layer, self.min_run_bytes = strategy, by_layer, min_run_bytes
+        self.device_pool = device_pool
+        self.plans = {"dma": 0, "staged": 0}
+        """Copies planned per strategy (what `auto` chose)."""
+        self._unsettled: dict[int, Ticket] = {}
+        """Tickets whose host work (`post`) has not run yet: `drain` runs it."""
 
+    # -- planning
+    def _direction(self, job: CopyJob) -> Optional[str]:
+        src_dev, dst_dev = job.src.device.type != "cpu", job.dst.device.type != "cpu"
+        if src_dev != dst_dev:
+            return "d2h" if src_dev else "h2d"
+        if src_dev:
+            return None  # device to device: not a tier copy
+        if self.device_pool is not None:
+            return "d2h" if job.src is self.device_pool else "h2d"
+        return "d2h"
+
+    def plan(self, job: CopyJob) -> Optional[CopyPlan]:
+        """The plan for `job` (None: nothing to plan, a device-to-device copy or no slots)."""
+        direction = self._direction(job)
+        if direction is None or len(job.src_slots) == 0:
+            return None
+        if direction == "d2h":
+            host, host_slots, dev, dev_slots = job.dst, job.dst_slots, job.src, job.src_slots
+        else:
+            host, host_slots, dev, dev_slots = job.src, job.src_slots, job.dst, job.dst_slots
+        plan = plan_copy(
+            host,
+            host_slots,
+            dev,
+            dev_slots,
+            direction,
+            by_layer=self.by_layer and direction == "h2d",
+            strategy=self.strategy,
+            min_run_bytes=self.min_run_bytes,
+        )
+        self.plans[plan.strategy] += 1
+        return plan
+
+    # -- hooks the CUDA engine overrides
+    def _mark(self) -> Any:
+        """An event recorded where the copy's work so far is queued (None: the work is done)."""
+        return None
+
+    def _wait(self, ticket: Ticket) -> None:
+        """Block until the ticket's device work is done."""
+
+    def _to_device(self, ticket: Ticket, rows: torch.Tensor, device: torch.device) -> torch.Tensor:
+        return rows
+
+    def _launch(self, ticket: Ticket, synchronous: bool = False) -> None:
+        job = ticket.job
+        ticket.event, ticket.layer_events = None, None
+        if job is None:
+            ticket.event = self._mark()
+            return
+        plan = self.plan(job)
+        ticket.plan = plan
+        if plan is None:
+            job.run(non_blocking=self.non_blocking)
+            ticket.event = self._mark()
+            return
+        self._execute(ticket, plan, job)
+
+    # -- the plan, run where the current stream is
+    def _execute(self, t: Ticket, plan: CopyPlan, job: CopyJob) -> None:
+        dev, host = (job.src, job.dst) if plan.direction == "d2h" else (job.dst, job.src)
+        layers: list[Any] = []
+        for group in plan.groups:
+            if plan.strategy == "staged":
+                self._staged(t, plan, group, dev, host)
+            else:
+                self._dma(t, plan, group, dev, host)
+            if group.layer is not None:
+                layers.append(self._mark())
+        t.event = layers[-1] if layers else self._mark()
+        t.layer_events = layers or None
+        if t.post:
+            self._unsettled[id(t)] = t
+
+    def _dma(self, t: Ticket, plan: CopyPlan, g: PlanGroup, dev: KVPool, host: KVPool) -> None:
+        nb = self.non_blocking
+        runs = g.host_runs()
+        if not runs:
+            return
+        d2h = plan.direction == "d2h"
+        if g.direct:  # few runs, contiguous on both sides: one copy each, no staging
+            for h, d, n in runs:
+                if d2h:
+                    host.cells[h : h + n].copy_(dev.cells[d : d + n], non_blocking=nb)
+                else:
+                    dev.cells[d : d + n].copy_(host.cells[h : h + n], non_blocking=nb)
+            return
+        idx = self._to_device(t, g.dev_rows, dev.device)
+        pieces = _host_pieces(host.cells, [h for h, _, _ in runs], g.lengths)
+        if d2h:
+            stage = dev.cells.index_select(0, idx)  # one gather, in host-run order
+            _copy_all(pieces, list(stage.split(g.lengths)), nb)  # one DMA per host run
+        else:
+            stage = torch.empty((len(g.host_rows), plan.width), dtype=torch.uint8, device=dev.device)
+            _copy_all(list(stage.split(g.lengths)), pieces, nb)
+            dev.cells.index_copy_(0, idx, stage)  # one scatter
+        # `idx` and `stage` live on the device and are used only on this (side) stream: freed now, their
+        # memory is reused only by later work on the same stream, so they need no keeping.
+
+    def _staged(self, t: Ticket, plan: CopyPlan, g: PlanGroup, dev: KVPool, host: KVPool) -> None:
+        nb = self.non_blocking
+        m = len(g.host_rows)
+        if m == 0:
+            return
+        idx = self._to_device(t, g.dev_rows, dev.device)
+        buf = torch.empty((m, plan.width), dtype=torch.uint8, pin_memory=self.pin)
+        if plan.direction == "d2h":
+            stage = dev.cells.index_select(0, idx)
+            buf.copy_(stage, non_blocking=nb)  # one DMA into pinned staging
+            rows = g.host_rows
+            t.post.append(lambda: host.cells.index_copy_(0, rows, buf))  # after the event: see finish
+        else:
+            torch.index_select(host.cells, 0, g.host_rows, out=buf)  # CPU gather into pinned staging
+            stage = buf.to(dev.device, non_blocking=nb)
+            dev.cells.index_copy_(0, idx, stage)
+        t.keep.append(buf)  # host memory a DMA reads or writes: alive until the copy lands
+
+    # -- engine protocol
     def submit(self, job: Optional[CopyJob]) -> Ticket:
         t = self._ticket(job)
         self._launch(t)
         return t
 
-    def _launch(self, t: Ticket) -> None:
-        job = t.job
-        event = torch.cuda.Event()
-        if job is None:
-            event.record()
-            t.event = event
-            return
-        stream = self.d2h if job.src.device.type == "cuda" else self.h2d
-        stream.wait_stream(torch.cuda.current_stream())  # the forward pass's writes come first
-        with torch.cuda.stream(stream):
-            # Contiguous runs are slice copies (asynchronous into pinned memory); a scattered D2H
-            # batch is gathered on the device and copied through pageable memory, which blocks.
-            job.run(non_blocking=True)
-            event.record(stream)
-        t.event = event
+    def _settle(self, ticket: Ticket) -> None:
+        """Wait for the device work, then run the host work that depends on it; drop the buffers."""
+        self._wait(ticket)
+        post, ticket.post = ticket.post, []
+        self._unsettled.pop(id(ticket), None)
+        for work in post:
+            work()
+        ticket.keep = []
 
-    def _retry(self, ticket: Ticket) -> None:
-        assert isinstance(ticket.event, torch.cuda.Event)
-        ticket.event.synchronize()
-        self._launch(ticket)
+    def drain(self) -> None:
+        for ticket in list(self._unsettled.values()):
+            self._settle(ticket)
 
     def _land(self, ticket: Ticket) -> None:
-        assert isinstance(ticket.event, torch.cuda.Event)
-        ticket.event.synchronize()
+        self._settle(ticket)
+
+    def _retry(self, ticket: Ticket) -> None:
+        self._settle(ticket)  # the first attempt may still be in flight: let it end before relaunching
+        self._launch(ticket)
 
     def copy_now(self, src: KVPool, src_slots: Sequence[int], dst: KVPool, dst_slots: Sequence[int]) -> None:
         t = self._ticket(CopyJob(src, tuple(src_slots), dst, tuple(dst_slots)))
-        self._launch(t)
-        self._land(t)
+        self._launch(t, synchronous=True)
+        self._settle(t)
 
 
-ENGINES = {"deferred": DeferredCopyEngine, "threaded": ThreadedCopyEngine, "cuda": CudaCopyEngine}
+class CudaCopyEngine(PlannedCopyEngine):
+    """Plans on side streams (D2H, H2D per device), an event per copy and per layer of a load-back.
+
+    Each launch first makes its stream wait for the device's current stream: the forward pass's
+    writes of the KV a backup reads, and its reads of the slots a load overwrites, come first. A
+    synchronous copy (`copy_now`) also waits for the other direction's stream. `finish`
+    synchronises the copy's last event (then runs a staged D2H's CPU scatter): only then may the
+    host read the bytes. Host buffers a DMA uses (pinned indices, pinned staging) stay referenced
+    by the ticket until then; device buffers are allocated and used on the side stream only, so
+    the caching allocator reuses them only for later work on that stream.
+    """
+
+    name = "cuda"
+    pin = True
+    non_blocking = True
+
+    def __init__(self, strategy: str = "auto", by_layer: bool = True, min_run_bytes: int = MIN_RUN_BYTES) -> None:
+        super().__init__(strategy, by_layer, min_run_bytes)
+        if not torch.cuda.is_available():
+            raise RuntimeError("CudaCopyEngine needs CUDA")
+        self._streams: dict[tuple[int, str], torch.cuda.Stream] = {}
+
+    def _stream(self, device: torch.device, direction: str) -> torch.cuda.Stream:
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        key = (index, direction)
+        if key not in self._streams:
+            self._streams[key] = torch.cuda.Stream(device=index)
+        return self._streams[key]
+
+    def _mark(self) -> Any:
+        event = torch.cuda.Event()
+        event.record()  # on the current stream: the side stream inside _launch
+        return event
+
+    def _wait(self, ticket: Ticket) -> None:
+        if ticket.event is not None:
+            assert isinstance(ticket.event, torch.cuda.Event)
+            ticket.event.synchronize()
+
+    def _to_device(self, ticket: Ticket, rows: torch.Tensor, device: torch.device) -> torch.Tensor:
+        pinned = rows.pin_memory()  # an async copy from pageable memory would wait for the stream
+        ticket.keep.append(pinned)
+        return pinned.to(device, non_blocking=True)
+
+    def _launch(self, ticket: Ticket, synchronous: bool = False) -> None:
+        job = ticket.job
+        if job is None:
+            ticket.event, ticket.layer_events = self._mark(), None  # a store: nothing to move
+            return
+        if job.src.device.type == "cpu" and job.dst.device.type == "cpu":
+            super()._launch(ticket)  # both pools on the CPU: nothing for a stream to do
+            return
+        on_device = job.src if job.src.device.type == "cuda" else job.dst
+        device = on_device.device
+        direction = "d2h" if job.src is on_device else "h2d"
+        with torch.cuda.device(device):
+            stream = self._stream(device, direction)
+            stream.wait_stream(torch.cuda.current_stream(device))
+            if synchronous:
+                stream.wait_stream(self._stream(device, "h2d" if direction == "d2h" else "d2h"))
+            with torch.cuda.stream(stream):
+                super()._launch(ticket)
+
+    def wait_layer(self, ticket: Ticket, layer: int, stream: Optional[torch.cuda.Stream] = None) -> None:
+        """Make `stream` (default: the current one) wait, on the device, for layer `layer` of a load-back."""
+        event = ticket.layer_events[layer] if ticket.layer_events else ticket.event
+        if isinstance(event, torch.cuda.Event):
+            (stream or torch.cuda.current_stream()).wait_event(event)
+
+    def drain(self) -> None:
+        for stream in self._streams.values():
+            stream.synchronize()
+        super().drain()  # staged D2H copies: their CPU scatter
+
+    def close(self) -> None:
+        self.drain()
+
+
+ENGINES: dict[str, Callable[[], CopyEngine]] = {
+    "deferred": DeferredCopyEngine,
+    "threaded": ThreadedCopyEngine,
+    "cuda": CudaCopyEngine,
+    "cuda-dma": partial(CudaCopyEngine, strategy="dma"),
+    "cuda-staged": partial(CudaCopyEngine, strategy="staged"),
+    "planned": PlannedCopyEngine,
+    "planned-dma": partial(PlannedCopyEngine, strategy="dma"),
+    "planned-staged": partial(PlannedCopyEngine, strategy="staged"),
+}
+"""`make_factory(engine=...)` names: `cuda-dma` / `cuda-staged` force a strategy (what `cuda`'s `auto` picks per copy)."""
 
 
 def make_engine(kind: str) -> CopyEngine:

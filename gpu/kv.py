@@ -9,6 +9,10 @@ cell and zeros after them (real engines' cells are wider; the content function d
 Every copy works on a `uint8` view of the pool, so bytes move bit for bit whatever the dtype
 (no NaN canonicalisation, no float conversions).
 
+For the CUDA engine a pool is also a matrix of *cells* (`cells`: uint8 [rows, width], one row per
+(token, layer, K|V), contiguous in memory); `plan_copy` turns a copy into runs of rows contiguous in
+the host pool (one DMA each) plus one device gather/scatter, grouped per layer for load-back.
+
 Layouts (SGLang's names):
 - `layer_first`: one tensor [2, layers, slots, heads, head_dim]; `k_buffer(l)` and `v_buffer(l)`
   are the per-layer [slots, heads, head_dim] views an attention kernel reads.
@@ -82,6 +86,8 @@ class KVPool:
         self.pin = pin
         self.buffer = self._allocate(pin)
         self.u8 = self._bytes_view()
+        self.cells = self.u8.view(-1, geometry.width)
+        """uint8 [rows, width]: every (token, layer, K|V) cell of the pool, a row each (`cell_rows` maps slots)."""
 
     # -- layout-specific
     def _allocate(self, pin: bool) -> torch.Tensor:
@@ -101,6 +107,10 @@ class KVPool:
     def run_view(self, start: int, n: int) -> Optional[torch.Tensor]:
         """A [2, layers, n, width] view of `n` consecutive slots, if the layout has one."""
         return None
+
+    def cell_rows(self, slots: torch.Tensor) -> torch.Tensor:
+        """int64 [n, 2, layers]: the row of `cells` holding each slot's (K|V, layer) cell (`slots`: int64 [n], CPU)."""
+        raise NotImplementedError
 
     # -- shared
     def index(self, slots: Sequence[int]) -> torch.Tensor:
@@ -192,6 +202,11 @@ class LayerFirstPool(KVPool):
     def run_view(self, start: int, n: int) -> Optional[torch.Tensor]:
         return self.u8[:, :, start : start + n]
 
+    def cell_rows(self, slots: torch.Tensor) -> torch.Tensor:
+        # row of (kv, layer, slot) in [2, layers, capacity]: (kv * layers + layer) * capacity + slot
+        base = torch.arange(2 * self.geometry.layers, dtype=torch.long).view(2, -1) * self.capacity
+        return base.unsqueeze(0) + slots.view(-1, 1, 1)
+
 
 class PageFirstPool(KVPool):
     """[pages, layers, 2, page_size, heads, head_dim]: a page of every layer is one contiguous block."""
@@ -215,6 +230,14 @@ class PageFirstPool(KVPool):
     def scatter(self, idx: torch.Tensor, data: torch.Tensor) -> None:
         self.u8[idx // self.page_size, :, :, idx % self.page_size] = data.permute(0, 2, 1, 3)
 
+    def cell_rows(self, slots: torch.Tensor) -> torch.Tensor:
+        # row of (page, layer, kv, offset) in [pages, layers, 2, page_size]
+        ps, layers = self.page_size, self.geometry.layers
+        kv = torch.arange(2, dtype=torch.long).view(2, 1) * ps
+        layer = torch.arange(layers, dtype=torch.long).view(1, layers) * (2 * ps)
+        start = (slots // ps) * (layers * 2 * ps) + slots % ps
+        return (kv + layer).unsqueeze(0) + start.view(-1, 1, 1)
+
 
 def make_pool(
     layout: str, capacity: int, page_size: int, geometry: KVGeometry, device: torch.device, pin: bool = False
@@ -224,3 +247,135 @@ def make_pool(
     if layout == "page_first":
         return PageFirstPool(capacity, page_size, geometry, device, pin)
     raise ValueError(f"unknown layout {layout!r}; one of {LAYOUTS}")
+
+
+# ---------------------------------------------------------------------- copy plans (the CUDA engine's path)
+
+PLAN_STRATEGIES = ("auto", "dma", "staged")
+MIN_RUN_BYTES = 64 * 1024
+"""`auto` moves host runs of at least this many bytes (on average) as one DMA each, smaller ones staged."""
+DIRECT_MAX_RUNS = 32
+"""A group whose runs are contiguous in both pools moves without staging when it has at most this many."""
+
+
+@dataclass
+class PlanGroup:
+    """The cells of one copy that one event covers: one layer (load-back by layer) or every layer.
+
+    `host_rows` / `dev_rows` pair the cells, sorted by host row, so that the host pool's contiguous runs
+    are consecutive: run `i` is positions `starts[i] : starts[i] + lengths[i]`.
+    """
+
+    layer: Optional[int]
+    """The layer whose cells this group moves; None: every layer."""
+    host_rows: torch.Tensor
+    dev_rows: torch.Tensor
+    starts: list[int]
+    lengths: list[int]
+    direct: bool
+    """Every run is contiguous in the device pool too (and there are at most DIRECT_MAX_RUNS)."""
+
+    def host_runs(self) -> list[tuple[int, int, int]]:
+        """(host_row, dev_row, rows) of each run (the dev row is meaningful only when `direct`)."""
+        if not self.starts:
+            return []
+        at = torch.tensor(self.starts, dtype=torch.long)
+        return list(zip(self.host_rows[at].tolist(), self.dev_rows[at].tolist(), self.lengths))
+
+
+@dataclass
+class CopyPlan:
+    """How one copy between a device pool and a host pool moves, whatever the engine that runs it.
+
+    `dma`: per group, runs contiguous in both pools are single copies (at most DIRECT_MAX_RUNS);
+    otherwise one device gather (D2H) or scatter (H2D) through a contiguous device staging buffer,
+    and one DMA per host run between that buffer and the host pool. `staged`: one device gather /
+    scatter, one DMA between the device buffer and a pinned host staging buffer, and one CPU
+    scatter / gather between that buffer and the host pool (for runs too short to DMA one by one).
+    """
+
+    direction: str
+    """"d2h" (device pool to host pool) or "h2d"."""
+    strategy: str
+    """"dma" or "staged" (what `auto` chose)."""
+    groups: list[PlanGroup]
+    width: int
+    """Bytes of one cell (row)."""
+
+    @property
+    def rows(self) -> int:
+        return sum(len(g.host_rows) for g in self.groups)
+
+    @property
+    def nbytes(self) -> int:
+        return self.rows * self.width
+
+    @property
+    def runs(self) -> int:
+        return sum(len(g.starts) for g in self.groups)
+
+
+def slot_tensor(slots: object) -> torch.Tensor:
+    """Slot ids as an int64 CPU tensor: from a sequence of ints, an int64 tensor, or int64 bytes / `array("q")`."""
+    if isinstance(slots, torch.Tensor):
+        return slots.to(device="cpu", dtype=torch.long).view(-1)
+    if isinstance(slots, (bytes, bytearray, memoryview)):
+        raw = bytes(slots)
+        return torch.frombuffer(bytearray(raw), dtype=torch.long) if raw else torch.zeros(0, dtype=torch.long)
+    return torch.tensor(list(slots), dtype=torch.long)  # type: ignore[call-overload]
+
+
+def _group(layer: Optional[int], host_rows: torch.Tensor, dev_rows: torch.Tensor) -> PlanGroup:
+    order = torch.argsort(host_rows, stable=True)
+    h, d = host_rows[order], dev_rows[order]
+    m = len(h)
+    if m == 0:
+        return PlanGroup(layer, h, d, [], [], True)
+    breaks = h[1:] != h[:-1] + 1
+    starts = torch.cat([torch.zeros(1, dtype=torch.long), torch.nonzero(breaks).view(-1) + 1])
+    ends = torch.cat([starts[1:], torch.tensor([m], dtype=torch.long)])
+    # a run is contiguous on the device side too when no step inside it breaks there
+    inner = (~breaks) & (d[1:] != d[:-1] + 1)
+    seen = torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(inner.long(), 0)])
+    direct = len(starts) <= DIRECT_MAX_RUNS and bool(((seen[ends - 1] - seen[starts]) == 0).all())
+    return PlanGroup(layer, h, d, starts.tolist(), (ends - starts).tolist(), direct)
+
+
+def plan_copy(
+    host: KVPool,
+    host_slots: object,
+    dev: KVPool,
+    dev_slots: object,
+    direction: str,
+    *,
+    by_layer: bool = False,
+    strategy: str = "auto",
+    min_run_bytes: int = MIN_RUN_BYTES,
+) -> CopyPlan:
+    """Plan moving the cells of `dev_slots` to `host_slots` ("d2h") or back ("h2d"), pair by pair.
+
+    Every (slot, layer, K|V) cell becomes a (host row, device row) pair; pairs are sorted by host
+    row and merged into runs contiguous in the host pool, so a run is one DMA however the slots
+    were scattered. `by_layer` splits the plan into one group per layer (an event each: a forward
+    pass can start layer `l` once its group landed).
+    """
+    if direction not in ("d2h", "h2d"):
+        raise ValueError(f"direction must be d2h or h2d, got {direction!r}")
+    if strategy not in PLAN_STRATEGIES:
+        raise ValueError(f"unknown strategy {strategy!r}; one of {PLAN_STRATEGIES}")
+    hs, ds = slot_tensor(host_slots), slot_tensor(dev_slots)
+    if len(hs) != len(ds):
+        raise ValueError(f"{len(hs)} host slots but {len(ds)} device slots")
+    if host.geometry != dev.geometry:
+        raise ValueError("pools of different geometries")
+    h, d = host.cell_rows(hs), dev.cell_rows(ds)
+    if by_layer:
+        groups = [_group(layer, h[:, :, layer].reshape(-1), d[:, :, layer].reshape(-1)) for layer in range(h.shape[2])]
+    else:
+        groups = [_group(None, h.reshape(-1), d.reshape(-1))]
+    width = host.geometry.width
+    if strategy == "auto":
+        runs = sum(len(g.starts) for g in groups)
+        rows = sum(len(g.host_rows) for g in groups)
+        strategy = "dma" if runs == 0 or rows * width >= min_run_bytes * runs else "staged"
+    return CopyPlan(direction, strategy, groups, width)
