@@ -68,7 +68,7 @@ SWARM_RULES = (
 """Rules a storage run may switch off (swarm testing): with fewer kinds of step, each run goes
 deeper into the ones it keeps (Groce et al., "Swarm Testing", ISSTA 2012)."""
 MAX_PAGES = 5
-SESSIONS = ("a", "b", "c")
+SESSIONS = ("a", "b", "c", "d")
 """Session ids a priority run registers (SPEC.md §11): few, so they share paths and re-register."""
 SCOPES = ((True, True), (True, False), (False, False))
 """Eviction scopes (allow_low, allow_high): a high-priority requester's, a low one's, the UNUSED tier only."""
@@ -119,6 +119,7 @@ class CacheMachine(RuleBasedStateMachine):
         self.faults: list[str] = []
         self.off: set[str] = set()
         self.published: list[tuple[Optional[str], list[int]]] = []
+        self.sessions_on = False
 
     bad_input: bool = False
 
@@ -158,7 +159,10 @@ class CacheMachine(RuleBasedStateMachine):
 
     @initialize(data=st.data())
     def start(self, data: st.DataObject) -> None:
-        """Pick this run's fault kinds: a few kinds often beat all kinds always (swarm testing)."""
+        """Pick this run's fault kinds, and whether it uses the priority rules: a few kinds often beat all
+        kinds always (swarm testing), and half the runs keep every step for the tiers below §11."""
+        if self.capabilities.priority_refs:
+            self.sessions_on = data.draw(st.booleans(), label="priority rules")
         if self.storage():
             self.faults = sorted(data.draw(st.sets(st.sampled_from(STORAGE_FAULTS)), label="fault kinds"))
             self.off = data.draw(st.sets(st.sampled_from(SWARM_RULES)), label="rules switched off")
@@ -245,7 +249,7 @@ class CacheMachine(RuleBasedStateMachine):
     # ----------------------------------------------------------------- priority tiers (SPEC.md §11)
 
     def priority(self) -> bool:
-        return self.capabilities.priority_refs
+        return self.capabilities.priority_refs and self.sessions_on
 
     @precondition(lambda self: self.priority() and bool(self.h.live_handles()))
     @rule(data=st.data(), action=st.sampled_from(["register", "register", "fork", "update", "release"]))
@@ -267,6 +271,10 @@ class CacheMachine(RuleBasedStateMachine):
         elif action == "update":
             self.do(UpdateRef(data.draw(st.sampled_from(registered), label="session"), priority))
         else:
+            sessions = self.h.oracle.sessions
+            high = [k for k in registered if self.h.oracle._is_high(sessions[k])]
+            if high and any(x.demoted for x in sessions.values()) and data.draw(st.booleans(), label="high ends"):
+                registered = high  # a high-priority session ending is what gives a demoted one back its tier
             self.do(ReleaseRef(data.draw(st.sampled_from(registered), label="session")))
 
     @precondition(lambda self: self.priority())
@@ -460,12 +468,21 @@ class CacheMachine(RuleBasedStateMachine):
             self.published.append((ns, codes))
         self.do(Publish(ns, tokens_of(codes, self.config.page_size)))
 
-    @precondition(lambda self: self.storage() and self.on("pressure"))
-    @rule()
-    def pressure(self) -> None:
-        """A load spike empties both memory tiers; only storage keeps the pages (and locks keep theirs)."""
+    @precondition(lambda self: (self.storage() or (self.host() and self.priority())) and self.on("pressure"))
+    @rule(data=st.data())
+    def pressure(self, data: st.DataObject) -> None:
+        """A load spike empties both memory tiers; only storage keeps the pages (and locks keep theirs).
+
+        With priority rules on, host pressure demotes idle high-priority sessions (SPEC.md §11.4), and
+        often a high-priority conversation ends right after, which gives the latest demoted one its tier back.
+        """
         self.do(Evict(self.config.capacity))
         self.do(EvictHost(self.config.host_capacity))
+        sessions = self.h.oracle.sessions
+        high = [k for k, x in sessions.items() if self.h.oracle._is_high(x)]
+        if self.priority() and high and any(x.demoted for x in sessions.values()):
+            if data.draw(st.booleans(), label="a high session ends"):
+                self.do(ReleaseRef(data.draw(st.sampled_from(high), label="session")))
 
     @precondition(lambda self: self.storage() and bool(self.h.fetchable()))
     @rule(data=st.data(), pages=st.integers(1, 3))
