@@ -12,15 +12,23 @@ conformance harness does (the Backend protocol's insert takes only slots the cal
 schedulers allocate only the new tokens, so absolute rates understate every implementation's
 allocator path; the ratios compare like with like.
 
-Implementations: the reference model (through the Backend protocol, with a time budget: its
-full scans are quadratic by design), `kvcert.gpu` (when it exists) through the same protocol, and
-when SGLang 0.5.23 is installed its `RadixCache` and `UnifiedRadixCache` with the Python and the
-Rust tree cores, each driven through its own native API (no adapter in the timed path).
+Implementations: `kvcert.gpu` through its tensor-native API (`GpuNativeDriver`) and through the
+Backend protocol it is certified on (`ProtocolDriver`: the same internals behind per-token tuples),
+the reference model (the protocol, with a time budget: its full scans are quadratic by design),
+and when SGLang 0.5.23 is installed its `RadixCache` and `UnifiedRadixCache` with the Python and
+the Rust tree cores, each driven through its own native API (no adapter in the timed path).
+
+With a host tier (`replay_host`, `kvcert bench meta --host`): the same trace over a device pool
+and a host pool twice its size under write-through. A match whose prefix continues on the host
+loads it back (the load's copy completed and its ack consumed, then the request proceeds); every
+request ends with the scheduler's step (write copies landed, acks consumed): the `load_back`
+and `backup` columns. SGLang's `UnifiedRadixCache` with HiCache is the baseline there.
 """
 
 from __future__ import annotations
 
 import contextlib
+import gc
 import importlib
 import random
 import time
@@ -28,11 +36,16 @@ from array import array
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 from kvcert.spec.types import CacheConfig, KVCertError, PoolExhausted
 
 OPS = ("match", "lock", "evict", "insert", "unlock")
+HOST_OPS = ("match", "load_back", "lock", "evict", "insert", "unlock", "backup")
+HOST_RATIO = 2
+"""Host pool = HOST_RATIO x device pool (SGLang's `hicache_ratio` default)."""
+LOAD_BACK_THRESHOLD = 10
+"""Host tokens below which a load-back is refused: SGLang's default, given to kvcert's caches too."""
 
 
 # --------------------------------------------------------------------------- the trace
@@ -86,12 +99,29 @@ def make_trace(spec: TraceSpec) -> list[Request]:
 # --------------------------------------------------------------------------- drivers
 
 
+class Hit(NamedTuple):
+    """A match with a host tier: where the device hit ends, and the host hit after it."""
+
+    node: Any
+    host_length: int
+    host_node: Any
+
+
 class Driver:
     """One implementation's calls for one request step; subclasses bind them to a real API."""
 
     name = ""
 
-    def match(self, req: Request) -> Any:
+    def key(self, req: Request) -> Any:
+        """The request's token ids in the form this API takes, built once per request, outside the timers.
+
+        A scheduler holds each request's token ids already (SGLang keeps them as an `array("q")`,
+        `Req.full_untruncated_fill_ids`, and wraps it in a `RadixKey` per call); converting the
+        trace's tuples is the harness's work, not the cache's.
+        """
+        return req.tokens
+
+    def match(self, req: Request, key: Any) -> Any:
         raise NotImplementedError
 
     def lock(self, node: Any) -> Any:
@@ -106,8 +136,20 @@ class Driver:
     def evict(self, n: int) -> None:
         raise NotImplementedError
 
-    def insert(self, req: Request) -> bool:
+    def insert(self, req: Request, key: Any) -> bool:
         """Allocate the key's slots, insert, free the duplicates; False when the pool is short."""
+        raise NotImplementedError
+
+    # -- with a host tier (replay_host)
+    def match_host(self, req: Request, key: Any) -> Hit:
+        raise NotImplementedError
+
+    def load_back(self, hit: Hit) -> Any:
+        """Load the host part of `hit` back, land the copy, consume its ack; the node to lock."""
+        raise NotImplementedError
+
+    def backup(self) -> None:
+        """The scheduler's step: issued write copies land, their acks are consumed."""
         raise NotImplementedError
 
     def session(self) -> contextlib.AbstractContextManager[Any]:
@@ -119,14 +161,13 @@ class Driver:
 
 
 class ProtocolDriver(Driver):
-    """A kvcert Backend (the reference model, kvcert.gpu) through the conformance protocol."""
+    """A kvcert Backend (the reference model, kvcert.gpu) through the conformance protocol: tuples of ints."""
 
     def __init__(self, name: str, backend: Any) -> None:
         self.name, self.cache = name, backend
-        self.capacity = backend.snapshot().capacity
 
-    def match(self, req: Request) -> Any:
-        return self.cache.match_prefix(req.namespace, req.tokens).node
+    def match(self, req: Request, key: Any) -> Any:
+        return self.cache.match_prefix(req.namespace, key).node
 
     def lock(self, node: Any) -> Any:
         self.cache.inc_lock_ref(node)
@@ -147,28 +188,89 @@ class ProtocolDriver(Driver):
     def evict(self, n: int) -> None:
         self.cache.evict(n)
 
-    def insert(self, req: Request) -> bool:
+    def insert(self, req: Request, key: Any) -> bool:
         try:
-            slots = self.cache.alloc(len(req.tokens))
+            slots = self.cache.alloc(len(key))
         except PoolExhausted:
             return False
-        out = self.cache.insert(req.namespace, req.tokens, slots)
+        out = self.cache.insert(req.namespace, key, slots)
         self.cache.free(slots[: out.prefix_len])
         return True
 
+    def match_host(self, req: Request, key: Any) -> Hit:
+        out = self.cache.match_prefix(req.namespace, key)
+        return Hit(out.node, out.host_length, out.host_node)
+
+    def load_back(self, hit: Hit) -> Any:
+        if not self.cache.load_back(hit.host_node):
+            return hit.node
+        self.backup()
+        return hit.host_node
+
+    def _in_flight(self) -> list[int]:
+        in_flight = getattr(self.cache, "in_flight", None)
+        if callable(in_flight):
+            return list(in_flight())
+        return [c.id for c in self.cache.copies if not c.finished]  # the reference model's copy list
+
+    def backup(self) -> None:
+        for copy in self._in_flight():
+            self.cache.complete(copy)
+        self.cache.poll()
+
+
+class GpuNativeDriver(ProtocolDriver):
+    """`kvcert.gpu` through its tensor-native API, as an engine calls it (and as SGLang's trees are driven here).
+
+    Per request: the key as an `array("q")` (the form SGLang's drivers get too),
+    `match_prefix_fast` (slots back as one int64 tensor), `alloc_tensor`, `insert_fast`,
+    `free_tensor` of the duplicates: the same internals the Backend protocol wraps, without a
+    Python int per token or slot. Locks, eviction, load-back and copies take node and copy ids:
+    the same calls as the protocol's.
+    """
+
+    def key(self, req: Request) -> Any:
+        return array("q", req.tokens)
+
+    def match(self, req: Request, key: Any) -> Any:
+        return self.cache.match_prefix_fast(req.namespace, key).node
+
+    def free_count(self) -> int:
+        return int(self.cache.free_count())
+
+    def insert(self, req: Request, key: Any) -> bool:
+        try:
+            slots = self.cache.alloc_tensor(len(key))
+        except PoolExhausted:
+            return False
+        out = self.cache.insert_fast(req.namespace, key, slots)
+        if out.prefix_len:
+            self.cache.free_tensor(slots[: out.prefix_len])
+        return True
+
+    def match_host(self, req: Request, key: Any) -> Hit:
+        out = self.cache.match_prefix_fast(req.namespace, key)
+        return Hit(out.node, out.host_length, out.host_node)
+
+    def backup(self) -> None:
+        for copy in self.cache.in_flight():
+            self.cache.complete(copy)
+        self.cache.poll()
+
 
 class _SGLangDriver(Driver):
-    """The calls SGLang's two trees share: keys, match, the allocator, eviction."""
+    """The calls SGLang's trees share: keys, match, the allocator, eviction."""
 
     sg: Any
     cache: Any
     allocator: Any
 
-    def _key(self, req: Request) -> Any:
-        return self.sg.RadixKey(array("q", req.tokens), extra_key=req.namespace)
+    def key(self, req: Request) -> Any:
+        return array("q", req.tokens)
 
-    def match(self, req: Request) -> Any:
-        return self.cache.match_prefix(self.sg.MatchPrefixParams(key=self._key(req))).last_device_node
+    def match(self, req: Request, key: Any) -> Any:
+        params = self.sg.MatchPrefixParams(key=self.sg.RadixKey(key, extra_key=req.namespace))
+        return self.cache.match_prefix(params).last_device_node
 
     def free_count(self) -> int:
         return int(self.allocator.available_size())
@@ -224,31 +326,45 @@ class SGLangRadixDriver(_SGLangDriver):
     def unlock(self, lock: Any) -> None:
         self.cache.dec_lock_ref(lock)
 
-    def insert(self, req: Request) -> bool:
-        slots = self.allocator.alloc(len(req.tokens))
+    def insert(self, req: Request, key: Any) -> bool:
+        slots = self.allocator.alloc(len(key))
         if slots is None:
             return False
-        res = self.cache.insert(self.sg.InsertParams(key=self._key(req), value=slots))
+        res = self.cache.insert(self.sg.InsertParams(key=self.sg.RadixKey(key, extra_key=req.namespace), value=slots))
         if res.prefix_len:
             self.allocator.free(slots[: res.prefix_len])
         return True
 
 
 class SGLangUnifiedDriver(_SGLangDriver):
-    """SGLang's `UnifiedRadixCache` (device tier only), one tree core, native calls only.
+    """SGLang's `UnifiedRadixCache`, one tree core, native calls only; with `host_tier`, HiCache too.
 
-    Built through the HiCache driver (`sglang_hicache.SGLangHiCache`, host tier off) for its
-    CPU shims and runtime context; the timed calls go to the cache object directly.
+    Built through the HiCache driver (`sglang_hicache.SGLangHiCache`) for its CPU shims and
+    runtime context; the timed calls go to the cache object directly. With a host tier the
+    controller's ack queues are SGLang's own lists again (the driver's deferred-ack wrappers are
+    removed): on the CPU a copy has moved its bytes when it is submitted, so `check_hicache_events`
+    consumes its ack at once, as a GPU scheduler's step does once the copy's event has fired.
     """
 
-    def __init__(self, page_size: int, capacity: int, core: str) -> None:
+    def __init__(self, page_size: int, capacity: int, core: str, host_tier: bool = False) -> None:
         from kvcert.conformance.adapters import sglang_hicache as hc
 
-        self.name = f"sglang UnifiedRadixCache ({core} core)"
+        self.name = f"sglang {'HiCache' if host_tier else 'UnifiedRadixCache'} ({core} core)"
         self.drv = hc.SGLangHiCache(
-            hc.HiCacheConfig(page_size=page_size, device_pages=capacity // page_size, core=core, host_tier=False)
+            hc.HiCacheConfig(
+                page_size=page_size,
+                device_pages=capacity // page_size,
+                host_ratio=float(HOST_RATIO),
+                write_policy="write_through",
+                core=core,
+                host_tier=host_tier,
+            )
         )
         self.cache, self.sg, self.allocator = self.drv.cache, hc.SG, self.drv.allocator
+        self._load_params, self._req = hc._bpc.InitLoadBackParams, hc._Req
+        if host_tier:
+            self.drv.cc.ack_write_queue = []
+            self.drv.cc.ack_load_queue = []
 
     def lock(self, node: Any) -> Any:
         return node, self.cache.inc_lock_ref(node).to_dec_params()
@@ -257,12 +373,31 @@ class SGLangUnifiedDriver(_SGLangDriver):
         node, receipt = lock
         self.cache.dec_lock_ref(node, receipt)
 
-    def insert(self, req: Request) -> bool:
-        slots = self.allocator.alloc(len(req.tokens))
+    def insert(self, req: Request, key: Any) -> bool:
+        slots = self.allocator.alloc(len(key))
         if slots is None:
             return False
-        self.cache.insert(self.sg.InsertParams(key=self._key(req), value=slots))  # frees its duplicates itself
+        params = self.sg.InsertParams(key=self.sg.RadixKey(key, extra_key=req.namespace), value=slots)
+        self.cache.insert(params)  # frees its duplicates itself; with HiCache, queues the write-through backup
         return True
+
+    def match_host(self, req: Request, key: Any) -> Hit:
+        params = self.sg.MatchPrefixParams(key=self.sg.RadixKey(key, extra_key=req.namespace))
+        res = self.cache.match_prefix(params)
+        return Hit(res.last_device_node, int(res.host_hit_length), res.last_host_node)
+
+    def load_back(self, hit: Hit) -> Any:
+        params = self._load_params(
+            best_match_node=hit.host_node, host_hit_length=hit.host_length, mem_quota=None, req=self._req(hit.node)
+        )
+        out = self.cache.init_load_back(params)
+        self.cache.ready_to_load_host_cache()
+        self.cache.check_hicache_events()
+        return hit.node if out is None else out[1]
+
+    def backup(self) -> None:
+        self.cache.flush_pending_backups()
+        self.cache.check_hicache_events()
 
     def session(self) -> contextlib.AbstractContextManager[Any]:
         """SGLang mints lock uuids and node ids from module globals: use the ones this cache was built with."""
@@ -280,6 +415,7 @@ class SGLangUnifiedDriver(_SGLangDriver):
 @dataclass
 class Result:
     name: str
+    ops: tuple[str, ...] = OPS
     requests: int = 0
     """Requests replayed (all of them, unless the time budget ran out)."""
     seconds: float = 0.0
@@ -287,6 +423,8 @@ class Result:
     nanos: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     refused: int = 0
     """Inserts the pool could not hold even after eviction (everything locked)."""
+    loaded: int = 0
+    """Requests whose match continued on the host (a load-back was asked for)."""
     error: str = ""
 
     def rate(self, op: str) -> Optional[float]:
@@ -298,9 +436,8 @@ class Result:
         return sum(self.calls.values()) / (ns / 1e9) if ns else None
 
 
-def replay(driver: Driver, trace: Sequence[Request], budget: float) -> Result:
-    """Replay `trace` on `driver`, timing each call; stop early once `budget` seconds have passed."""
-    res = Result(driver.name)
+def _replay(driver: Driver, trace: Sequence[Request], budget: float, host: bool) -> Result:
+    res = Result(driver.name, HOST_OPS if host else OPS)
     clock = time.perf_counter_ns
     start = time.perf_counter()
 
@@ -311,25 +448,61 @@ def replay(driver: Driver, trace: Sequence[Request], budget: float) -> Result:
         res.calls[op] += 1
         return out
 
+    # The trace (tens of millions of ints in tuples) is the harness's, not the cache's: freeze it out of the
+    # collector, or a full collection walks it inside whichever call triggers one (~0.25 s at page size 64).
+    gc.collect()
+    gc.freeze()
     try:
         with driver.session():
             for req in trace:
-                node = timed("match", driver.match, req)
+                key = driver.key(req)
+                if host:
+                    hit = timed("match", driver.match_host, req, key)
+                    node = hit.node
+                    if hit.host_length:
+                        res.loaded += 1
+                        node = timed("load_back", driver.load_back, hit)
+                else:
+                    node = timed("match", driver.match, req, key)
                 held = timed("lock", driver.lock, node)
                 short = len(req.tokens) - driver.free_count()
                 if short > 0:
                     timed("evict", driver.evict, short)
-                if not timed("insert", driver.insert, req):
+                if not timed("insert", driver.insert, req, key):
                     res.refused += 1
                 timed("unlock", driver.unlock, held)
+                if host:
+                    timed("backup", driver.backup)
                 res.requests += 1
                 if time.perf_counter() - start > budget:
                     break
     except (KVCertError, AssertionError, RuntimeError) as err:  # report, keep the other implementations
         res.error = f"{type(err).__name__}: {err}"
+    finally:
+        gc.unfreeze()
     res.seconds = time.perf_counter() - start
     driver.close()
     return res
+
+
+def replay(driver: Driver, trace: Sequence[Request], budget: float) -> Result:
+    """Replay `trace` on `driver` (device tier only), timing each call; stop early once `budget` seconds have passed."""
+    return _replay(driver, trace, budget, host=False)
+
+
+def replay_host(driver: Driver, trace: Sequence[Request], budget: float) -> Result:
+    """Replay `trace` with a host tier: load-back of host hits, the scheduler's copy step after every request."""
+    return _replay(driver, trace, budget, host=True)
+
+
+def _sglang_available() -> bool:
+    try:
+        from kvcert.conformance.adapters._sglang_env import import_sglang
+
+        import_sglang()
+        return True
+    except Exception:  # noqa: BLE001 - SGLang is optional: missing, or its import shims fail here
+        return False
 
 
 def drivers(page_size: int, capacity: int, which: Sequence[str]) -> list[tuple[str, Callable[[], Driver]]]:
@@ -339,7 +512,8 @@ def drivers(page_size: int, capacity: int, which: Sequence[str]) -> list[tuple[s
     try:
         gpu = importlib.import_module("kvcert.gpu")
         if hasattr(gpu, "factory"):
-            makers["gpu"] = lambda: ProtocolDriver("kvcert.gpu", gpu.factory(config))
+            makers["gpu"] = lambda: GpuNativeDriver("kvcert.gpu", gpu.factory(config))
+            makers["gpu-protocol"] = lambda: ProtocolDriver("kvcert.gpu (protocol)", gpu.factory(config))
     except ImportError:
         pass
 
@@ -349,17 +523,44 @@ def drivers(page_size: int, capacity: int, which: Sequence[str]) -> list[tuple[s
         return ProtocolDriver("kvcert.refimpl", RefCache(config))
 
     makers["refimpl"] = refimpl
-    try:
-        from kvcert.conformance.adapters._sglang_env import import_sglang
-
-        import_sglang()
+    if _sglang_available():
         makers["sglang-radix"] = lambda: SGLangRadixDriver(page_size, capacity)
         makers["sglang-unified-python"] = lambda: SGLangUnifiedDriver(page_size, capacity, "python")
         makers["sglang-unified-rust"] = lambda: SGLangUnifiedDriver(page_size, capacity, "rust")
-    except Exception:  # noqa: BLE001 - SGLang is optional: missing, or its import shims fail here
-        pass
     return [(k, makers[k]) for k in which if k in makers]
 
 
-IMPLEMENTATIONS = ("gpu", "sglang-radix", "sglang-unified-python", "sglang-unified-rust", "refimpl")
+def host_drivers(page_size: int, capacity: int, which: Sequence[str]) -> list[tuple[str, Callable[[], Driver]]]:
+    """`drivers` with a host tier: HOST_RATIO x `capacity` host slots, write-through."""
+    config = CacheConfig(
+        page_size=page_size,
+        capacity=capacity,
+        host_capacity=HOST_RATIO * capacity,
+        write_policy="write_through",
+        load_back_threshold=LOAD_BACK_THRESHOLD,
+    )
+    makers: dict[str, Callable[[], Driver]] = {}
+    try:
+        gpu = importlib.import_module("kvcert.gpu")
+        if hasattr(gpu, "factory"):
+            makers["gpu"] = lambda: GpuNativeDriver("kvcert.gpu", gpu.factory(config))
+            makers["gpu-protocol"] = lambda: ProtocolDriver("kvcert.gpu (protocol)", gpu.factory(config))
+    except ImportError:
+        pass
+
+    def refimpl() -> Driver:
+        from kvcert.refimpl import RefCache
+
+        return ProtocolDriver("kvcert.refimpl", RefCache(config))
+
+    makers["refimpl"] = refimpl
+    if _sglang_available():
+        makers["sglang-hicache-python"] = lambda: SGLangUnifiedDriver(page_size, capacity, "python", host_tier=True)
+        makers["sglang-hicache-rust"] = lambda: SGLangUnifiedDriver(page_size, capacity, "rust", host_tier=True)
+    return [(k, makers[k]) for k in which if k in makers]
+
+
+IMPLEMENTATIONS = ("gpu", "gpu-protocol", "sglang-radix", "sglang-unified-python", "sglang-unified-rust", "refimpl")
 BASELINE = "sglang-radix"
+HOST_IMPLEMENTATIONS = ("gpu", "gpu-protocol", "sglang-hicache-python", "sglang-hicache-rust", "refimpl")
+HOST_BASELINE = "sglang-hicache-python"

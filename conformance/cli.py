@@ -224,49 +224,62 @@ def bench_meta_cmd(
     seed: int = typer.Option(0),
     budget: float = typer.Option(120.0, help="seconds per implementation before it stops early"),
     impl: Optional[list[str]] = typer.Option(None, "--impl", help="only these implementations"),
+    host: bool = typer.Option(False, "--host", help="also replay with a host tier (2x the pool, write-through)"),
     json_out: Optional[Path] = typer.Option(None, "--json", help="write the figures as JSON"),
 ) -> None:
     """Replay one multi-turn trace against every implementation; print calls/s per operation and ratios."""
     from kvcert.conformance import bench
 
     report = []
+    modes = [("device", bench.drivers, bench.replay, bench.IMPLEMENTATIONS, bench.BASELINE)]
+    if host:
+        modes.append(("host", bench.host_drivers, bench.replay_host, bench.HOST_IMPLEMENTATIONS, bench.HOST_BASELINE))
     for ps in page_size:
         spec = bench.TraceSpec(page_size=ps, pages=pages, requests=requests, seed=seed)
         trace = bench.make_trace(spec)
         tokens = sum(len(r.tokens) for r in trace)
-        console.print(f"page size {ps}: {len(trace)} requests, {tokens:,} key tokens, pool {pages:,} pages")
-        results = []
-        for label, make in bench.drivers(ps, pages * ps, impl or bench.IMPLEMENTATIONS):
-            res = bench.replay(make(), trace, budget)
-            results.append((label, res))
-            note = f" (stopped after {res.requests} requests: budget)" if res.requests < len(trace) else ""
-            console.print(f"  {res.name:<34} {res.seconds:7.1f}s{note}{'  ' + res.error if res.error else ''}")
-        base = dict(results).get(bench.BASELINE)
-        table = Table(title=f"calls/s, page size {ps} (ratio to {bench.BASELINE})")
-        table.add_column("implementation")
-        for op in (*bench.OPS, "all"):
-            table.add_column(op, justify="right")
-        for label, res in results:
-            cells = []
-            for op in (*bench.OPS, "all"):
-                rate = res.total_rate if op == "all" else res.rate(op)
-                ref = (base.total_rate if op == "all" else base.rate(op)) if base else None
-                cells.append("-" if rate is None else f"{rate:,.0f}" + (f" ({rate / ref:.2f}x)" if ref else ""))
-            table.add_row(res.name, *cells)
-            report.append(
-                {
-                    "page_size": ps,
-                    "implementation": label,
-                    "name": res.name,
-                    "requests": res.requests,
-                    "seconds": round(res.seconds, 2),
-                    "refused": res.refused,
-                    "error": res.error,
-                    "calls": dict(res.calls),
-                    "calls_per_s": {op: res.rate(op) for op in bench.OPS},
-                }
-            )
-        console.print(table)
+        for mode, make_drivers, run, everyone, baseline in modes:
+            tier = f", host pool {bench.HOST_RATIO * pages:,} pages" if mode == "host" else ""
+            console.print(f"page size {ps}: {len(trace)} requests, {tokens:,} key tokens, pool {pages:,} pages{tier}")
+            results = []
+            for label, make in make_drivers(ps, pages * ps, impl or everyone):
+                res = run(make(), trace, budget)
+                results.append((label, res))
+                note = f" (stopped after {res.requests} requests: budget)" if res.requests < len(trace) else ""
+                console.print(f"  {res.name:<34} {res.seconds:7.1f}s{note}{'  ' + res.error if res.error else ''}")
+            if not results:
+                continue
+            ops = results[0][1].ops
+            base = dict(results).get(baseline)
+            title = f"calls/s, page size {ps}{' with a host tier' if mode == 'host' else ''} (ratio to {baseline})"
+            table = Table(title=title)
+            table.add_column("implementation")
+            for op in (*ops, "all"):
+                table.add_column(op, justify="right")
+            for label, res in results:
+                cells = []
+                for op in (*ops, "all"):
+                    rate = res.total_rate if op == "all" else res.rate(op)
+                    ref = (base.total_rate if op == "all" else base.rate(op)) if base else None
+                    cells.append("-" if rate is None else f"{rate:,.0f}" + (f" ({rate / ref:.2f}x)" if ref else ""))
+                table.add_row(res.name, *cells)
+                report.append(
+                    {
+                        "page_size": ps,
+                        "mode": mode,
+                        "implementation": label,
+                        "name": res.name,
+                        "requests": res.requests,
+                        "seconds": round(res.seconds, 2),
+                        "refused": res.refused,
+                        "loaded": res.loaded,
+                        "error": res.error,
+                        "calls": dict(res.calls),
+                        "calls_per_s": {op: res.rate(op) for op in ops},
+                        "all_per_s": res.total_rate,
+                    }
+                )
+            console.print(table, width=max(console.width, 180))  # one row per implementation, unwrapped
     if json_out is not None:
         json_out.write_text(json.dumps(report, indent=1))
 

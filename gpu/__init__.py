@@ -4,6 +4,10 @@
 engine); `factory_page_first` uses the page-first device layout. `make_factory(...)` builds a
 factory for any layout, geometry and copy engine. Design and complexity: docs/gpu.md.
 
+An engine calls the tensor API (`GpuCache.alloc_tensor`, `match_prefix_fast` -> `Matched`,
+`insert_fast` -> `Inserted`, `free_tensor`); the suite calls the Backend protocol (`alloc`,
+`match_prefix`, `insert`, `free`, ...). Both are the same internals.
+
 This package imports only `kvcert.spec`, torch and the standard library: the suite compares it
 with `kvcert.refimpl`, so it must share none of the model's code.
 """
@@ -15,14 +19,16 @@ from typing import Any, Optional
 
 import torch
 
-from kvcert.gpu.cache import GpuCache
+from kvcert.gpu.cache import GpuCache, Inserted, Matched
 from kvcert.gpu.kv import KVGeometry
 from kvcert.spec.types import FAULTS, POLICIES, PREFETCH_POLICIES, WRITE_POLICIES, CacheConfig, Capabilities
 
 __all__ = [
     "CAPABILITIES",
     "GpuCache",
+    "Inserted",
     "KVGeometry",
+    "Matched",
     "factory",
     "factory_page_first",
     "factory_threaded",

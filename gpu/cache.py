@@ -1,38 +1,50 @@
-"""The production-shaped cache: a radix tree over torch KV pools, with incremental metadata.
+"""The production cache: a radix tree over torch KV pools, with incremental metadata.
 
 Written from SPEC.md alone (it shares no code with `kvcert.refimpl`, which the suite compares it
 with). What makes it production-shaped rather than a model:
 
 - KV lives in torch tensors (`kvcert.gpu.kv`), on CUDA when there is one, the host pool pinned;
   bytes really move between the tiers through a copy engine (`kvcert.gpu.copy_engine`).
-- Slots come from page allocators (`kvcert.gpu.alloc`): O(slots) per call.
-- Children are found by a hash of (namespace, first page): O(1) per edge.
+- Keys and slot runs are `bytes` of little-endian int64 (8 bytes a token or slot, the layout of
+  `array("q")` and of an int64 tensor): comparing an edge is one `bytes.startswith` (a memcmp), a
+  split is a slice, a match's slots are one join. The tensor API's hot path loops over no token
+  or slot in Python; an insert right after its match reuses the match's path (`_walked`).
+- A tensor-native API (`alloc_tensor`, `match_prefix_fast`, `insert_fast`, `free_tensor`) is what
+  an engine calls; the Backend protocol's methods (`alloc`, `match_prefix`, `insert`, `free`)
+  are thin wrappers over the same internals, converting tuples at the edge. One tree, one
+  allocator: the code the suite certifies is the code a scheduler runs.
+- Slots come from page allocators (`kvcert.gpu.alloc`) that track ownership per page: O(pages)
+  set operations per call.
+- Children are found by a hash of the first page's bytes (and the namespace, under the root): O(1)
+  per edge.
 - Eviction candidates are kept *exact and incrementally*: the set of device leaves (on device,
   unlocked, no child on device), the set of host leaves (host only, childless, unlocked, not host
-  protected) and write-back's settled duplicates (an insertion-ordered dict). Each of the first two
-  has a min-heap keyed by the policy rank with lazy deletion (entries carry the node's metadata
-  version); `_refresh(node)` re-derives one node's memberships in O(1) and is called wherever a
-  node's residency, children, locks, host locks or copies change.
+  protected) and write-back's settled duplicates. Each of the first two has a min-heap keyed by
+  the policy rank with lazy deletion (a node's one live entry is `dev_pushed` / `host_pushed`;
+  any other is stale); `_refresh(node)` re-derives one node's memberships in O(1) and is called
+  wherever a node's residency, children, locks, host locks or copies change.
 - Nothing on the hot path scans the tree. The only walks are the ones the spec implies: a key's
   path (match, insert), a node's path to the root (locks), and, for a device candidate without a
   backup, its host-only subtree (is it pinned, SPEC.md §9.3; empty except under write-back).
-  `snapshot()` is O(tree): it is observation.
+  `snapshot()` is O(tree): it is observation, and converts bytes back to tuples.
 
 Time is the harness's logical clock (`set_clock`); nothing reads a wall clock.
 """
 
 from __future__ import annotations
 
+import ctypes
 import heapq
+from array import array
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Optional, TypeGuard, Union
+from typing import NamedTuple, Optional, TypeGuard, Union
 
 import torch
 
 from kvcert.gpu.agreement import Agreement
-from kvcert.gpu.alloc import PageAllocator
+from kvcert.gpu.alloc import PageAllocator, to_bytes, to_tuple
 from kvcert.gpu.copy_engine import CopyEngine, CopyJob, Ticket, make_engine
 from kvcert.gpu.kv import KVGeometry, KVPool, make_pool
 from kvcert.spec import pages
@@ -46,6 +58,7 @@ from kvcert.spec.types import (
     CacheConfig,
     InsertOut,
     InvalidCount,
+    InvalidToken,
     LengthMismatch,
     LockUnderflow,
     MatchOut,
@@ -67,17 +80,48 @@ from kvcert.spec.types import (
     check_tokens,
 )
 
-Selector = tuple[Namespace, tuple[int, ...]]
+Selector = Union[bytes, tuple[Namespace, bytes]]
+"""A child's entry in its parent's table: its first page as int64 bytes, and under the root its namespace too
+(every node below a root child shares that child's namespace)."""
+
+TokenKey = Union[bytes, bytearray, memoryview, array, torch.Tensor, Sequence[int]]
+"""What the fast API takes as a key: int64 bytes, an `array("q")`, a 1-D integer tensor, or ints."""
+
+SlotRun = Union[torch.Tensor, array, bytes, bytearray, Sequence[int]]
+"""What the fast API takes as slots: a 1-D integer tensor (what `alloc_tensor` returns), an `array("q")`, bytes."""
+
+
+class Matched(NamedTuple):
+    """`match_prefix_fast`'s answer: SGLang's `MatchResult` (device indices, last device node, host hit)."""
+
+    slots: torch.Tensor
+    """int64, on the CPU: the device slots of the matched prefix (its length is the match length)."""
+    node: int
+    """The node where the device match ends (the root for none)."""
+    host_length: int
+    """Tokens after the device match that are on the host only (a load-back could restore them)."""
+    host_node: int
+    """The deepest node of the match with a host copy (the root for none): `load_back`'s argument."""
+
+
+class Inserted(NamedTuple):
+    """`insert_fast`'s answer."""
+
+    prefix_len: int
+    """Tokens of the key already cached: `slots[:prefix_len]` stay the caller's to free."""
+    node: int
+    """The node ending exactly at the key."""
 
 
 class Node:
-    """A radix-tree vertex. `slots`/`host_slots` are None when absent on that tier."""
+    """A radix-tree vertex. `key`, `slots`, `host_slots` are int64 bytes; the slots are None when absent on that tier."""
 
     __slots__ = (
         "id",
         "parent",
         "ns",
         "key",
+        "size",
         "slots",
         "host_slots",
         "children",
@@ -89,7 +133,6 @@ class Node:
         "hit_count",
         "creation",
         "priority",
-        "ver",
         "dev_pushed",
         "host_pushed",
         "copies",
@@ -97,13 +140,15 @@ class Node:
         "end",
     )
 
-    def __init__(self, node_id: int, parent: Optional[Node], ns: Namespace, key: tuple[int, ...]) -> None:
+    def __init__(self, node_id: int, parent: Optional[Node], ns: Namespace, key: bytes) -> None:
         self.id = node_id
         self.parent = parent
         self.ns = ns
         self.key = key
-        self.slots: Optional[tuple[int, ...]] = None
-        self.host_slots: Optional[tuple[int, ...]] = None
+        self.size = len(key) >> 3
+        """Tokens on this edge."""
+        self.slots: Optional[bytes] = None
+        self.host_slots: Optional[bytes] = None
         self.children: dict[Selector, Node] = {}
         self.dev_children = 0
         """Children on the device: a node is a device leaf when this is 0."""
@@ -114,16 +159,15 @@ class Node:
         self.hit_count = 0
         self.creation = 0
         self.priority = 0
-        self.ver = 0
-        """Bumped on every rank change: heap entries with an older version are stale."""
-        self.dev_pushed = -1
-        self.host_pushed = -1
-        """Version of this node's live entry in the device / host heap (-1: none)."""
+        self.dev_pushed: Optional[tuple[int, ...]] = None
+        self.host_pushed: Optional[tuple[int, ...]] = None
+        """This node's live entry in the device / host heap (None: none). Any other entry of it is
+        stale: the node re-ranked since, and was pushed again if it was a candidate."""
         self.copies: list[Copy] = []
         """Pending copies that move this node."""
         self.hl_owners: list[Union[Copy, Prefetch]] = []
         """Owners of this node's host-lock segments (a load, a store, a prefetch)."""
-        self.end: int = (parent.end if parent is not None else 0) + len(key)
+        self.end: int = (parent.end if parent is not None else 0) + self.size
         """Tokens from the root to this node's end: fixed for life (a split keeps the deeper half's end)."""
 
 
@@ -166,6 +210,86 @@ class Retraction:
 
 def _is_id(x: object) -> TypeGuard[int]:
     return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _lru_entry(n: Node) -> tuple[int, ...]:
+    return (n.last_access, n.id)
+
+
+_INT_ARRAY = frozenset("bBhHiIlLqQ")
+_INT_DTYPES = frozenset((torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8))
+
+
+def _tensor_raw(t: torch.Tensor) -> bytes:
+    """A 1-D integer tensor's values as int64 bytes: one memcpy of a contiguous CPU int64 tensor's memory."""
+    if t.dtype is not torch.int64 or not t.is_cpu or not t.is_contiguous():
+        t = t.to(device="cpu", dtype=torch.int64).contiguous()
+    n = t.numel()
+    return ctypes.string_at(t.data_ptr(), 8 * n) if n else b""
+
+
+def _tensor_of(raw: Union[bytes, bytearray]) -> torch.Tensor:
+    """int64 bytes as a CPU tensor that owns its memory."""
+    if not raw:
+        return torch.empty(0, dtype=torch.int64)
+    return torch.frombuffer(raw if isinstance(raw, bytearray) else bytearray(raw), dtype=torch.int64)
+
+
+def _int64(values: Sequence[int]) -> bytes:
+    """Token ids the protocol checked (non-negative ints) as int64 bytes; `InvalidToken` past int64."""
+    try:
+        return array("q", values).tobytes()
+    except OverflowError:
+        raise InvalidToken("this cache stores token ids as int64: ids must be below 2**63") from None
+
+
+def _key_raw(key: object) -> bytes:
+    """A fast-API key as int64 bytes; `InvalidToken` for anything but non-negative integer ids."""
+    if type(key) is array and key.typecode == "q":  # what a scheduler holds (SGLang's requests do)
+        raw = key.tobytes()
+    elif isinstance(key, bytes):
+        raw = key
+    elif isinstance(key, array):
+        if key.typecode not in _INT_ARRAY:
+            raise InvalidToken(f"token ids must be integers, got an array of {key.typecode!r}")
+        raw = key.tobytes() if key.typecode == "q" else _int64(key)
+    elif isinstance(key, torch.Tensor):
+        if key.dtype not in _INT_DTYPES or key.dim() != 1:
+            raise InvalidToken(f"token ids must be a 1-D integer tensor, got {key.dtype} of shape {tuple(key.shape)}")
+        raw = _tensor_raw(key)
+    elif isinstance(key, (bytearray, memoryview)):
+        raw = bytes(key)
+    elif isinstance(key, Sequence) and not isinstance(key, str):
+        raw = _int64(check_tokens(key))
+    else:
+        raise InvalidToken(f"not a key: {type(key).__name__}")
+    if len(raw) % 8:
+        raise InvalidToken(f"a key of int64 bytes has a multiple of 8 bytes, got {len(raw)}")
+    if not raw[7::8].isascii():  # the top byte of every little-endian int64: its high bit is the sign
+        raise InvalidToken("token ids must be non-negative")
+    return raw
+
+
+def _slot_run(slots: object) -> tuple[int, Optional[bytes]]:
+    """(how many slots, their int64 bytes); bytes None when `slots` is not a run of slot ids."""
+    if type(slots) is torch.Tensor and slots.dtype is torch.int64 and slots.is_cpu and slots.dim() == 1:
+        if slots.is_contiguous():  # what `alloc_tensor` hands out, and its slices: one memcpy
+            n = slots.numel()
+            return n, ctypes.string_at(slots.data_ptr(), 8 * n) if n else b""
+    if isinstance(slots, torch.Tensor):
+        if slots.dtype not in _INT_DTYPES or slots.dim() != 1:
+            return slots.numel(), None
+        return slots.numel(), _tensor_raw(slots)
+    if isinstance(slots, array):
+        if slots.typecode == "q":
+            return len(slots), slots.tobytes()
+        return len(slots), to_bytes(slots) if slots.typecode in _INT_ARRAY else None
+    if isinstance(slots, (bytes, bytearray, memoryview)):
+        raw = bytes(slots)
+        return len(raw) >> 3, raw if len(raw) % 8 == 0 else None
+    if isinstance(slots, Sequence) and not isinstance(slots, str):
+        return len(slots), to_bytes(slots)
+    return 0, None
 
 
 class GpuCache:
@@ -213,18 +337,28 @@ class GpuCache:
         self.engine: CopyEngine = make_engine(engine)
         self.agreement = agreement if agreement is not None else Agreement()
         """Tensor-parallel ranks agree (MIN) on the acks they consume and the pages a prefetch keeps."""
+        if self.policy == "lru":  # the default policy's rank without the dispatch (tests hold it to the spec's)
+            self._entry = _lru_entry  # type: ignore[method-assign]
         self.now = 0
         self._next_id = 1
-        self.root = Node(0, None, None, ())
-        self.root.slots = ()
+        self._shape = 0
+        """Bumped whenever a node is created or removed (a split creates one): the tree's shape changed."""
+        self._walked: tuple[int, Namespace, bytes, int, list[Node]] = (-1, None, b"", 0, [])
+        """The last walk: (shape, namespace, key, bytes matched, path). The same key over the same shape
+        follows the same path (its splits are done), so the insert that follows a match skips the lookups."""
+        self._pb = 8 * ps
+        """Bytes of one page of a key or a slot run."""
+        self.root = Node(0, None, None, b"")
+        self.root.slots = b""
         self.nodes: dict[int, Node] = {0: self.root}
         self.evictable_size = 0
         self.protected_size = 0
-        # eviction candidates, exact; heaps ordered by (rank, id, version), lazily pruned
+        # eviction candidates, exact; heaps ordered by (rank, id), lazily pruned
         self.dev_leaves: set[int] = set()
         self.host_leaves: set[int] = set()
-        self.dev_heap: list[tuple[tuple[int, ...], int, int]] = []
-        self.host_heap: list[tuple[tuple[int, ...], int, int]] = []
+        self.dev_heap: list[tuple[int, ...]] = []
+        self.host_heap: list[tuple[int, ...]] = []
+        """Entries are a rank with the node id appended: flat tuples of ints, cheap to compare."""
         self.dups: dict[int, Node] = {}
         """Write-back's settled duplicates (on both tiers, no pending copy, no host lock)."""
         self.dup_heap: list[int] = []
@@ -246,27 +380,38 @@ class GpuCache:
 
     # ================================================================== metadata upkeep
 
-    def _rank(self, n: Node) -> tuple[int, ...]:
-        return pages.policy_rank(self.policy, n.last_access, n.hit_count, n.creation, n.priority)
+    def _entry(self, n: Node) -> tuple[int, ...]:
+        """`n`'s heap entry: its eviction rank (`kvcert.spec.pages.policy_rank`), then its id (LRU's is inlined)."""
+        return (*pages.policy_rank(self.policy, n.last_access, n.hit_count, n.creation, n.priority), n.id)
 
     def _refresh(self, n: Node) -> None:
         """Re-derive `n`'s candidate memberships (O(1)); push a heap entry when it joins or re-ranks."""
         if n is self.root:
             return
-        if n.slots is not None and n.lock_ref == 0 and n.dev_children == 0:
-            self.dev_leaves.add(n.id)
-            if n.dev_pushed != n.ver:
-                heapq.heappush(self.dev_heap, (self._rank(n), n.id, n.ver))
-                n.dev_pushed = n.ver
+        nid = n.id
+        if n.lock_ref:
+            self.dev_leaves.discard(nid)
+            self.host_leaves.discard(nid)
+        elif n.slots is not None:
+            self.host_leaves.discard(nid)
+            if n.dev_children == 0:
+                self.dev_leaves.add(nid)
+                entry = self._entry(n)
+                if n.dev_pushed != entry:
+                    heapq.heappush(self.dev_heap, entry)
+                    n.dev_pushed = entry
+            else:
+                self.dev_leaves.discard(nid)
         else:
-            self.dev_leaves.discard(n.id)
-        if n.slots is None and not n.children and n.lock_ref == 0 and n.host_lock_ref == 0:
-            self.host_leaves.add(n.id)
-            if n.host_pushed != n.ver:
-                heapq.heappush(self.host_heap, (self._rank(n), n.id, n.ver))
-                n.host_pushed = n.ver
-        else:
-            self.host_leaves.discard(n.id)
+            self.dev_leaves.discard(nid)
+            if not n.children and n.host_lock_ref == 0:
+                self.host_leaves.add(nid)
+                entry = self._entry(n)
+                if n.host_pushed != entry:
+                    heapq.heappush(self.host_heap, entry)
+                    n.host_pushed = entry
+            else:
+                self.host_leaves.discard(nid)
         if (
             self.write_back
             and n.slots is not None
@@ -280,75 +425,89 @@ class GpuCache:
         else:
             self.dups.pop(n.id, None)
 
-    def _touch(self, n: Node) -> None:
-        """`n`'s rank metadata changed: new version, so old heap entries go stale."""
-        n.ver += 1
-        self._refresh(n)
-
-    def _pop(self, heap: list[tuple[tuple[int, ...], int, int]], members: set[int], device: bool) -> Optional[Node]:
+    def _pop(self, heap: list[tuple[int, ...]], members: set[int], device: bool) -> Optional[Node]:
         """The minimal-rank member of `members`, popped from `heap` (stale entries dropped)."""
         while heap:
-            _, node_id, ver = heapq.heappop(heap)
+            entry = heapq.heappop(heap)
+            node_id = entry[-1]
             n = self.nodes.get(node_id)
-            if n is None or ver != n.ver:
+            if n is None:
                 continue
             if device:
-                n.dev_pushed = -1
+                if n.dev_pushed is not entry:
+                    continue
+                n.dev_pushed = None
             else:
-                n.host_pushed = -1
+                if n.host_pushed is not entry:
+                    continue
+                n.host_pushed = None
             if node_id in members:
                 return n
         return None
 
     def _compact(self) -> None:
         """Rebuild a heap whose stale entries outnumber the live ones (amortised O(1) per push)."""
+        if len(self.dev_heap) > 4 * len(self.dev_leaves) + 64 or (
+            self.host_kv is not None
+            and (len(self.host_heap) > 4 * len(self.host_leaves) + 64 or len(self.dup_heap) > 4 * len(self.dups) + 64)
+        ):
+            self._rebuild()
+
+    def _rebuild(self) -> None:
         for heap, members, device in (
             (self.dev_heap, self.dev_leaves, True),
             (self.host_heap, self.host_leaves, False),
         ):
             if len(heap) > 4 * len(members) + 64:
-                for _, node_id, _ in heap:  # entries about to vanish: their nodes must push again
-                    gone = self.nodes.get(node_id)
+                for old in heap:  # entries about to vanish: their nodes must push again
+                    gone = self.nodes.get(old[-1])
                     if gone is not None:
                         if device:
-                            gone.dev_pushed = -1
+                            gone.dev_pushed = None
                         else:
-                            gone.host_pushed = -1
+                            gone.host_pushed = None
                 live = []
                 for node_id in members:
                     n = self.nodes[node_id]
-                    live.append((self._rank(n), n.id, n.ver))
+                    entry = self._entry(n)
+                    live.append(entry)
                     if device:
-                        n.dev_pushed = n.ver
+                        n.dev_pushed = entry
                     else:
-                        n.host_pushed = n.ver
+                        n.host_pushed = entry
                 heapq.heapify(live)
                 heap[:] = live
         if len(self.dup_heap) > 4 * len(self.dups) + 64:
             self.dup_heap = sorted(self.dups)
 
-    def _new_node(self, parent: Node, ns: Namespace, key: tuple[int, ...]) -> Node:
+    def _new_node(self, parent: Node, ns: Namespace, key: bytes) -> Node:
         n = Node(self._next_id, parent, ns, key)
         self._next_id += 1
         self.nodes[n.id] = n
+        self._shape += 1
         return n
 
     def _forget(self, n: Node) -> None:
+        self._shape += 1
         del self.nodes[n.id]
         self.dev_leaves.discard(n.id)
-        self.host_leaves.discard(n.id)
-        self.dups.pop(n.id, None)
+        if self.host_leaves:
+            self.host_leaves.discard(n.id)
+        if self.dups:
+            self.dups.pop(n.id, None)
 
-    def _selector(self, ns: Namespace, key: Sequence[int], at: int = 0) -> Selector:
-        return ns, tuple(key[at : at + self.page_size])
+    def _selector(self, parent: Node, n: Node) -> Selector:
+        """`n`'s entry in `parent`'s children: its first page (and namespace, under the root)."""
+        page = n.key[: self._pb]
+        return (n.ns, page) if parent is self.root else page
 
     def _account(self, n: Node, sign: int) -> None:
         if n.lock_ref > 0:
-            self.protected_size += sign * len(n.key)
+            self.protected_size += sign * n.size
         else:
-            self.evictable_size += sign * len(n.key)
+            self.evictable_size += sign * n.size
 
-    def _set_device(self, n: Node, slots: Optional[tuple[int, ...]]) -> None:
+    def _set_device(self, n: Node, slots: Optional[bytes]) -> None:
         """Move `n` on or off the device, keeping counters, the parent's device-child count and memberships exact."""
         was = n.slots is not None
         if was:
@@ -364,16 +523,32 @@ class GpuCache:
         self._refresh(n)
 
     def _lock_path(self, node: Node, delta: int) -> None:
+        """Add `delta` to `lock_ref` from `node` up to the root; only a count that leaves or reaches 0 moves tokens."""
         cur: Optional[Node] = node
-        while cur is not None and cur is not self.root:
-            on_device = cur.slots is not None
-            if on_device:
-                self._account(cur, -1)
-            cur.lock_ref += delta
-            if on_device:
-                self._account(cur, +1)
-            self._refresh(cur)
+        root = self.root
+        moved = 0
+        """Device tokens that went from evictable to protected (negative: back)."""
+        dev_leaves, host_leaves = self.dev_leaves, self.host_leaves
+        while cur is not None and cur is not root:
+            old = cur.lock_ref
+            new = cur.lock_ref = old + delta
+            if not old:  # locked now: counted protected, no candidate of either tier
+                if cur.slots is not None:
+                    moved += cur.size
+                    if not cur.dev_children:  # (one with a child on device is none already)
+                        dev_leaves.discard(cur.id)
+                elif host_leaves:
+                    host_leaves.discard(cur.id)
+            elif not new:  # unlocked: counted evictable; a device node with a device child is still no candidate
+                if cur.slots is not None:
+                    moved -= cur.size
+                    if cur.dev_children == 0:
+                        self._refresh(cur)
+                else:
+                    self._refresh(cur)
             cur = cur.parent
+        self.evictable_size -= moved
+        self.protected_size += moved
 
     def _host_lock(self, n: Node, owner: Union[Copy, Prefetch]) -> None:
         n.host_lock_ref += 1
@@ -388,40 +563,46 @@ class GpuCache:
             self._refresh(n)
         owner.host_locked = []
 
-    def _path(self, n: Node) -> tuple[int, ...]:
-        parts: list[tuple[int, ...]] = []
+    def _path_raw(self, n: Node) -> bytes:
+        """The tokens from the root to `n`'s end, as int64 bytes."""
+        parts: list[bytes] = []
         cur: Optional[Node] = n
         while cur is not None and cur is not self.root:
             parts.append(cur.key)
             cur = cur.parent
-        return tuple(t for part in reversed(parts) for t in part)
+        parts.reverse()
+        return b"".join(parts)
+
+    def _path(self, n: Node) -> tuple[int, ...]:
+        return to_tuple(self._path_raw(n))
 
     def _live(self, node_id: object) -> Node:
-        n = self.nodes.get(node_id) if _is_id(node_id) else None
+        n = self.nodes.get(node_id) if type(node_id) is int or _is_id(node_id) else None
         if n is None:
             raise StaleHandle(f"no live node {node_id!r}")
         return n
 
     # ================================================================== tree walk
 
-    def _split(self, child: Node, at: int) -> Node:
-        """Cut `child` at `at` tokens: a new head takes the prefix, `child` keeps its identity (SPEC.md §4.3)."""
+    def _split(self, child: Node, cut: int) -> Node:
+        """Cut `child` `cut` bytes in: a new head takes the prefix, `child` keeps its identity (SPEC.md §4.3)."""
         parent = child.parent
         assert parent is not None
-        head = self._new_node(parent, child.ns, child.key[:at])
-        head.slots = None if child.slots is None else child.slots[:at]
-        head.host_slots = None if child.host_slots is None else child.host_slots[:at]
+        head = self._new_node(parent, child.ns, child.key[:cut])
+        head.slots = None if child.slots is None else child.slots[:cut]
+        head.host_slots = None if child.host_slots is None else child.host_slots[:cut]
         head.lock_ref, head.host_lock_ref = child.lock_ref, child.host_lock_ref
         head.last_access, head.creation = self.now, self.now
         head.hit_count, head.priority = child.hit_count, child.priority
-        parent.children[self._selector(child.ns, child.key)] = head
-        child.key = child.key[at:]
+        parent.children[self._selector(parent, child)] = head
+        child.key = child.key[cut:]
+        child.size = len(child.key) >> 3
         if child.slots is not None:
-            child.slots = child.slots[at:]
+            child.slots = child.slots[cut:]
         if child.host_slots is not None:
-            child.host_slots = child.host_slots[at:]
+            child.host_slots = child.host_slots[cut:]
         child.parent = head
-        head.children[self._selector(child.ns, child.key)] = child
+        head.children[self._selector(head, child)] = child
         head.dev_children = 1 if child.slots is not None else 0
         for c in child.copies:  # a copy in flight moves both halves
             c.nodes.append(head)
@@ -430,37 +611,84 @@ class GpuCache:
             owner.host_locked.append(head)
             head.hl_owners.append(owner)
         self._refresh(head)
-        self._touch(child)
+        self._refresh(child)
         return head
 
-    def _walk(self, ns: Namespace, key: tuple[int, ...], priority: Optional[int]) -> tuple[int, list[Node]]:
-        """Follow `key` from the root, splitting where it ends or diverges inside an edge.
+    def _common(self, edge: bytes, key: bytes, at: int, end: int) -> int:
+        """Bytes of the longest whole-page common prefix of `edge` and `key[at:end]`, given that one page matches.
 
-        Stamps every node entered; with `priority` (an insert) also counts a hit on it.
+        Bisects over pages with `startswith` (a memcmp each): O(|edge| log pages), no per-token loop.
         """
-        ps = self.page_size
-        path: list[Node] = []
-        node, matched, size = self.root, 0, len(key)
-        while matched < size:
-            child = node.children.get((ns, key[matched : matched + ps]))
-            if child is None:
-                break
-            child.last_access = self.now
-            edge = child.key
-            n, limit = 0, min(len(edge), size - matched)
-            while n < limit and edge[n] == key[matched + n]:
-                n += 1
-            n -= n % ps
-            if n < len(edge):
-                child = self._split(child, n)
-            if priority is not None:
-                child.hit_count += 1
-                child.priority = max(child.priority, priority)
-            self._touch(child)
-            path.append(child)
-            matched += n
-            node = child
-        return matched, path
+        pb = self._pb
+        view = memoryview(edge)
+        lo, hi = 1, min(len(edge), end - at) // pb  # lo pages match; hi pages might
+        if key.startswith(view[: hi * pb], at):
+            return hi * pb
+        while hi - lo > 1:  # lo pages match, hi pages do not
+            mid = (lo + hi) // 2
+            if key.startswith(view[: mid * pb], at):
+                lo = mid
+            else:
+                hi = mid
+        return lo * pb
+
+    def _walk(
+        self, ns: Namespace, key: bytes, priority: Optional[int], rerank_last: bool = True
+    ) -> tuple[int, list[Node], bool]:
+        """Follow `key` (whole pages of int64 bytes) from the root, splitting where it ends or diverges inside an edge.
+
+        Stamps every node entered; with `priority` (an insert) also counts a hit on it. Returns the
+        bytes matched, the nodes entered (the caller must not change the list: the next walk may reuse
+        it), and whether one of them is host only. `rerank_last=False`: the caller refreshes the last
+        node itself (an insert, which may hang a leaf below it).
+        """
+        size = len(key)
+        if not size:
+            return 0, [], False
+        now = self.now
+        shape, walked_ns, walked_key, at, path = self._walked
+        if shape == self._shape and walked_ns == ns and walked_key == key:  # the last walk's path, unchanged
+            for n in path:
+                n.last_access = now
+                if priority is not None:
+                    n.hit_count += 1
+                    if priority > n.priority:
+                        n.priority = priority
+        else:
+            pb, at, path = self._pb, 0, []
+            startswith, append = key.startswith, path.append
+            child = self.root.children.get((ns, key[:pb]))
+            while child is not None:
+                child.last_access = now
+                edge = child.key
+                if startswith(edge, at):
+                    at += len(edge)
+                else:  # the key ends or diverges inside this edge
+                    step = self._common(edge, key, at, size)
+                    child = self._split(child, step)
+                    at += step
+                if priority is not None:
+                    child.hit_count += 1
+                    if priority > child.priority:
+                        child.priority = priority
+                append(child)
+                if at == size:
+                    break
+                child = child.children.get(key[at : at + pb])
+            self._walked = (self._shape, ns, key, at, path)
+        # Stamps change ranks. A node's old heap entries go stale by themselves (their rank is not the
+        # node's); a candidate must be pushed again. On a path, only the last node can be a candidate,
+        # or one whose child on the path is host only: every other node has a child on device.
+        hosted = False
+        if self.host_kv is not None:  # only a host tier has host-only nodes
+            for i, n in enumerate(path):
+                if n.slots is None:
+                    hosted = True
+                    if i:
+                        self._refresh(path[i - 1])
+        if path and rerank_last:
+            self._refresh(path[-1])
+        return at, path, hosted
 
     # ================================================================== device tier (SPEC.md §4)
 
@@ -471,74 +699,162 @@ class GpuCache:
         """Free device slots, in O(1): what a scheduler reads before it allocates (not in the protocol)."""
         return self.alloc_dev.available
 
-    def alloc(self, n: int) -> tuple[int, ...]:
-        check_count(n)
+    def _lend(self, n: object) -> bytes:
+        n = check_count(n)
         if n % self.page_size:
             raise UnalignedKey(f"alloc of {n} slots is not whole pages of {self.page_size}")
         if n > self.alloc_dev.available:
             raise PoolExhausted(f"asked for {n} slots, {self.alloc_dev.available} free")
-        return self.alloc_dev.lend(n)
+        return self.alloc_dev.lend_raw(n)
 
-    def free(self, slots: Sequence[int]) -> None:
-        if not self.alloc_dev.are_lent(slots):
-            raise SlotNotOwned(f"cannot free slots {tuple(slots)[:8]}: not all lent to the caller")
-        self.alloc_dev.give_back(slots)
+    def _give_back(self, raw: Optional[bytes], shown: object) -> None:
+        if raw is None or not self.alloc_dev.give_back_checked(raw):
+            raise SlotNotOwned(f"cannot free slots {shown!r:.80}: not all lent to the caller")
 
-    def match_prefix(self, namespace: Namespace, tokens: Sequence[int]) -> MatchOut:
-        key = check_tokens(tokens)
-        key = key[: pages.page_floor(len(key), self.page_size)]
+    def _match(self, ns: Namespace, key: bytes) -> tuple[list[bytes], int, Node, int, Node]:
+        """Match `key` (int64 bytes, cut here to whole pages): (slot runs, length, node, host length, host node)."""
+        if len(key) % self._pb:
+            key = key[: len(key) - len(key) % self._pb]
         self.root.last_access = self.now
-        _, path = self._walk(namespace, key, None)
+        at, path, hosted = self._walk(ns, key, None)
         length, node, host_length, host_node = 0, self.root, 0, self.root
-        slots: list[int] = []
-        for n in path:
-            if n.slots is not None and host_length == 0:
-                length += len(n.key)
-                slots.extend(n.slots)
-                node = n
-            else:
-                host_length += len(n.key)
-            if n.host_slots is not None:
-                host_node = n
+        runs: list[bytes] = []
+        if not hosted:  # every node on device: the whole match is a device hit
+            runs = [n.slots or b"" for n in path]
+            length = at >> 3
+            if path:
+                node = path[-1]
+            if self.alloc_host is not None:
+                host_node = next((n for n in reversed(path) if n.host_slots is not None), self.root)
+        else:
+            for n in path:
+                if n.slots is not None and host_length == 0:
+                    length += n.size
+                    runs.append(n.slots)
+                    node = n
+                else:
+                    host_length += n.size
+                if n.host_slots is not None:
+                    host_node = n
         self._compact()
-        return MatchOut(length, tuple(slots), node.id, host_length, host_node.id)
+        return runs, length, node, host_length, host_node
 
-    def insert(self, namespace: Namespace, tokens: Sequence[int], slots: Sequence[int], priority: int = 0) -> InsertOut:
-        key = check_tokens(tokens)
-        if len(key) % self.page_size:
-            raise UnalignedKey(f"key of {len(key)} tokens is not whole pages of {self.page_size}")
-        if len(slots) != len(key):
-            raise LengthMismatch(f"{len(key)} tokens but {len(slots)} slots")
-        if not _is_id(priority):
+    def _check_insert(self, key: bytes, count: int, raw: Optional[bytes], priority: object) -> Optional[Sequence[int]]:
+        """The insert preconditions after the tokens', in the protocol's order (SPEC.md §4.2).
+
+        Returns the slots' page ids when they are whole lent pages (`PageAllocator.lent_pages`), for the adoption.
+        """
+        tokens = len(key) >> 3
+        if tokens % self.page_size:
+            raise UnalignedKey(f"key of {tokens} tokens is not whole pages of {self.page_size}")
+        if count != tokens:
+            raise LengthMismatch(f"{tokens} tokens but {count} slots")
+        if type(priority) is not int and not _is_id(priority):
             raise InvalidCount(f"priority must be an int, got {priority!r}")
-        if not self.alloc_dev.are_lent(slots):
-            raise SlotNotOwned(f"cannot insert slots {tuple(slots)[:8]}: not all lent to the caller")
-        slots = tuple(slots)
+        if raw is None:
+            raise SlotNotOwned("cannot insert these slots: not slot ids")
+        pages = self.alloc_dev.lent_pages(raw)
+        if pages is None and not self.alloc_dev.are_lent_raw(raw):
+            raise SlotNotOwned("cannot insert these slots: not all lent to the caller")
+        return pages
+
+    def _insert(
+        self, ns: Namespace, key: bytes, slots: bytes, priority: int, pages: Optional[Sequence[int]] = None
+    ) -> tuple[int, Node]:
+        """Insert a checked key and slot run (int64 bytes): (prefix_len in tokens, the node ending at the key).
+
+        `pages`: the run's page ids when it is whole lent pages (adopted by page id, no second look at the bytes).
+        """
         self.root.last_access = self.now
-        matched, path = self._walk(namespace, key, priority)
-        prefix_len, offset = 0, 0
-        for n in path:
-            if n.slots is None:  # host only: the request's fresh KV restores it, the backup stays
-                mine = slots[offset : offset + len(n.key)]
-                self.alloc_dev.adopt(mine)
-                self._set_device(n, mine)
-            elif offset == prefix_len:
-                prefix_len += len(n.key)
-            offset += len(n.key)
+        matched, path, hosted = self._walk(ns, key, priority, rerank_last=False)
+        prefix = matched  # bytes; a key's and its slots' offsets agree (8 bytes each)
+        if hosted:
+            prefix = offset = 0
+            for n in path:
+                width = len(n.key)
+                if n.slots is None:  # host only: the request's fresh KV restores it, the backup stays
+                    mine = slots[offset : offset + width]
+                    self.alloc_dev.adopt_raw(mine)
+                    self._set_device(n, mine)
+                elif offset == prefix:
+                    prefix += width
+                offset += width
         node = path[-1] if path else self.root
         if matched < len(key):
-            leaf = self._new_node(node, namespace, key[matched:])
+            leaf = self._new_node(node, ns, key[matched:])
             leaf.last_access = leaf.creation = self.now
             leaf.hit_count, leaf.priority = 1, priority
-            node.children[self._selector(namespace, leaf.key)] = leaf
-            self.alloc_dev.adopt(slots[matched:])
-            self._set_device(leaf, slots[matched:])
-            path.append(leaf)
+            node.children[self._selector(node, leaf)] = leaf
+            rest = slots[matched:]
+            if pages is not None:
+                self.alloc_dev.adopt_pages(pages[(matched >> 3) // self.page_size :])
+            else:
+                self.alloc_dev.adopt_raw(rest)
+            leaf.slots = rest  # `_set_device` for a new unlocked leaf
+            self.evictable_size += leaf.size
+            node.dev_children += 1
+            self._refresh(node)  # it has a child on device now
+            self._refresh(leaf)
             node = leaf
-        if self.threshold is not None:
-            self._write_through([n for n in path if self._wants_backup(n)])
+        elif path:
+            self._refresh(node)
+        if self.threshold is not None:  # (`path` is the walk's, kept for the next one: read only)
+            written = path if node is self.root or (path and node is path[-1]) else [*path, node]
+            self._write_through([n for n in written if self._wants_backup(n)])
         self._compact()
+        return prefix >> 3, node
+
+    # ------------------------------------------------------------------ the Backend protocol (tuples)
+
+    def alloc(self, n: int) -> tuple[int, ...]:
+        return to_tuple(self._lend(n))
+
+    def free(self, slots: Sequence[int]) -> None:
+        self._give_back(to_bytes(slots), slots)
+
+    def match_prefix(self, namespace: Namespace, tokens: Sequence[int]) -> MatchOut:
+        runs, length, node, host_length, host_node = self._match(namespace, _int64(check_tokens(tokens)))
+        return MatchOut(length, to_tuple(b"".join(runs)), node.id, host_length, host_node.id)
+
+    def insert(self, namespace: Namespace, tokens: Sequence[int], slots: Sequence[int], priority: int = 0) -> InsertOut:
+        key = _int64(check_tokens(tokens))
+        raw = to_bytes(slots) if len(slots) == len(key) >> 3 else None
+        pages = self._check_insert(key, len(slots), raw, priority)
+        assert raw is not None
+        prefix_len, node = self._insert(namespace, key, raw, priority, pages)
         return InsertOut(prefix_len, node.id)
+
+    # ------------------------------------------------------------------ the engine's API (tensors)
+
+    def alloc_tensor(self, n: int) -> torch.Tensor:
+        """`n` device slots (whole pages) as an int64 CPU tensor: `alloc` without a Python int per slot."""
+        return _tensor_of(self._lend(n))
+
+    def free_tensor(self, slots: SlotRun) -> None:
+        """Give lent slots back (e.g. `slots[:prefix_len]` after `insert_fast`); `SlotNotOwned` changes nothing."""
+        self._give_back(_slot_run(slots)[1], slots)
+
+    def match_prefix_fast(self, namespace: Namespace, key: TokenKey) -> Matched:
+        """`match_prefix` for an engine: the key as int64 bytes/array/tensor, the slots back as one int64 tensor.
+
+        Same walk, same splits and stamps as the protocol's `match_prefix` (it is a wrapper of the
+        same `_match`); only the conversions at the edge differ.
+        """
+        runs, _, node, host_length, host_node = self._match(namespace, _key_raw(key))
+        return Matched(_tensor_of(bytearray().join(runs)), node.id, host_length, host_node.id)
+
+    def insert_fast(self, namespace: Namespace, key: TokenKey, slots: SlotRun, priority: int = 0) -> Inserted:
+        """`insert` for an engine: key and slots as int64 tensors/arrays/bytes, checked as the protocol checks them.
+
+        A rejected call raises the protocol's error (InvalidToken, UnalignedKey, LengthMismatch,
+        InvalidCount, SlotNotOwned, in that order) and changes nothing.
+        """
+        raw_key = _key_raw(key)
+        count, raw = _slot_run(slots)
+        pages = self._check_insert(raw_key, count, raw, priority)
+        assert raw is not None
+        prefix_len, node = self._insert(namespace, raw_key, raw, priority, pages)
+        return Inserted(prefix_len, node.id)
 
     def inc_lock_ref(self, node: int) -> None:
         n = self._live(node)
@@ -564,6 +880,8 @@ class GpuCache:
             return False
         if n.host_lock_ref > 0:
             return True
+        if not n.children:
+            return False
         stack = [c for c in n.children.values() if c.slots is None]
         while stack:
             c = stack.pop()
@@ -576,11 +894,18 @@ class GpuCache:
         """Free device KV of minimal-rank candidates until `n` tokens are freed or none is left."""
         freed = 0
         aside: list[Node] = []
+        released: list[bytes] = []
+        """The victims' device slots, given back to the allocator in one call at the end."""
         while freed < n:
             victim = self._pop(self.dev_heap, self.dev_leaves, True)
             if victim is None:
                 break
-            if not self.write_back and self._drops_protected(victim):
+            if (
+                not self.write_back
+                and victim.host_slots is None
+                and (victim.host_lock_ref or victim.children)
+                and self._drops_protected(victim)
+            ):
                 aside.append(victim)  # pinned: no candidate
                 continue
             if victim.host_slots is None and self.write_back:
@@ -591,26 +916,31 @@ class GpuCache:
                 elif self._drops_protected(victim):
                     aside.append(victim)
                     continue
+            released.append(victim.slots or b"")
             if victim.host_slots is not None:
-                self.alloc_dev.release(victim.slots or ())
-                self._set_device(victim, None)
+                self._set_device(victim, None)  # demoted: the host copy stays
             else:
                 self._drop(victim)
-            freed += len(victim.key)
+            freed += victim.size
+        if released:
+            self.alloc_dev.release_raw(b"".join(released))
         for v in aside:  # pinned ones stay candidates-in-waiting
             if v.id in self.nodes:
                 self._refresh(v)
         return freed
 
     def _drop(self, n: Node) -> None:
-        """Remove a device node without a backup, with any host-only subtree below it."""
+        """Remove an unlocked device node without a backup, with any host-only subtree below it.
+
+        Its device slots are the caller's to release (`_evict` gives back all its victims' at once).
+        """
         parent = n.parent
         assert parent is not None
-        for c in list(n.children.values()):
-            self._delete_host_subtree(c)
-        del parent.children[self._selector(n.ns, n.key)]
-        self.alloc_dev.release(n.slots or ())
-        self._account(n, -1)
+        if n.children:
+            for c in list(n.children.values()):
+                self._delete_host_subtree(c)
+        del parent.children[self._selector(parent, n)]
+        self.evictable_size -= n.size  # a candidate: unlocked
         parent.dev_children -= 1
         self._forget(n)
         self._refresh(parent)
@@ -621,11 +951,11 @@ class GpuCache:
         while stack:
             n = stack.pop()
             stack.extend(n.children.values())
-            self.alloc_host.release(n.host_slots or ())
+            self.alloc_host.release_raw(n.host_slots or b"")
             self._forget(n)
         parent = top.parent
         assert parent is not None
-        del parent.children[self._selector(top.ns, top.key)]
+        del parent.children[self._selector(parent, top)]
         self._refresh(parent)
 
     # ================================================================== host tier (SPEC.md §9)
@@ -634,7 +964,7 @@ class GpuCache:
         assert self.threshold is not None
         return n.slots is not None and n.host_slots is None and n.hit_count >= self.threshold
 
-    def _host_alloc(self, n: int) -> Optional[tuple[int, ...]]:
+    def _host_alloc(self, n: int) -> Optional[bytes]:
         """`n` host slots for the cache; host eviction makes room first. None without room or on an armed fault."""
         assert self.alloc_host is not None
         if self.alloc_host.available < n:
@@ -643,7 +973,7 @@ class GpuCache:
             return None
         if self.alloc_host.available < n:
             return None
-        return self.alloc_host.take(n)
+        return self.alloc_host.take_raw(n)
 
     def _write_through(self, wanted: list[Node]) -> None:
         """Back up hot nodes of one insert, parents first, as one write copy with one ack (SPEC.md §9.2)."""
@@ -651,25 +981,25 @@ class GpuCache:
         for n in wanted:
             parent = n.parent
             if parent is not None and (parent is self.root or parent.host_slots is not None):
-                got = self._host_alloc(len(n.key))
+                got = self._host_alloc(n.size)
                 if got is None:
                     continue
                 n.host_slots = got
                 self._lock_path(n, +1)
                 written.append(n)
         if written:
-            src = tuple(s for n in written for s in n.slots or ())
-            dst = tuple(s for n in written for s in n.host_slots or ())
+            src = to_tuple(b"".join(n.slots or b"" for n in written))
+            dst = to_tuple(b"".join(n.host_slots or b"" for n in written))
             assert self.host_kv is not None
             self._issue("write", written, list(written), CopyJob(self.kv, src, self.host_kv, dst))
 
     def _backup_now(self, n: Node) -> bool:
         """Write-back: back a victim up synchronously (the engine waits for it), if host room allows."""
-        got = self._host_alloc(len(n.key))
+        got = self._host_alloc(n.size)
         if got is None:
             return False
         assert self.host_kv is not None and n.slots is not None
-        self.engine.copy_now(self.kv, n.slots, self.host_kv, got)
+        self.engine.copy_now(self.kv, to_tuple(n.slots), self.host_kv, to_tuple(got))
         n.host_slots = got
         self._refresh(n)
         return True
@@ -703,16 +1033,16 @@ class GpuCache:
             victim = self.dups.pop(heapq.heappop(self.dup_heap), None)
             if victim is None:
                 continue  # stale: it stopped being a duplicate
-            self.alloc_host.release(victim.host_slots or ())
+            self.alloc_host.release_raw(victim.host_slots or b"")
             victim.host_slots = None
             self._refresh(victim)
-            freed += len(victim.key)
+            freed += victim.size
         while freed < n:
             leaf = self._pop(self.host_heap, self.host_leaves, False)
             if leaf is None:
                 break
             self._delete_host_subtree(leaf)
-            freed += len(leaf.key)
+            freed += leaf.size
         return freed
 
     def load_back(self, node: int) -> int:
@@ -725,7 +1055,7 @@ class GpuCache:
         if not chain:
             return 0
         chain.reverse()
-        size = sum(len(c.key) for c in chain)
+        size = sum(c.size for c in chain)
         if size < self.load_back_threshold:
             return 0
         assert self.host_kv is not None
@@ -739,18 +1069,25 @@ class GpuCache:
             self._host_unlock_all(holder)
             self._compact()
             return 0
-        got = self.alloc_dev.take(size)
+        got = self.alloc_dev.take_raw(size)
         offset = 0
-        src: list[int] = []
         for c in chain:
-            src.extend(c.host_slots or ())
-            self._set_device(c, got[offset : offset + len(c.key)])
-            offset += len(c.key)
-        copy = self._issue("load", chain, [n], CopyJob(self.host_kv, tuple(src), self.kv, got))
+            width = len(c.key)
+            self._set_device(c, got[offset : offset + width])
+            offset += width
+        src = to_tuple(b"".join(c.host_slots or b"" for c in chain))
+        copy = self._issue("load", chain, [n], CopyJob(self.host_kv, src, self.kv, to_tuple(got)))
         copy.host_locked = holder.host_locked  # hand the segment over to the real copy
         n.hl_owners[n.hl_owners.index(holder)] = copy
         self._compact()
         return size
+
+    def in_flight(self) -> list[int]:
+        """Ids of the copies issued and not finished yet, oldest first: what an engine's step completes.
+
+        O(copies awaiting their ack); not in the protocol (a harness reads them off the snapshot).
+        """
+        return [c.id for c in self.copies.values() if not c.finished]
 
     def complete(self, copy: int) -> None:
         c = self.copies.get(copy) if _is_id(copy) else None
@@ -817,10 +1154,11 @@ class GpuCache:
             raise SlotNotOwned(f"cannot back up slots {tuple(slots)[:8]}: repeated or free")
         if self.alloc_host is None or self.host_kv is None:
             return None
-        got = self._host_alloc(pages.page_ceil(len(slots), self.page_size))
-        if got is None:
+        raw = self._host_alloc(pages.page_ceil(len(slots), self.page_size))
+        if raw is None:
             self._compact()
             return None
+        got = to_tuple(raw)
         self.engine.copy_now(self.kv, tuple(slots), self.host_kv, got[: len(slots)])
         r = Retraction(self._next_retraction, len(slots), got)
         self._next_retraction += 1
@@ -876,9 +1214,9 @@ class GpuCache:
         values: list[bytes] = []
         for _, path, n in live:
             all_keys = l3.page_keys(n.ns, path, ps, self.digest)
-            first = (len(path) - len(n.key)) // ps
-            host = n.host_slots or ()
-            for i in range(len(n.key) // ps):
+            first = (len(path) - n.size) // ps
+            host = to_tuple(n.host_slots or b"")
+            for i in range(n.size // ps):
                 key = all_keys[first + i]
                 payload = self.host_kv.read_page_payload(host[i * ps : (i + 1) * ps])
                 keys.append(key)
@@ -934,7 +1272,7 @@ class GpuCache:
         take = min(size, self.alloc_host.available)
         if take < self.page_size:
             return None
-        return self.alloc_host.take(take)
+        return to_tuple(self.alloc_host.take_raw(take))
 
     def fetch(self, prefetch: int) -> None:
         p = self._prefetch(prefetch)
@@ -983,37 +1321,38 @@ class GpuCache:
         assert self.alloc_host is not None
         del self.prefetches[p.id]
         self._host_unlock_all(p)
-        ps = self.page_size
-        node, at, added = p.anchor, p.start, 0
-        end = p.start + keep
-        kept: set[int] = set()
+        pb = self._pb
+        tokens, host = _int64(p.tokens), array("q", p.host_slots).tobytes()
+        node, added = p.anchor, 0
+        base = at = 8 * p.start  # bytes into `tokens`; `host` starts at the anchor's end
+        end = 8 * (p.start + keep)
+        kept = array("q")
         while at < end:
-            child = node.children.get((p.ns, p.tokens[at : at + ps]))
+            page = tokens[at : at + pb]
+            child = node.children.get((p.ns, page) if node is self.root else page)
             if child is None:
-                leaf = self._new_node(node, p.ns, p.tokens[at:end])
-                leaf.host_slots = p.host_slots[at - p.start : keep]
+                leaf = self._new_node(node, p.ns, tokens[at:end])
+                leaf.host_slots = host[at - base : end - base]
                 leaf.last_access = leaf.creation = self.now
-                node.children[self._selector(p.ns, leaf.key)] = leaf
+                node.children[self._selector(node, leaf)] = leaf
                 self._refresh(leaf)
                 self._refresh(node)
-                kept.update(leaf.host_slots)
-                added += end - at
+                kept.frombytes(leaf.host_slots)
+                added += (end - at) >> 3
                 break
-            edge = child.key
-            run, limit = 0, min(len(edge), end - at)
-            while run < limit and edge[run] == p.tokens[at + run]:
-                run += 1
-            run -= run % ps
-            if run < len(edge):
+            run = len(child.key) if tokens.startswith(child.key, at) and at + len(child.key) <= end else 0
+            if not run:
+                run = self._common(child.key, tokens, at, end)
                 child = self._split(child, run)
             if child.host_slots is None and not self.write_back:
                 # D15: a device node without a backup takes the fetched pages as its backup
-                child.host_slots = p.host_slots[at - p.start : at - p.start + run]
-                kept.update(child.host_slots)
-                added += run
+                child.host_slots = host[at - base : at - base + run]
+                kept.frombytes(child.host_slots)
+                added += run >> 3
                 self._refresh(child)
             node, at = child, at + run  # D15: write-back walks past a device node without a backup
-        self.alloc_host.release(tuple(s for s in p.host_slots if s not in kept))
+        mine = set(kept)
+        self.alloc_host.release(tuple(s for s in p.host_slots if s not in mine))
         return added
 
     # ================================================================== KV access (SPEC.md §9.12)
@@ -1049,10 +1388,10 @@ class GpuCache:
                 id=n.id,
                 parent=n.parent.id if n.parent is not None else None,
                 namespace=n.ns,
-                key=n.key,
-                slots=n.slots,
+                key=to_tuple(n.key),
+                slots=None if n.slots is None else to_tuple(n.slots),
                 lock_ref=n.lock_ref,
-                host_slots=n.host_slots,
+                host_slots=None if n.host_slots is None else to_tuple(n.host_slots),
                 host_lock_ref=n.host_lock_ref,
             )
             for n in self.nodes.values()

@@ -94,12 +94,16 @@ def check_count(n: object) -> int:
     return n
 
 
+TOKEN_ID_LIMIT = 2**63
+"""Token ids lie in [0, 2**63): engines hold them as int64 (SGLang's `array("q")`, torch.int64)."""
+
+
 def check_tokens(tokens: Sequence[object]) -> Tokens:
-    """Token ids: non-negative ints, never bools; `InvalidToken` otherwise."""
+    """Token ids: ints in [0, TOKEN_ID_LIMIT), never bools; `InvalidToken` otherwise."""
     out: list[int] = []
     for t in tokens:
-        if not isinstance(t, int) or isinstance(t, bool) or t < 0:
-            raise InvalidToken(f"token ids must be non-negative ints, got {t!r}")
+        if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < TOKEN_ID_LIMIT:
+            raise InvalidToken(f"token ids must be ints in [0, 2**63), got {t!r}")
         out.append(t)
     return tuple(out)
 

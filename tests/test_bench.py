@@ -12,7 +12,9 @@ from kvcert.conformance.cli import app
 from kvcert.refimpl import RefCache
 from kvcert.spec.types import CacheConfig
 
-SMALL = bench.TraceSpec(page_size=4, pages=64, requests=120, sessions=12, prompts=2, prompt_pages=2, max_context_pages=12)
+SMALL = bench.TraceSpec(
+    page_size=4, pages=64, requests=120, sessions=12, prompts=2, prompt_pages=2, max_context_pages=12
+)
 
 
 def test_same_spec_same_trace() -> None:
@@ -44,3 +46,50 @@ def test_cli_prints_and_writes_the_figures(tmp_path: Path) -> None:
     assert "kvcert.refimpl" in result.output
     (row,) = json.loads(out.read_text())
     assert row["requests"] == 80 and row["calls"]["match"] == 80
+
+
+def _sane(snap: object) -> None:
+    assert snap.protected_size == 0  # type: ignore[attr-defined]
+    assert len(snap.free_slots) + snap.evictable_size == snap.capacity  # type: ignore[attr-defined]
+
+
+def test_kvcert_gpu_native_and_protocol_drivers_do_the_same_work() -> None:
+    """The tensor-native driver and the protocol driver make the same calls: the caches end identical."""
+    trace = bench.make_trace(SMALL)
+    makers = dict(bench.drivers(4, 64 * 4, ["gpu", "gpu-protocol"]))
+    native, protocol = makers["gpu"](), makers["gpu-protocol"]()
+    assert isinstance(native, bench.GpuNativeDriver) and type(protocol) is bench.ProtocolDriver
+    for driver in (native, protocol):
+        res = bench.replay(driver, trace, budget=60)
+        assert res.error == "" and res.requests == len(trace) and res.calls["evict"] > 0
+    snap = native.cache.snapshot()  # type: ignore[attr-defined]
+    assert snap == protocol.cache.snapshot()  # type: ignore[attr-defined]
+    _sane(snap)
+
+
+def test_host_tier_replay_loads_back_and_backs_up() -> None:
+    trace = bench.make_trace(SMALL)
+    makers = dict(bench.host_drivers(4, 64 * 4, ["gpu", "gpu-protocol", "refimpl"]))
+    results = {}
+    for label, make in makers.items():
+        driver = make()
+        res = bench.replay_host(driver, trace, budget=60)
+        assert res.error == "" and res.requests == len(trace), (label, res.error)
+        assert res.ops == bench.HOST_OPS and res.calls["backup"] == len(trace)
+        assert res.calls["load_back"] == res.loaded > 0 and res.calls["evict"] > 0, label
+        snap = driver.cache.snapshot()  # type: ignore[attr-defined]
+        assert snap.host_capacity == bench.HOST_RATIO * snap.capacity and not snap.pending, label
+        results[label] = (snap, res.loaded)
+    assert results["gpu"] == results["gpu-protocol"]
+    assert results["gpu"][1] == results["refimpl"][1], "the same host hits as the model"
+
+
+def test_cli_host_section(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    args = ["bench", "meta", "--page-size", "4", "--pages", "64", "--requests", "60", "--impl", "gpu", "--host"]
+    result = CliRunner().invoke(app, [*args, "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "with a host tier" in result.output and "load_back" in result.output
+    rows = json.loads(out.read_text())
+    assert [r["mode"] for r in rows] == ["device", "host"]
+    assert rows[1]["calls"]["backup"] == 60 and set(rows[1]["calls_per_s"]) == set(bench.HOST_OPS)

@@ -370,6 +370,7 @@ BAD_INPUTS: list[tuple[str, type[KVCertError], Callable[[Scene], object]]] = [
     ("insert: str token", InvalidToken, lambda s: s.cache.insert(None, [40, 41, 42, "43"], s.lent)),
     ("insert: None token", InvalidToken, lambda s: s.cache.insert(None, [40, 41, 42, None], s.lent)),
     ("insert: bool token", InvalidToken, lambda s: s.cache.insert(None, [40, 41, 42, True], s.lent)),
+    ("insert: token past int64", InvalidToken, lambda s: s.cache.insert(None, [40, 41, 42, 2**63], s.lent)),
     ("insert: float priority", InvalidCount, lambda s: s.cache.insert(None, [40, 41, 42, 43], s.lent, 1.5)),
     ("insert: bool priority", InvalidCount, lambda s: s.cache.insert(None, [40, 41, 42, 43], s.lent, True)),
     ("insert: slots the tree owns", SlotNotOwned, lambda s: s.cache.insert(None, [40, 41, 42, 43], s.tree_slots)),
