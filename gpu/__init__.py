@@ -46,6 +46,7 @@ CAPABILITIES = Capabilities(
     faults=FAULTS,
     retraction=True,
     kv_reads=True,
+    priority_refs=True,
 )
 
 

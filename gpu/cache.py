@@ -23,6 +23,12 @@ with). What makes it production-shaped rather than a model:
   the policy rank with lazy deletion (a node's one live entry is `dev_pushed` / `host_pushed`;
   any other is stale); `_refresh(node)` re-derives one node's memberships in O(1) and is called
   wherever a node's residency, children, locks, host locks or copies change.
+- Priority tiers (SPEC.md §11): sessions are counted on the nodes of their paths (`high_ref`,
+  `low_ref`, `tier`) and indexed at the node they end at; each ref tier has its own candidate heap
+  (UNUSED's is the plain one, so traffic without sessions pays nothing) and its own evictable-size
+  counter, read in O(1). Only session calls walk a path for refs; a split copies them, a deletion
+  hands its sessions to the surviving parent. Host pressure scans the sessions (see
+  `_demote_idle_session`); `plan_admission` reads counters only.
 - Nothing on the hot path scans the tree. The only walks are the ones the spec implies: a key's
   path (match, insert), a node's path to the root (locks), and, for a device candidate without a
   backup, its host-only subtree (is it pinned, SPEC.md §9.3; empty except under write-back).
@@ -44,20 +50,26 @@ from typing import NamedTuple, Optional, TypeGuard, Union
 import torch
 
 from kvcert.gpu.agreement import Agreement
-from kvcert.gpu.alloc import PageAllocator, to_bytes, to_tuple
+from kvcert.gpu.alloc import FREE, PageAllocator, to_bytes, to_tuple
 from kvcert.gpu.copy_engine import CopyEngine, CopyJob, Ticket, make_engine
 from kvcert.gpu.kv import KVGeometry, KVPool, make_pool
 from kvcert.spec import pages
 from kvcert.spec import storage as l3
 from kvcert.spec.types import (
     FAULTS,
+    HIGH_REF,
+    LOW_REF,
     POLICIES,
     PREFETCH_POLICIES,
+    UNUSED,
     WRITE_POLICIES,
     WRITE_THROUGH_THRESHOLD,
+    AdmissionPlan,
+    AdmissionProfile,
     CacheConfig,
     InsertOut,
     InvalidCount,
+    InvalidPlan,
     InvalidToken,
     LengthMismatch,
     LockUnderflow,
@@ -68,6 +80,8 @@ from kvcert.spec.types import (
     PendingPrefetch,
     PoolExhausted,
     RetractionView,
+    Running,
+    SessionView,
     SlotNotOwned,
     Snapshot,
     StaleHandle,
@@ -76,8 +90,13 @@ from kvcert.spec.types import (
     UnknownFault,
     UnknownPrefetch,
     UnknownRetraction,
+    UnknownSession,
     check_count,
+    check_priority,
+    check_scope,
+    check_session,
     check_tokens,
+    tier_of,
 )
 
 Selector = Union[bytes, tuple[Namespace, bytes]]
@@ -138,6 +157,10 @@ class Node:
         "copies",
         "hl_owners",
         "end",
+        "high_ref",
+        "low_ref",
+        "tier",
+        "ending",
     )
 
     def __init__(self, node_id: int, parent: Optional[Node], ns: Namespace, key: bytes) -> None:
@@ -169,6 +192,14 @@ class Node:
         """Owners of this node's host-lock segments (a load, a store, a prefetch)."""
         self.end: int = (parent.end if parent is not None else 0) + self.size
         """Tokens from the root to this node's end: fixed for life (a split keeps the deeper half's end)."""
+        self.high_ref = 0
+        """High-priority sessions whose path holds this node (SPEC.md §11.1)."""
+        self.low_ref = 0
+        """Low-priority sessions whose path holds this node."""
+        self.tier = UNUSED
+        """`tier_of(high_ref, low_ref)`, kept with the refs: the hot path reads one int (0: no session holds it)."""
+        self.ending: Optional[dict[str, Session]] = None
+        """Sessions whose path ends here (None: none): a deletion hands them to the surviving parent in O(1) each."""
 
 
 @dataclass(eq=False)
@@ -202,6 +233,20 @@ class Prefetch:
 
 
 @dataclass(eq=False)
+class Session:
+    """A registered session (SPEC.md §11.1): it holds the path from the root to `node`."""
+
+    id: str
+    node: Node
+    priority: int
+    seq: int
+    """Registration stamp: ties between idle sessions go to the earliest (re-)registered (§11.4)."""
+    high: bool
+    """Counts as high now: priority at or above the threshold and not demoted."""
+    demoted: bool = False
+
+
+@dataclass(eq=False)
 class Retraction:
     id: int
     tokens: int
@@ -210,6 +255,29 @@ class Retraction:
 
 def _is_id(x: object) -> TypeGuard[int]:
     return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_count(x: object) -> bool:
+    return _is_id(x) and x >= 0
+
+
+def _fewest_covering(low: Sequence[Running], short: int) -> Optional[list[Running]]:
+    """SPEC.md §11.5's retraction: the fewest requests freeing `short` tokens, None if all of them cannot.
+
+    With `k` the fewest that can cover `short`, the first `k - 1` picks are the largest (tokens
+    descending, then id ascending); the last is the smallest request left (tokens ascending, then id
+    ascending) that closes the gap. O(r log r).
+    """
+    by_size = sorted(low, key=lambda r: (-r.tokens, r.id))
+    k = covered = 0
+    while k < len(by_size) and covered < short:
+        covered += by_size[k].tokens
+        k += 1
+    if covered < short or not k:
+        return None
+    gap = short - (covered - by_size[k - 1].tokens)  # what the last pick must free
+    last = min((r for r in by_size[k - 1 :] if r.tokens >= gap), key=lambda r: (r.tokens, r.id))
+    return [*by_size[: k - 1], last]
 
 
 def _lru_entry(n: Node) -> tuple[int, ...]:
@@ -293,7 +361,7 @@ def _slot_run(slots: object) -> tuple[int, Optional[bytes]]:
 
 
 class GpuCache:
-    """Device, host and storage tiers over torch pools (SPEC.md §4, §9, §10)."""
+    """Device, host and storage tiers over torch pools, with priority tiers (SPEC.md §4, §9, §10, §11)."""
 
     def __init__(
         self,
@@ -358,7 +426,26 @@ class GpuCache:
         self.host_leaves: set[int] = set()
         self.dev_heap: list[tuple[int, ...]] = []
         self.host_heap: list[tuple[int, ...]] = []
-        """Entries are a rank with the node id appended: flat tuples of ints, cheap to compare."""
+        """Entries are a rank with the node id appended: flat tuples of ints, cheap to compare. These two
+        hold the UNUSED tier (no session holds the node): the only tier without sessions, so the hot path
+        pushes exactly what it pushed before tiers existed."""
+        self.dev_heap_low: list[tuple[int, ...]] = []
+        self.dev_heap_high: list[tuple[int, ...]] = []
+        self.host_heap_low: list[tuple[int, ...]] = []
+        """Ref-tier heaps (SPEC.md §11.3): LOW_REF entries are `(low_ref, *policy_rank, id)`, HIGH_REF ones
+        `(high_ref, low_ref, *policy_rank, id)` — the rank `(tier, high_ref, low_ref, *policy_rank)` with the
+        tier made the heap. Host eviction never takes a HIGH_REF copy, so a host HIGH_REF leaf is pushed nowhere
+        until a demotion drops it to LOW_REF (its refresh pushes it then)."""
+        # sessions (SPEC.md §11)
+        self.high_threshold = config.high_priority_threshold
+        self.sessions: dict[str, Session] = {}
+        """Registered sessions in registration order (a re-registration moves one to the end)."""
+        self._next_seq = 0
+        self.demotions: OrderedDict[str, None] = OrderedDict()
+        """Sessions adaptive demotion demoted, latest last (a session demoted again moves to the end)."""
+        self.held_sizes = [0, 0, 0]
+        """Device tokens of unlocked nodes by tier, kept for LOW_REF and HIGH_REF only (index 0 stays 0): UNUSED's
+        is `evictable_size` less both (§11.2), so a node no session holds costs the counters nothing."""
         self.dups: dict[int, Node] = {}
         """Write-back's settled duplicates (on both tiers, no pending copy, no host lock)."""
         self.dup_heap: list[int] = []
@@ -396,20 +483,26 @@ class GpuCache:
             self.host_leaves.discard(nid)
             if n.dev_children == 0:
                 self.dev_leaves.add(nid)
-                entry = self._entry(n)
-                if n.dev_pushed != entry:
-                    heapq.heappush(self.dev_heap, entry)
-                    n.dev_pushed = entry
+                if n.tier:
+                    self._push_tiered(n, True)
+                else:
+                    entry = self._entry(n)
+                    if n.dev_pushed != entry:
+                        heapq.heappush(self.dev_heap, entry)
+                        n.dev_pushed = entry
             else:
                 self.dev_leaves.discard(nid)
         else:
             self.dev_leaves.discard(nid)
             if not n.children and n.host_lock_ref == 0:
                 self.host_leaves.add(nid)
-                entry = self._entry(n)
-                if n.host_pushed != entry:
-                    heapq.heappush(self.host_heap, entry)
-                    n.host_pushed = entry
+                if n.tier:
+                    self._push_tiered(n, False)
+                else:
+                    entry = self._entry(n)
+                    if n.host_pushed != entry:
+                        heapq.heappush(self.host_heap, entry)
+                        n.host_pushed = entry
             else:
                 self.host_leaves.discard(nid)
         if (
@@ -424,6 +517,42 @@ class GpuCache:
                 heapq.heappush(self.dup_heap, n.id)
         else:
             self.dups.pop(n.id, None)
+
+    def _tier_entry(self, n: Node) -> tuple[int, ...]:
+        """A held node's entry in its ref tier's heap: `(low_ref, *rank, id)` or `(high_ref, low_ref, *rank, id)`.
+
+        Entries of different tiers differ in length, so an entry equal to a node's live one is in the right heap.
+        """
+        if n.high_ref:
+            return (n.high_ref, n.low_ref, *self._entry(n))
+        return (n.low_ref, *self._entry(n))
+
+    def _push_tiered(self, n: Node, device: bool) -> None:
+        """Push a held candidate's entry into its tier's heap (a host HIGH_REF leaf goes in none: §11.4)."""
+        entry = self._tier_entry(n)
+        if device:
+            if n.dev_pushed != entry:
+                heapq.heappush(self.dev_heap_high if n.high_ref else self.dev_heap_low, entry)
+                n.dev_pushed = entry
+        elif n.high_ref:
+            n.host_pushed = None  # any entry it had is stale: host eviction may not take it now
+        elif n.host_pushed != entry:
+            heapq.heappush(self.host_heap_low, entry)
+            n.host_pushed = entry
+
+    def _pop_held(self, allow_high: bool) -> Optional[Node]:
+        """The minimal-rank device candidate some session holds: LOW_REF, then HIGH_REF if allowed (SPEC.md §11.3)."""
+        n = self._pop(self.dev_heap_low, self.dev_leaves, True) if self.dev_heap_low else None
+        if n is None and allow_high and self.dev_heap_high:
+            n = self._pop(self.dev_heap_high, self.dev_leaves, True)
+        return n
+
+    def _pop_host(self) -> Optional[Node]:
+        """The minimal-rank host candidate: UNUSED, then LOW_REF; never HIGH_REF (SPEC.md §11.4)."""
+        n = self._pop(self.host_heap, self.host_leaves, False)
+        if n is None and self.host_heap_low:
+            n = self._pop(self.host_heap_low, self.host_leaves, False)
+        return n
 
     def _pop(self, heap: list[tuple[int, ...]], members: set[int], device: bool) -> Optional[Node]:
         """The minimal-rank member of `members`, popped from `heap` (stale entries dropped)."""
@@ -446,37 +575,45 @@ class GpuCache:
         return None
 
     def _compact(self) -> None:
-        """Rebuild a heap whose stale entries outnumber the live ones (amortised O(1) per push)."""
-        if len(self.dev_heap) > 4 * len(self.dev_leaves) + 64 or (
+        """Rebuild heaps whose stale entries outnumber the live ones (amortised O(1) per push)."""
+        if len(self.dev_heap) + len(self.dev_heap_low) + len(self.dev_heap_high) > 4 * len(self.dev_leaves) + 64 or (
             self.host_kv is not None
-            and (len(self.host_heap) > 4 * len(self.host_leaves) + 64 or len(self.dup_heap) > 4 * len(self.dups) + 64)
+            and (
+                len(self.host_heap) + len(self.host_heap_low) > 4 * len(self.host_leaves) + 64
+                or len(self.dup_heap) > 4 * len(self.dups) + 64
+            )
         ):
             self._rebuild()
 
     def _rebuild(self) -> None:
-        for heap, members, device in (
-            (self.dev_heap, self.dev_leaves, True),
-            (self.host_heap, self.host_leaves, False),
+        for heaps, members, device in (
+            ((self.dev_heap, self.dev_heap_low, self.dev_heap_high), self.dev_leaves, True),
+            ((self.host_heap, self.host_heap_low), self.host_leaves, False),
         ):
-            if len(heap) > 4 * len(members) + 64:
-                for old in heap:  # entries about to vanish: their nodes must push again
-                    gone = self.nodes.get(old[-1])
-                    if gone is not None:
-                        if device:
-                            gone.dev_pushed = None
-                        else:
-                            gone.host_pushed = None
-                live = []
+            if sum(map(len, heaps)) > 4 * len(members) + 64:
+                for heap in heaps:
+                    for old in heap:  # entries about to vanish: their nodes must push again
+                        gone = self.nodes.get(old[-1])
+                        if gone is not None:
+                            if device:
+                                gone.dev_pushed = None
+                            else:
+                                gone.host_pushed = None
+                live: tuple[list[tuple[int, ...]], ...] = ([], [], [])
                 for node_id in members:
                     n = self.nodes[node_id]
-                    entry = self._entry(n)
-                    live.append(entry)
+                    tier = n.tier
+                    if tier == HIGH_REF and not device:
+                        continue  # a host HIGH_REF leaf waits for a demotion (`_push_tiered`)
+                    entry = self._entry(n) if tier == UNUSED else self._tier_entry(n)
+                    live[tier].append(entry)
                     if device:
                         n.dev_pushed = entry
                     else:
                         n.host_pushed = entry
-                heapq.heapify(live)
-                heap[:] = live
+                for heap, entries in zip(heaps, live):
+                    heapq.heapify(entries)
+                    heap[:] = entries
         if len(self.dup_heap) > 4 * len(self.dups) + 64:
             self.dup_heap = sorted(self.dups)
 
@@ -487,9 +624,22 @@ class GpuCache:
         self._shape += 1
         return n
 
-    def _forget(self, n: Node) -> None:
+    def _forget(self, n: Node, heir: Node) -> None:
+        """`n` leaves the tree; sessions that ended at it now end at `heir`, its deepest surviving ancestor.
+
+        Eviction deletes leaves only, so `n` is the end of every path that holds it: no other node's
+        refs change, and `heir` already counts those sessions (SPEC.md §11.1). O(sessions ending at `n`).
+        """
         self._shape += 1
         del self.nodes[n.id]
+        if n.ending:
+            into = heir.ending
+            if into is None:
+                into = heir.ending = {}
+            for sid, session in n.ending.items():
+                session.node = heir
+                into[sid] = session
+            n.ending = None
         self.dev_leaves.discard(n.id)
         if self.host_leaves:
             self.host_leaves.discard(n.id)
@@ -506,6 +656,8 @@ class GpuCache:
             self.protected_size += sign * n.size
         else:
             self.evictable_size += sign * n.size
+            if n.tier:
+                self.held_sizes[n.tier] += sign * n.size
 
     def _set_device(self, n: Node, slots: Optional[bytes]) -> None:
         """Move `n` on or off the device, keeping counters, the parent's device-child count and memberships exact."""
@@ -528,6 +680,7 @@ class GpuCache:
         root = self.root
         moved = 0
         """Device tokens that went from evictable to protected (negative: back)."""
+        held = self.held_sizes
         dev_leaves, host_leaves = self.dev_leaves, self.host_leaves
         while cur is not None and cur is not root:
             old = cur.lock_ref
@@ -535,6 +688,8 @@ class GpuCache:
             if not old:  # locked now: counted protected, no candidate of either tier
                 if cur.slots is not None:
                     moved += cur.size
+                    if cur.tier:
+                        held[cur.tier] -= cur.size
                     if not cur.dev_children:  # (one with a child on device is none already)
                         dev_leaves.discard(cur.id)
                 elif host_leaves:
@@ -542,6 +697,8 @@ class GpuCache:
             elif not new:  # unlocked: counted evictable; a device node with a device child is still no candidate
                 if cur.slots is not None:
                     moved -= cur.size
+                    if cur.tier:
+                        held[cur.tier] += cur.size
                     if cur.dev_children == 0:
                         self._refresh(cur)
                 else:
@@ -594,6 +751,8 @@ class GpuCache:
         head.lock_ref, head.host_lock_ref = child.lock_ref, child.host_lock_ref
         head.last_access, head.creation = self.now, self.now
         head.hit_count, head.priority = child.hit_count, child.priority
+        # the head lies on every path the suffix lies on: it takes its refs (SPEC.md §11.1)
+        head.high_ref, head.low_ref, head.tier = child.high_ref, child.low_ref, child.tier
         parent.children[self._selector(parent, child)] = head
         child.key = child.key[cut:]
         child.size = len(child.key) >> 3
@@ -868,9 +1027,15 @@ class GpuCache:
         n.own_locks -= 1
         self._lock_path(n, -1)
 
-    def evict(self, n: int) -> int:
+    def evict(self, n: int, allow_low: bool = True, allow_high: bool = True) -> int:
+        """Free at least `n` device tokens, touching only the ref tiers the scope allows (SPEC.md §4.5, §11.3).
+
+        The scope is this call's: a parameter of `_evict`, never state, so it cannot outlive the call,
+        and the evictions the cache makes for itself (load-back's room) use the full scope.
+        """
         check_count(n)
-        freed = self._evict(n)
+        allow_low, allow_high = check_scope(allow_low, allow_high)
+        freed = self._evict(n, allow_low, allow_high)
         self._compact()
         return freed
 
@@ -890,14 +1055,16 @@ class GpuCache:
             stack.extend(g for g in c.children.values() if g.slots is None)
         return False
 
-    def _evict(self, n: int) -> int:
-        """Free device KV of minimal-rank candidates until `n` tokens are freed or none is left."""
+    def _evict(self, n: int, allow_low: bool = True, allow_high: bool = True) -> int:
+        """Free device KV of minimal-rank candidates in scope until `n` tokens are freed or none is left."""
         freed = 0
         aside: list[Node] = []
         released: list[bytes] = []
         """The victims' device slots, given back to the allocator in one call at the end."""
-        while freed < n:
+        while freed < n:  # UNUSED first, then LOW_REF, then HIGH_REF, as the scope allows (SPEC.md §11.3)
             victim = self._pop(self.dev_heap, self.dev_leaves, True)
+            if victim is None and allow_low and (self.dev_heap_low or self.dev_heap_high):
+                victim = self._pop_held(allow_high)
             if victim is None:
                 break
             if (
@@ -941,20 +1108,23 @@ class GpuCache:
                 self._delete_host_subtree(c)
         del parent.children[self._selector(parent, n)]
         self.evictable_size -= n.size  # a candidate: unlocked
+        if n.tier:
+            self.held_sizes[n.tier] -= n.size
         parent.dev_children -= 1
-        self._forget(n)
+        self._forget(n, parent)
         self._refresh(parent)
 
     def _delete_host_subtree(self, top: Node) -> None:
+        """Remove a host-only subtree; sessions that ended in it now end at `top`'s parent."""
         assert self.alloc_host is not None
+        parent = top.parent
+        assert parent is not None
         stack = [top]
         while stack:
             n = stack.pop()
             stack.extend(n.children.values())
             self.alloc_host.release_raw(n.host_slots or b"")
-            self._forget(n)
-        parent = top.parent
-        assert parent is not None
+            self._forget(n, parent)
         del parent.children[self._selector(parent, top)]
         self._refresh(parent)
 
@@ -1021,7 +1191,10 @@ class GpuCache:
         return freed
 
     def _evict_host(self, n: int) -> int:
-        """Write-back's settled duplicates first, then host-only leaves by rank (SPEC.md §9.4).
+        """Write-back's settled duplicates first, then host-only leaves by rank (SPEC.md §9.4, §11.4).
+
+        Leaves go UNUSED first, then LOW_REF; a HIGH_REF copy never goes directly. With both exhausted
+        short of `n`, an idle high session is demoted and the loop goes on (`_demote_idle_session`).
 
         The spec leaves the reclaim order free; this takes the oldest node (lowest id) first:
         deterministic, and the model's own default, which matters where a harness cannot see a
@@ -1038,8 +1211,10 @@ class GpuCache:
             self._refresh(victim)
             freed += victim.size
         while freed < n:
-            leaf = self._pop(self.host_heap, self.host_leaves, False)
+            leaf = self._pop_host()
             if leaf is None:
+                if self.sessions and self._demote_idle_session():
+                    continue  # its host copies may be LOW_REF now (SPEC.md §11.4)
                 break
             self._delete_host_subtree(leaf)
             freed += leaf.size
@@ -1142,6 +1317,188 @@ class GpuCache:
         elif self.alloc_host is not None:
             self.alloc_host.failures += 1
         # a device-only cache has no host allocation for the fault to hit: armed, it never fires
+
+    # ================================================================== sessions (SPEC.md §11)
+    #
+    # A session holds the path from the root to its node. Each node counts the high and low sessions
+    # whose path holds it (`high_ref`, `low_ref`) and indexes the sessions ending at it (`ending`).
+    # A session call walks one path (O(depth)), moving the tier counters and re-ranking the nodes on
+    # it; nothing else on the hot path touches refs: a split copies two ints, a deletion hands the
+    # sessions ending at the node to its surviving parent.
+
+    def _shift(self, node: Node, d_high: int, d_low: int) -> None:
+        """Add `d_high` / `d_low` to the refs of every node from `node` up to the root, keeping the
+        tier counters exact and re-ranking each node (a candidate pushes its new entry). O(depth)."""
+        cur: Optional[Node] = node
+        root, held = self.root, self.held_sizes
+        while cur is not None and cur is not root:
+            cur.high_ref += d_high
+            cur.low_ref += d_low
+            old, new = cur.tier, tier_of(cur.high_ref, cur.low_ref)
+            if new != old:
+                cur.tier = new
+                if cur.slots is not None and cur.lock_ref == 0:  # counted evictable: it changes tier
+                    if old:
+                        held[old] -= cur.size
+                    if new:
+                        held[new] += cur.size
+            self._refresh(cur)
+            cur = cur.parent
+
+    def _hold(self, session: Session, sign: int) -> None:
+        """Add (+1) or remove (-1) the session's refs along its path."""
+        if session.high:
+            self._shift(session.node, sign, 0)
+        else:
+            self._shift(session.node, 0, sign)
+
+    def _set_high(self, session: Session, high: bool) -> None:
+        """The session counts as high (or low) now: its path's refs move between the two counts."""
+        if session.high != high:
+            session.high = high
+            d = 1 if high else -1
+            self._shift(session.node, d, -d)
+
+    def _session(self, session: object) -> Session:
+        found = self.sessions.get(session) if isinstance(session, str) else None
+        if found is None:
+            raise UnknownSession(f"no registered session {session!r}")
+        return found
+
+    def register_ref(self, session: str, node: int, priority: int) -> None:
+        """`session` holds the path to `node` at `priority`; again: moved there, to the end of the order, undemoted."""
+        check_session(session)
+        n = self._live(node)
+        check_priority(priority)
+        old = self.sessions.pop(session, None)
+        if old is not None:
+            self._hold(old, -1)
+            if old.node.ending is not None:
+                old.node.ending.pop(session, None)
+        s = Session(session, n, priority, self._next_seq, priority >= self.high_threshold)
+        self._next_seq += 1
+        self.sessions[session] = s
+        if n.ending is None:
+            n.ending = {}
+        n.ending[session] = s
+        self._hold(s, +1)
+        self._compact()
+
+    def update_ref(self, session: str, priority: int) -> None:
+        """A new priority for the session's path; clears an adaptive demotion (SPEC.md §11.4)."""
+        check_priority(priority)
+        s = self._session(session)
+        s.priority, s.demoted = priority, False
+        self._set_high(s, priority >= self.high_threshold)
+        self._compact()
+
+    def release_ref(self, session: str) -> None:
+        """The session holds nothing any more; a high one restores the latest demotion still in force."""
+        s = self._session(session)
+        self._hold(s, -1)
+        del self.sessions[session]
+        if s.node.ending is not None:
+            s.node.ending.pop(session, None)
+        if s.high:
+            while self.demotions:
+                back = self.sessions.get(self.demotions.popitem(last=True)[0])
+                if back is not None and back.demoted:
+                    back.demoted = False
+                    self._set_high(back, back.priority >= self.high_threshold)
+                    break
+        self._compact()
+
+    def _demote_idle_session(self) -> bool:
+        """Host pressure (SPEC.md §11.4): demote the idle high session with the fewest tokens on its path,
+        ties to the earliest (re-)registered; False if there is none.
+
+        This scans the sessions (O(sessions)): it runs only under host pressure, once host eviction has
+        run out of UNUSED and LOW_REF leaves. A session is idle when its path holds a host-only node; a
+        device node's parent is on the device (INV-HOST-2), so that is when its own node is host only.
+        A node's `end` is the tokens on its path.
+        """
+        victim: Optional[Session] = None
+        for s in self.sessions.values():
+            if s.high and s.node.slots is None:
+                if victim is None or (s.node.end, s.seq) < (victim.node.end, victim.seq):
+                    victim = s
+        if victim is None:
+            return False
+        victim.demoted = True
+        self._set_high(victim, False)
+        self.demotions.pop(victim.id, None)
+        self.demotions[victim.id] = None
+        return True
+
+    @property
+    def tier_evictable(self) -> tuple[int, int, int]:
+        """Device tokens of unlocked nodes per tier (UNUSED, LOW_REF, HIGH_REF), read in O(1) (SPEC.md §11.2)."""
+        low, high = self.held_sizes[LOW_REF], self.held_sizes[HIGH_REF]
+        return (self.evictable_size - low - high, low, high)
+
+    # ================================================================== admission (SPEC.md §11.5, §11.6)
+
+    @staticmethod
+    def _free_slots_of(alloc: PageAllocator) -> int:
+        """Free slots: whole free pages, plus free slots of pages a caller tore (`mixed`, almost always empty)."""
+        torn = alloc.mixed
+        return alloc.available + (sum(states.count(FREE) for states in torn.values()) if torn else 0)
+
+    def plan_admission(
+        self, tokens: int, priority: int, running: Sequence[Running], profile: Optional[AdmissionProfile]
+    ) -> AdmissionPlan:
+        """What admitting a request of `tokens` new device tokens at `priority` takes (SPEC.md §11.5, §11.6).
+
+        A value computed from the counters (free slots, `tier_evictable`, free host slots) and the
+        arguments: O(L × running log running); it changes nothing.
+        """
+        if not _is_count(tokens):
+            raise InvalidPlan(f"a request needs a non-negative int of tokens, got {tokens!r}")
+        check_priority(priority)
+        if not isinstance(running, Sequence) or not all(
+            isinstance(r, Running) and _is_count(r.id) and _is_count(r.tokens) and _is_id(r.priority) for r in running
+        ):
+            raise InvalidPlan(f"running requests must be Running(id, priority, tokens) of ints, got {running!r}")
+        if len({r.id for r in running}) != len(running):
+            raise InvalidPlan("running request ids repeat")
+        if profile is not None and not (
+            isinstance(profile, AdmissionProfile)
+            and _is_count(profile.load)
+            and _is_count(profile.store)
+            and _is_count(profile.step)
+            and _is_count(profile.target)
+        ):
+            raise InvalidPlan(f"a profile holds non-negative ints, got {profile!r}")
+        ps, total = self.page_size, self.kv_layers
+        high = priority >= self.high_threshold
+        free = self._free_slots_of(self.alloc_dev)
+        scope = self.evictable_size - (0 if high else self.held_sizes[HIGH_REF])  # UNUSED + LOW_REF (+ HIGH_REF)
+        host_free = self._free_slots_of(self.alloc_host) if self.alloc_host is not None else 0
+        low = [r for r in running if r.priority < self.high_threshold]  # a high-priority request is never retracted
+        for layers in range(total, 0, -1):
+            if layers < total and (
+                profile is None
+                or profile.step + (total - layers) * tokens * (profile.load + profile.store) > profile.target
+            ):
+                break  # fewer resident layers stream more: past the first refusal none is admitted (§11.6)
+            need = pages.page_ceil(-(-tokens * layers // total), ps)
+            if free + scope >= need:
+                return AdmissionPlan(True, max(0, need - free), high, (), (), layers, need)
+            if not high:
+                continue
+            picks = _fewest_covering(low, need - free - scope)
+            if picks is None:
+                continue
+            keep: list[bool] = []
+            room = host_free
+            for r in picks:
+                size = pages.page_ceil(r.tokens, ps)
+                fits = 0 < size <= room
+                keep.append(fits)
+                if fits:
+                    room -= size
+            return AdmissionPlan(True, scope, True, tuple(r.id for r in picks), tuple(keep), layers, need)
+        return AdmissionPlan(False, allow_high=high)
 
     # ================================================================== retraction (SPEC.md §9.11)
 
@@ -1393,6 +1750,8 @@ class GpuCache:
                 lock_ref=n.lock_ref,
                 host_slots=None if n.host_slots is None else to_tuple(n.host_slots),
                 host_lock_ref=n.host_lock_ref,
+                high_ref=n.high_ref,
+                low_ref=n.low_ref,
             )
             for n in self.nodes.values()
         )
@@ -1417,6 +1776,9 @@ class GpuCache:
                 for p in self.prefetches.values()
             ),
             retractions=tuple(RetractionView(r.id, r.tokens, r.host_slots) for r in self.retractions.values()),
+            sessions=tuple(SessionView(x.id, x.node.id, x.priority, x.high, x.demoted) for x in self.sessions.values()),
+            tier_evictable=self.tier_evictable,
+            high_priority_threshold=self.high_threshold,
         )
 
     def close(self) -> None:
