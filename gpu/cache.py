@@ -1516,12 +1516,29 @@ class GpuCache:
             self._compact()
             return None
         got = to_tuple(raw)
-        self.engine.copy_now(self.kv, tuple(slots), self.host_kv, got[: len(slots)])
+        loading = self._loading_slots()
+        pairs = list(zip(slots, got))
+        landed = [(x, h) for x, h in pairs if x not in loading]
+        if landed:
+            self.engine.copy_now(self.kv, tuple(x for x, _ in landed), self.host_kv, tuple(h for _, h in landed))
+        early = [(loading[x], h) for x, h in pairs if x in loading]
+        if early:  # a load-back's bytes have not landed there yet: its host copy (protected until the ack) has them
+            self.host_kv.copy_from(self.host_kv, [x for x, _ in early], [h for _, h in early])
         r = Retraction(self._next_retraction, len(slots), got)
         self._next_retraction += 1
         self.retractions[r.id] = r
         self._compact()
         return r.id
+
+    def _loading_slots(self) -> dict[int, int]:
+        """Device slot -> host slot, for the slots of unfinished load-backs (their bytes are still on the host)."""
+        out: dict[int, int] = {}
+        for c in self.copies.values():
+            if c.kind == "load" and not c.finished:
+                for n in c.nodes:
+                    if n.slots is not None and n.host_slots is not None:
+                        out.update(zip(to_tuple(n.slots), to_tuple(n.host_slots)))
+        return out
 
     def _retraction(self, backup: object) -> Retraction:
         r = self.retractions.get(backup) if _is_id(backup) else None

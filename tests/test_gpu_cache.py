@@ -282,3 +282,17 @@ def test_heaps_stay_complete_across_compaction() -> None:
         cache.match_prefix(None, (1 + t % 7, 1 + t % 7))
     cache.dec_lock_ref(held)  # back at the same version
     assert cache.evict(64) == 16 and len(cache.nodes) == 1
+
+
+def test_retraction_backup_of_a_prefix_still_loading_holds_its_kv() -> None:
+    """Found by certification (seed 0, page size 4, write-back): a request whose prefix is being
+    loaded back is retracted before the load lands. The backup must hold the prefix's KV — read from
+    its host copy, which the load protects — not the device slots the load has yet to fill."""
+    from kvcert.conformance.driver import run_trace
+    from kvcert.gpu import factory
+    from kvcert.spec.ops import Evict, Insert, LoadBack, Match, Retract
+
+    config = CacheConfig(page_size=4, capacity=24, host_capacity=24, write_policy="write_back", load_back_threshold=4)
+    key = (0, 0, 0, 1, 2, 2, 2, 2)
+    ops = [Insert(None, key), Match(None, key), Evict(1), Match(None, key[:4]), LoadBack(3), Retract(1, 4)]
+    run_trace(factory(config), config, factory.capabilities, ops)  # type: ignore[attr-defined]
