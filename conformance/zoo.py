@@ -524,10 +524,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "host eviction deletes a session's last node but the session still holds it (a ref on a dead node)",
         (
             (
-                "        for session in self.sessions.values():  # they now hold the path to the surviving parent\n"
-                "            if session.node is node:\n"
-                "                session.node = node.parent\n",
-                "",
+                "        self.host.release(node.host_slots or ())\n        self._sessions_leave(node)\n",
+                "        self.host.release(node.host_slots or ())\n",
             ),
         ),
         page_sizes=(1,),

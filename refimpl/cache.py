@@ -604,9 +604,7 @@ class RefCache:
         del node.parent.children[self._selector(node.namespace, node.key)]
         del self.nodes[node.id]
         self.host.release(node.host_slots or ())
-        for session in self.sessions.values():  # they now hold the path to the surviving parent
-            if session.node is node:
-                session.node = node.parent
+        self._sessions_leave(node)
 
     # ------------------------------------------------------------------ host tier (SPEC.md §9)
 

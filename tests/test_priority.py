@@ -262,3 +262,18 @@ def test_worked_example_proactive_keeps_the_agents_prefix_and_lru_loses_it() -> 
         run_trace(RefCache(trace.config), trace.config, RefCache.capabilities, ops, hook=hook)
         hits[label] = matched
     assert hits == {"proactive": {7: 4}, "plain": {7: 0}}
+
+
+def test_plan_checker_flags_retractions_beyond_the_fewest() -> None:
+    """INV-ADMIT-2: one low request (5 tokens) covers the shortfall of 4; retracting two is not minimal,
+    and retracting the 3-token one alone would not cover it."""
+    cache = make(capacity=16)
+    running = (Running(0, 0, 3), Running(1, 0, 5))
+    for r in running:
+        cache.alloc(r.tokens)
+    plan = check(cache, 12, 1, running)
+    assert (plan.retract, plan.keep) == ((1,), (False,))  # no host tier: discarded
+    snap = cache.snapshot()
+    too_many = replace(plan, retract=(1, 0), keep=(False, False))
+    found = {i for i, _ in contracts.plan_violations(snap, 12, 1, running, None, 2, too_many)}
+    assert found == {"INV-ADMIT-2"}
