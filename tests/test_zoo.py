@@ -125,3 +125,29 @@ def test_demotes_longest_session_is_caught_by_its_trace() -> None:
     with pytest.raises(ConformanceFailure) as failure:
         run_trace(factory(config), config, factory.capabilities, ops)  # type: ignore[attr-defined]
     assert failure.value.step == 8 and "INV-TIER-5" in str(failure.value)
+
+
+def test_demotion_never_restored_is_caught_by_its_trace() -> None:
+    """A high-priority session's end gives the latest demoted session its tier back (SPEC.md §11.4)."""
+    from kvcert.conformance.driver import ConformanceFailure, run_trace
+    from kvcert.spec.ops import Complete, Evict, EvictHost, Insert, Match, Poll, RegisterRef, ReleaseRef
+    from kvcert.spec.types import CacheConfig
+
+    (mutant,) = [m for m in zoo.DIRECTED if m.name == "demotion_never_restored"]
+    config = CacheConfig(page_size=1, capacity=8, host_capacity=6, write_policy="write_through")
+    ops = [
+        Insert(None, (1, 1)),
+        Complete(0),
+        Poll(),
+        RegisterRef("idle", 0, 1),
+        Match(None, (9,)),  # a miss: its handle is the root
+        RegisterRef("busy", 4, 1),  # high, holds nothing on the host: never idle
+        Evict(8),  # "idle" is on the host only now
+        EvictHost(2),  # nothing UNUSED or LOW_REF: "idle" is demoted and its copy evicted
+        ReleaseRef("busy"),  # a high session ends: "idle" is high again
+    ]
+    run_trace(zoo.refcache.RefCache(config), config, zoo.refcache.RefCache.capabilities, ops)
+    factory = zoo.build(mutant)
+    with pytest.raises(ConformanceFailure) as failure:
+        run_trace(factory(config), config, factory.capabilities, ops)  # type: ignore[attr-defined]
+    assert failure.value.step == 8 and "INV-TIER-5" in str(failure.value)
