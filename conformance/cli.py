@@ -192,7 +192,7 @@ def selftest_cmd(
     mutants = [m for m in zoo.MUTANTS if not mutant_names or m.name in mutant_names]
     killed, lengths = 0, []
     for mutant in mutants:
-        cert = zoo.run_mutant(mutant, examples=examples, steps=steps, seed=seed, out_dir=out)
+        cert = zoo.run_mutant_isolated(mutant, examples=examples, steps=steps, seed=seed, out_dir=out)
         failing = [c for c in cert.cells if not c.passed]
         if failing:
             killed += 1

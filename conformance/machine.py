@@ -314,7 +314,7 @@ class CacheMachine(RuleBasedStateMachine):
         open_copies = self.h.open_copies()
         later = open_copies[1:] or open_copies
         self.do(Complete(open_copies[0] if oldest else data.draw(st.sampled_from(later), label="copy")))
-        if tick:
+        if tick and not self.storage():  # the storage cells' swarm already varies their mix
             self.do(Poll())
 
     @precondition(lambda self: self.host())

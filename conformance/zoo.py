@@ -8,6 +8,8 @@ its power by killing all of them while the unmodified model passes.
 
 from __future__ import annotations
 
+import concurrent.futures
+import multiprocessing
 import sys
 import types
 from dataclasses import dataclass, replace
@@ -644,6 +646,21 @@ def build(mutant: Mutant) -> Factory:
 
     factory.capabilities = replace(cls.capabilities, name=f"mutant:{mutant.name}")  # type: ignore[attr-defined]
     return factory
+
+
+def run_mutant_isolated(
+    mutant: Mutant, *, examples: int, steps: int, seed: int, out_dir: Optional[Path] = None
+) -> Certificate:
+    """`run_mutant` in a fresh interpreter: a mutant's verdict at a seed is then what a run of it alone
+    gives. In one long process verdicts were seen to depend on what ran before (not yet explained)."""
+    ctx = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=ctx) as pool:
+        return pool.submit(_run_named, mutant.name, examples, steps, seed, out_dir).result()
+
+
+def _run_named(name: str, examples: int, steps: int, seed: int, out_dir: Optional[Path]) -> Certificate:
+    (mutant,) = [m for m in MUTANTS + DIRECTED if m.name == name]
+    return run_mutant(mutant, examples=examples, steps=steps, seed=seed, out_dir=out_dir)
 
 
 def run_mutant(mutant: Mutant, *, examples: int, steps: int, seed: int, out_dir: Optional[Path] = None) -> Certificate:

@@ -24,7 +24,7 @@ def verdicts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[bool, 
     out = tmp_path_factory.mktemp("zoo")
     result = {}
     for mutant in zoo.MUTANTS:
-        cert = zoo.run_mutant(mutant, examples=EXAMPLES, steps=STEPS, seed=SEED, out_dir=out)
+        cert = zoo.run_mutant_isolated(mutant, examples=EXAMPLES, steps=STEPS, seed=SEED, out_dir=out)
         failing = [c for c in cert.cells if not c.passed]
         result[mutant.name] = (bool(failing), failing[0].trace_len if failing else 0)
         if failing:
