@@ -151,3 +151,19 @@ def test_demotion_never_restored_is_caught_by_its_trace() -> None:
     with pytest.raises(ConformanceFailure) as failure:
         run_trace(factory(config), config, factory.capabilities, ops)  # type: ignore[attr-defined]
     assert failure.value.step == 8 and "INV-TIER-5" in str(failure.value)
+
+
+def test_write_acks_drained_on_one_path_is_caught_by_its_trace() -> None:
+    """Write acks are consumed whether or not a load is pending (SPEC.md §9.8): the shrunk seed-0 trace."""
+    from kvcert.conformance.driver import ConformanceFailure, run_trace
+    from kvcert.spec.ops import Complete, Evict, Insert, LoadBack, Match, Poll
+    from kvcert.spec.types import CacheConfig
+
+    (mutant,) = [m for m in zoo.DIRECTED if m.name == "write_acks_drained_on_one_path"]
+    config = CacheConfig(page_size=1, capacity=6, host_capacity=24, write_policy="write_through")
+    ops = [Insert(None, (1,)), Complete(0), Poll(), Evict(1), Insert(None, (0,)), Match(None, (1,)), LoadBack(5)]
+    run_trace(zoo.refcache.RefCache(config), config, zoo.refcache.RefCache.capabilities, ops)
+    factory = zoo.build(mutant)
+    with pytest.raises(ConformanceFailure) as failure:
+        run_trace(factory(config), config, factory.capabilities, ops)  # type: ignore[attr-defined]
+    assert "INV-COPY-1" in str(failure.value)
