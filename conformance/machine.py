@@ -307,15 +307,12 @@ class CacheMachine(RuleBasedStateMachine):
         return self.config.host_capacity > 0
 
     @precondition(lambda self: self.host() and bool(self.h.open_copies()))
-    @rule(data=st.data(), oldest=st.booleans(), tick=st.booleans())
-    def complete(self, data: st.DataObject, oldest: bool, tick: bool) -> None:
-        """Finish a copy: the oldest one, or a later one, so acks also finish out of order; often the
-        scheduler ticks right after (`tick`), which is when an ack consumed out of order shows."""
+    @rule(data=st.data(), oldest=st.booleans())
+    def complete(self, data: st.DataObject, oldest: bool) -> None:
+        """Finish a copy: the oldest one, or a later one, so acks also finish out of order."""
         open_copies = self.h.open_copies()
         later = open_copies[1:] or open_copies
         self.do(Complete(open_copies[0] if oldest else data.draw(st.sampled_from(later), label="copy")))
-        if tick and not self.storage():  # the storage cells' swarm already varies their mix
-            self.do(Poll())
 
     @precondition(lambda self: self.host())
     @rule(data=st.data(), settle=st.sampled_from([False, False, False, True]))

@@ -217,18 +217,6 @@ MUTANTS: tuple[Mutant, ...] = (
         write_policies=("write_through",),
     ),
     Mutant(
-        "acks_out_of_order",
-        "acks consumed past an unfinished one: a later copy is published before an earlier one",
-        (
-            (
-                "                if not copy.finished:\n                    break\n",
-                "                if not copy.finished:\n                    continue\n",
-            ),
-        ),
-        page_sizes=(1, 4),
-        write_policies=("write_through",),
-    ),
-    Mutant(
         "host_evicts_device_nodes",
         "host eviction also takes backed-up leaves still on the device: their device KV is orphaned",
         (
@@ -572,6 +560,18 @@ MUTANTS: tuple[Mutant, ...] = (
 
 
 DIRECTED: tuple[Mutant, ...] = (
+    Mutant(
+        "acks_out_of_order",
+        "acks consumed past an unfinished one: a later copy is published before an earlier one",
+        (
+            (
+                "                if not copy.finished:\n                    break\n",
+                "                if not copy.finished:\n                    continue\n",
+            ),
+        ),
+        page_sizes=(1, 4),
+        write_policies=("write_through",),
+    ),
     Mutant(
         "write_acks_drained_on_one_path",
         "write acks are drained only when no load is pending: protected size grows while loads run",

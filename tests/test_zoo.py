@@ -167,3 +167,30 @@ def test_write_acks_drained_on_one_path_is_caught_by_its_trace() -> None:
     with pytest.raises(ConformanceFailure) as failure:
         run_trace(factory(config), config, factory.capabilities, ops)  # type: ignore[attr-defined]
     assert "INV-COPY-1" in str(failure.value)
+
+
+def test_acks_out_of_order_is_caught_by_its_trace() -> None:
+    """Acks are consumed in issue order (SPEC.md §9.8): the shrunk trace of a generated kill."""
+    from kvcert.conformance.driver import ConformanceFailure, run_trace
+    from kvcert.spec.ops import Complete, Evict, EvictHost, Insert, Poll
+    from kvcert.spec.types import CacheConfig
+
+    (mutant,) = [m for m in zoo.DIRECTED if m.name == "acks_out_of_order"]
+    config = CacheConfig(page_size=1, capacity=6, host_capacity=24, write_policy="write_through")
+    ops = [
+        Insert(None, (0,)),
+        Complete(0),
+        Poll(),
+        Evict(1),
+        EvictHost(1),
+        Insert(None, (1,)),
+        Insert("lora-a", (0,)),
+        Insert(None, (0,)),
+        Complete(3),
+        Poll(),
+    ]
+    run_trace(zoo.refcache.RefCache(config), config, zoo.refcache.RefCache.capabilities, ops)
+    factory = zoo.build(mutant)
+    with pytest.raises(ConformanceFailure) as failure:
+        run_trace(factory(config), config, factory.capabilities, ops)  # type: ignore[attr-defined]
+    assert "INV-COPY-2" in str(failure.value)
