@@ -8,6 +8,9 @@ from pathlib import Path
 import pytest
 
 from kvcert.conformance import zoo
+from kvcert.conformance.driver import ConformanceFailure, run_trace
+from kvcert.spec.ops import Op
+from kvcert.spec.types import CacheConfig
 
 EXAMPLES, STEPS, SEED = 600, 50, 0  # kvcert selftest's defaults
 
@@ -77,10 +80,18 @@ def test_failed_store_visible_is_caught_by_its_trace() -> None:
     assert failure.value.step == 9 and "INV-PF-2" in {v.inv for v in failure.value.violations}
 
 
+def _directed_failure(mutant: zoo.Mutant, config: CacheConfig, ops: list[Op]) -> ConformanceFailure:
+    """The unmodified model passes the trace; the mutant breaks a rule on it (the failure)."""
+    run_trace(zoo.refcache.RefCache(config), config, zoo.refcache.RefCache.capabilities, ops)
+    factory = zoo.build(mutant)
+    with pytest.raises(ConformanceFailure) as failure:
+        run_trace(factory(config), config, factory.capabilities, ops)  # type: ignore[attr-defined]
+    return failure.value
+
+
 def test_tier_ignores_ref_counts_is_caught_by_its_trace() -> None:
     """Within a tier, the node fewer sessions hold goes first (SPEC.md §11.3): LRU alone would take
     the older node two sessions share; the mutant that drops refs from the rank does."""
-    from kvcert.conformance.driver import ConformanceFailure, run_trace
     from kvcert.spec.ops import Evict, Insert, RegisterRef
     from kvcert.spec.types import CacheConfig
 
@@ -94,16 +105,12 @@ def test_tier_ignores_ref_counts_is_caught_by_its_trace() -> None:
         RegisterRef("c", 1, 0),
         Evict(1),
     ]
-    run_trace(zoo.refcache.RefCache(config), config, zoo.refcache.RefCache.capabilities, ops)
-    factory = zoo.build(mutant)
-    with pytest.raises(ConformanceFailure) as failure:
-        run_trace(factory(config), config, factory.capabilities, ops)  # type: ignore[attr-defined]
-    assert failure.value.step == 5 and "INV-EVICT-4" in str(failure.value)
+    failure = _directed_failure(mutant, config, ops)
+    assert failure.step == 5 and "INV-EVICT-4" in str(failure)
 
 
 def test_demotes_longest_session_is_caught_by_its_trace() -> None:
     """Host pressure demotes the idle high-priority session with the fewest tokens (SPEC.md §11.4)."""
-    from kvcert.conformance.driver import ConformanceFailure, run_trace
     from kvcert.spec.ops import Complete, Evict, EvictHost, Insert, Poll, RegisterRef
     from kvcert.spec.types import CacheConfig
 
@@ -120,16 +127,12 @@ def test_demotes_longest_session_is_caught_by_its_trace() -> None:
         Evict(8),  # both demoted to the host: idle
         EvictHost(2),  # nothing UNUSED or LOW_REF: demote "short" and evict its 2 tokens
     ]
-    run_trace(zoo.refcache.RefCache(config), config, zoo.refcache.RefCache.capabilities, ops)
-    factory = zoo.build(mutant)
-    with pytest.raises(ConformanceFailure) as failure:
-        run_trace(factory(config), config, factory.capabilities, ops)  # type: ignore[attr-defined]
-    assert failure.value.step == 8 and "INV-TIER-5" in str(failure.value)
+    failure = _directed_failure(mutant, config, ops)
+    assert failure.step == 8 and "INV-TIER-5" in str(failure)
 
 
 def test_demotion_never_restored_is_caught_by_its_trace() -> None:
     """A high-priority session's end gives the latest demoted session its tier back (SPEC.md §11.4)."""
-    from kvcert.conformance.driver import ConformanceFailure, run_trace
     from kvcert.spec.ops import Complete, Evict, EvictHost, Insert, Match, Poll, RegisterRef, ReleaseRef
     from kvcert.spec.types import CacheConfig
 
@@ -146,32 +149,24 @@ def test_demotion_never_restored_is_caught_by_its_trace() -> None:
         EvictHost(2),  # nothing UNUSED or LOW_REF: "idle" is demoted and its copy evicted
         ReleaseRef("busy"),  # a high session ends: "idle" is high again
     ]
-    run_trace(zoo.refcache.RefCache(config), config, zoo.refcache.RefCache.capabilities, ops)
-    factory = zoo.build(mutant)
-    with pytest.raises(ConformanceFailure) as failure:
-        run_trace(factory(config), config, factory.capabilities, ops)  # type: ignore[attr-defined]
-    assert failure.value.step == 8 and "INV-TIER-5" in str(failure.value)
+    failure = _directed_failure(mutant, config, ops)
+    assert failure.step == 8 and "INV-TIER-5" in str(failure)
 
 
 def test_write_acks_drained_on_one_path_is_caught_by_its_trace() -> None:
     """Write acks are consumed whether or not a load is pending (SPEC.md §9.8): the shrunk seed-0 trace."""
-    from kvcert.conformance.driver import ConformanceFailure, run_trace
     from kvcert.spec.ops import Complete, Evict, Insert, LoadBack, Match, Poll
     from kvcert.spec.types import CacheConfig
 
     (mutant,) = [m for m in zoo.DIRECTED if m.name == "write_acks_drained_on_one_path"]
     config = CacheConfig(page_size=1, capacity=6, host_capacity=24, write_policy="write_through")
     ops = [Insert(None, (1,)), Complete(0), Poll(), Evict(1), Insert(None, (0,)), Match(None, (1,)), LoadBack(5)]
-    run_trace(zoo.refcache.RefCache(config), config, zoo.refcache.RefCache.capabilities, ops)
-    factory = zoo.build(mutant)
-    with pytest.raises(ConformanceFailure) as failure:
-        run_trace(factory(config), config, factory.capabilities, ops)  # type: ignore[attr-defined]
-    assert "INV-COPY-1" in str(failure.value)
+    failure = _directed_failure(mutant, config, ops)
+    assert "INV-COPY-1" in str(failure)
 
 
 def test_acks_out_of_order_is_caught_by_its_trace() -> None:
     """Acks are consumed in issue order (SPEC.md §9.8): the shrunk trace of a generated kill."""
-    from kvcert.conformance.driver import ConformanceFailure, run_trace
     from kvcert.spec.ops import Complete, Evict, EvictHost, Insert, Poll
     from kvcert.spec.types import CacheConfig
 
@@ -189,8 +184,5 @@ def test_acks_out_of_order_is_caught_by_its_trace() -> None:
         Complete(3),
         Poll(),
     ]
-    run_trace(zoo.refcache.RefCache(config), config, zoo.refcache.RefCache.capabilities, ops)
-    factory = zoo.build(mutant)
-    with pytest.raises(ConformanceFailure) as failure:
-        run_trace(factory(config), config, factory.capabilities, ops)  # type: ignore[attr-defined]
-    assert "INV-COPY-2" in str(failure.value)
+    failure = _directed_failure(mutant, config, ops)
+    assert "INV-COPY-2" in str(failure)
