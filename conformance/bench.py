@@ -105,6 +105,24 @@ class Hit(NamedTuple):
     node: Any
     host_length: int
     host_node: Any
+    length: int = 0
+    """Device tokens hit."""
+
+
+class _LogicalTime:
+    """Stands in for the `time` module inside SGLang's radix_cache: its clocks read the bench's logical clock."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(time, name)
 
 
 class Driver:
@@ -121,7 +139,12 @@ class Driver:
         """
         return req.tokens
 
-    def match(self, req: Request, key: Any) -> Any:
+    def tick(self, now: int) -> None:
+        """The logical clock of the next call (untimed): LRU ranks by call order in every implementation,
+        so their eviction choices, and with them every answer, are the same."""
+
+    def match(self, req: Request, key: Any) -> tuple[Any, int]:
+        """(the node to lock, device tokens hit)."""
         raise NotImplementedError
 
     def lock(self, node: Any) -> Any:
@@ -166,8 +189,12 @@ class ProtocolDriver(Driver):
     def __init__(self, name: str, backend: Any) -> None:
         self.name, self.cache = name, backend
 
-    def match(self, req: Request, key: Any) -> Any:
-        return self.cache.match_prefix(req.namespace, key).node
+    def tick(self, now: int) -> None:
+        self.cache.set_clock(now)
+
+    def match(self, req: Request, key: Any) -> tuple[Any, int]:
+        out = self.cache.match_prefix(req.namespace, key)
+        return out.node, out.length
 
     def lock(self, node: Any) -> Any:
         self.cache.inc_lock_ref(node)
@@ -199,7 +226,7 @@ class ProtocolDriver(Driver):
 
     def match_host(self, req: Request, key: Any) -> Hit:
         out = self.cache.match_prefix(req.namespace, key)
-        return Hit(out.node, out.host_length, out.host_node)
+        return Hit(out.node, out.host_length, out.host_node, out.length)
 
     def load_back(self, hit: Hit) -> Any:
         if not self.cache.load_back(hit.host_node):
@@ -232,8 +259,9 @@ class GpuNativeDriver(ProtocolDriver):
     def key(self, req: Request) -> Any:
         return array("q", req.tokens)
 
-    def match(self, req: Request, key: Any) -> Any:
-        return self.cache.match_prefix_fast(req.namespace, key).node
+    def match(self, req: Request, key: Any) -> tuple[Any, int]:
+        out = self.cache.match_prefix_fast(req.namespace, key)
+        return out.node, len(out.slots)
 
     def free_count(self) -> int:
         return int(self.cache.free_count())
@@ -250,7 +278,7 @@ class GpuNativeDriver(ProtocolDriver):
 
     def match_host(self, req: Request, key: Any) -> Hit:
         out = self.cache.match_prefix_fast(req.namespace, key)
-        return Hit(out.node, out.host_length, out.host_node)
+        return Hit(out.node, out.host_length, out.host_node, len(out.slots))
 
     def backup(self) -> None:
         for copy in self.cache.in_flight():
@@ -268,9 +296,10 @@ class _SGLangDriver(Driver):
     def key(self, req: Request) -> Any:
         return array("q", req.tokens)
 
-    def match(self, req: Request, key: Any) -> Any:
+    def match(self, req: Request, key: Any) -> tuple[Any, int]:
         params = self.sg.MatchPrefixParams(key=self.sg.RadixKey(key, extra_key=req.namespace))
-        return self.cache.match_prefix(params).last_device_node
+        res = self.cache.match_prefix(params)
+        return res.last_device_node, res.device_prefix_len
 
     def free_count(self) -> int:
         return int(self.allocator.available_size())
@@ -287,7 +316,7 @@ class SGLangRadixDriver(_SGLangDriver):
     def __init__(self, page_size: int, capacity: int) -> None:
         import torch
 
-        from kvcert.conformance.adapters._sglang_env import import_sglang
+        from kvcert.conformance.adapters._sglang_env import OrderedSet, import_sglang
 
         sg = import_sglang()
         self.sg = sg
@@ -318,6 +347,17 @@ class SGLangRadixDriver(_SGLangDriver):
             eviction_policy="lru",
         )
         self.cache = sg.RadixCache(params)
+        # TreeNodes hash by address; insertion order is one order its set of leaves could have, the same every
+        # run (ties between equal-stamp leaves then break alike run to run), as in the certified adapter.
+        self.cache.evictable_leaves = OrderedSet(self.cache.evictable_leaves)
+        self.clock = _LogicalTime()
+
+    def tick(self, now: int) -> None:
+        self.clock.now = float(now)
+
+    def session(self) -> contextlib.AbstractContextManager[Any]:
+        """RadixCache stamps nodes with `time.monotonic()`: read the request number instead, as the others do."""
+        return _patched(self.sg.radix_cache, "time", self.clock)
 
     def lock(self, node: Any) -> Any:
         self.cache.inc_lock_ref(node)
@@ -348,13 +388,15 @@ class SGLangUnifiedDriver(_SGLangDriver):
 
     def __init__(self, page_size: int, capacity: int, core: str, host_tier: bool = False) -> None:
         from kvcert.conformance.adapters import sglang_hicache as hc
+        from kvcert.conformance.adapters.sglang_hicache_backend import host_ratio_for
 
         self.name = f"sglang {'HiCache' if host_tier else 'UnifiedRadixCache'} ({core} core)"
         self.drv = hc.SGLangHiCache(
             hc.HiCacheConfig(
                 page_size=page_size,
                 device_pages=capacity // page_size,
-                host_ratio=float(HOST_RATIO),
+                # exactly HOST_RATIO x capacity host slots, as kvcert's caches get (SGLang adds a page to a ratio)
+                host_ratio=host_ratio_for(capacity, HOST_RATIO * capacity, page_size),
                 write_policy="write_through",
                 core=core,
                 host_tier=host_tier,
@@ -384,7 +426,7 @@ class SGLangUnifiedDriver(_SGLangDriver):
     def match_host(self, req: Request, key: Any) -> Hit:
         params = self.sg.MatchPrefixParams(key=self.sg.RadixKey(key, extra_key=req.namespace))
         res = self.cache.match_prefix(params)
-        return Hit(res.last_device_node, int(res.host_hit_length), res.last_host_node)
+        return Hit(res.last_device_node, int(res.host_hit_length), res.last_host_node, res.device_prefix_len)
 
     def load_back(self, hit: Hit) -> Any:
         params = self._load_params(
@@ -400,7 +442,10 @@ class SGLangUnifiedDriver(_SGLangDriver):
         self.cache.check_hicache_events()
 
     def session(self) -> contextlib.AbstractContextManager[Any]:
-        """SGLang mints lock uuids and node ids from module globals: use the ones this cache was built with."""
+        """SGLang mints lock uuids and node ids from module globals: use the ones this cache was built with.
+
+        Its clock is already logical: every touch takes the next value of an access counter, so the order
+        of its stamps is the order of the requests (no `tick` needed)."""
         return self.drv._in_sglang()
 
     def close(self) -> None:
@@ -426,6 +471,8 @@ class Result:
     loaded: int = 0
     """Requests whose match continued on the host (a load-back was asked for)."""
     error: str = ""
+    hits: list[tuple[int, int]] = field(default_factory=list)
+    """Per request, (device tokens hit, host tokens hit): the answers, which every implementation must share."""
 
     def rate(self, op: str) -> Optional[float]:
         return self.calls[op] / (self.nanos[op] / 1e9) if self.nanos.get(op) else None
@@ -441,7 +488,12 @@ def _replay(driver: Driver, trace: Sequence[Request], budget: float, host: bool)
     clock = time.perf_counter_ns
     start = time.perf_counter()
 
+    now = 0
+
     def timed(op: str, fn: Callable[..., Any], *args: Any) -> Any:
+        nonlocal now
+        now += 1
+        driver.tick(now)  # untimed: every call at its own logical time, as the harness steps them
         t0 = clock()
         out = fn(*args)
         res.nanos[op] += clock() - t0
@@ -459,11 +511,13 @@ def _replay(driver: Driver, trace: Sequence[Request], budget: float, host: bool)
                 if host:
                     hit = timed("match", driver.match_host, req, key)
                     node = hit.node
+                    res.hits.append((int(hit.length), int(hit.host_length)))
                     if hit.host_length:
                         res.loaded += 1
                         node = timed("load_back", driver.load_back, hit)
                 else:
-                    node = timed("match", driver.match, req, key)
+                    node, length = timed("match", driver.match, req, key)
+                    res.hits.append((int(length), 0))
                 held = timed("lock", driver.lock, node)
                 short = len(req.tokens) - driver.free_count()
                 if short > 0:
@@ -483,6 +537,31 @@ def _replay(driver: Driver, trace: Sequence[Request], budget: float, host: bool)
     res.seconds = time.perf_counter() - start
     driver.close()
     return res
+
+
+def disagreements(results: Sequence[Result]) -> list[str]:
+    """Where implementations answered a request differently (hit lengths), against the first: a bench of
+    caches that made different choices compares different work. Runs cut short by the budget are compared
+    over the requests they did."""
+    if not results:
+        return []
+    base, out = results[0], []
+    for other in results[1:]:
+        for i, (a, b) in enumerate(zip(base.hits, other.hits)):
+            if a != b:
+                out.append(f"{other.name} answers request {i} with (device, host) hit {b}, {base.name} with {a}")
+                break
+    return out
+
+
+@contextlib.contextmanager
+def _patched(obj: Any, name: str, value: Any) -> Any:
+    saved = getattr(obj, name)
+    setattr(obj, name, value)
+    try:
+        yield
+    finally:
+        setattr(obj, name, saved)
 
 
 def replay(driver: Driver, trace: Sequence[Request], budget: float) -> Result:

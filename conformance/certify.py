@@ -21,11 +21,12 @@ from hypothesis.errors import Flaky
 from hypothesis.stateful import run_state_machine_as_test
 
 from kvcert.conformance.backend import Factory, capabilities_of
+from kvcert.conformance.determinism import fixed_generation
 from kvcert.conformance.driver import ConformanceFailure, run_trace
 from kvcert.conformance.machine import CacheMachine
 from kvcert.conformance.shrink import shrink
 from kvcert.spec.ops import Op, Trace
-from kvcert.spec.types import CacheConfig, Capabilities
+from kvcert.spec.types import FAULTS, POLICIES, PREFETCH_POLICIES, WRITE_POLICIES, CacheConfig, Capabilities
 
 CAPACITY_PAGES = 16
 """Pool size per cell, in pages: small, so eviction and exhaustion happen often."""
@@ -73,6 +74,8 @@ class CellResult:
     """"" for a device-only cell; else the host tier's write policy."""
     ops: dict[str, int] = field(default_factory=dict)
     """Steps per op kind (`RunStats.ops`): what the cell exercised, in the JSON certificate."""
+    digest: str = ""
+    """SHA-256 of every op the cell's examples executed, in order (`StepDigest`): equal digests, same run."""
 
 
 @dataclass
@@ -85,6 +88,10 @@ class Certificate:
     strict_input: bool
     cells: list[CellResult] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
+    """Cells or rules asked for but not run."""
+    not_checked: list[str] = field(default_factory=list)
+    """What this certificate does not cover: capabilities the backend does not declare, or declares but
+    no cell of this run exercised (`scope_gaps`). Printed next to the verdict."""
 
     @property
     def passed(self) -> bool:
@@ -141,28 +148,39 @@ def run_cell(
     start = time.perf_counter()
     result = CellResult(config.page_size, config.policy, True, 0, 0, 0.0, write_policy=_tier(config))
     try:
-        run_state_machine_as_test(machine, settings=conf)
-    except ConformanceFailure:
+        with fixed_generation():
+            run_state_machine_as_test(machine, settings=conf)
+    except ConformanceFailure as original:
         ops = shrink(
             machine.last_trace(), lambda ops: failure_ids(factory, capabilities, config, ops), config.page_size
         )
         failure = replay_failure(factory, capabilities, config, ops)
-        trace = Trace(
-            config=config, ops=tuple(ops), target=target, note=str(failure).splitlines()[-1].strip() if failure else ""
-        )
+        if failure is None:  # the run failed, a fresh backend given the same ops does not: not deterministic
+            report = (
+                f"INV-DET-1: the failure did not replay on a fresh backend from the same {len(ops)} ops; "
+                f"the run reported:\n{original}"
+            )
+        else:
+            report = str(failure)
+        trace = Trace(config=config, ops=tuple(ops), target=target, note=report.splitlines()[-1].strip())
         out_dir.mkdir(parents=True, exist_ok=True)
         tier = f"-{_tier(config)}" if config.host_capacity else ""
         path = out_dir / f"{_slug(target)}-ps{config.page_size}-{config.policy}{tier}-seed{seed}.json"
         path.write_text(trace.to_json())
-        result.passed, result.failure, result.trace_path, result.trace_len = False, str(failure), str(path), len(ops)
+        result.passed, result.failure, result.trace_path, result.trace_len = False, report, str(path), len(ops)
         result.reproduced = failure is not None
     except Flaky as flaky:
-        # Same ops, different outcome: the backend (or its adapter) is not deterministic.
-        result.passed = False
-        result.failure = f"INV-DET-1: the backend is not deterministic under a fixed trace ({type(flaky).__name__}: {str(flaky).splitlines()[0]})"
+        # Hypothesis replayed the failing example and it passed: same ops, different outcome.
+        seen = [e for e in getattr(flaky, "exceptions", ()) if isinstance(e, ConformanceFailure)]
+        result.passed, result.reproduced = False, False
+        result.failure = (
+            "INV-DET-1: the backend is not deterministic under a fixed trace (the failing example passed when "
+            f"Hypothesis replayed it); the run reported:\n{seen[0] if seen else str(flaky).splitlines()[0]}"
+        )
     result.seconds = time.perf_counter() - start
     result.examples, result.steps = machine.stats.examples, machine.stats.steps
     result.ops = dict(sorted(machine.stats.ops.items()))
+    result.digest = machine.stats.digest.hexdigest()
     return result
 
 
@@ -253,15 +271,74 @@ def cells_for(
         if pf in capabilities.prefetch_policies
         for pol in host_pols
     ]
-    if not capabilities.write_policies:
-        skipped.append("host tier: backend declares no write policy")
-    if bad_input is False or (bad_input is None and not capabilities.strict_input):
-        skipped.append("bad-input rules: backend does not declare strict_input")
+    if bad_input is False and capabilities.strict_input:
+        skipped.append("bad-input rules: switched off (--no-bad-input)")
     elif bad_input and not capabilities.strict_input:
         skipped.append("bad-input rules forced on a backend that does not declare strict_input: failures are advisory")
-    if not capabilities.namespaces:
-        skipped.append("namespaces: backend does not declare them")
     return configs, skipped
+
+
+def scope_gaps(capabilities: Capabilities, cells: list[CellResult], bad_input: Optional[bool] = None) -> list[str]:
+    """What a certificate over `cells` does not cover, one line each: every part of the spec the backend
+    does not declare, and every part it declares that no step of these cells exercised."""
+    ops: dict[str, int] = {}
+    for c in cells:
+        for k, v in c.ops.items():
+            ops[k] = ops.get(k, 0) + v
+    host_cells = [c for c in cells if c.write_policy]
+    storage_cells = [c for c in cells if "+" in c.write_policy]
+    faults_fired = {k.split(":", 1)[1] for k in ops if k.startswith("InjectFault:")}
+    errors = sum(v for k, v in ops.items() if k.endswith(":error"))
+    parts: list[tuple[str, bool, bool]] = [
+        # (what, declared, exercised)
+        ("KV bytes (SPEC.md §9.12, INV-KV-1..3: every slot read back)", capabilities.kv_reads, bool(cells)),
+        (
+            "host tier (SPEC.md §9: backups, demotion, host eviction, load-back, copy acks)",
+            bool(capabilities.write_policies),
+            bool(host_cells) and ops.get("Complete", 0) > 0,
+        ),
+        (
+            "storage tier (SPEC.md §10: store copies, prefetch, storage faults)",
+            bool(capabilities.prefetch_policies),
+            bool(storage_cells) and ops.get("Fetch", 0) > 0,
+        ),
+        ("retraction (SPEC.md §9.11, INV-RETRACT-1/2)", capabilities.retraction, ops.get("Retract", 0) > 0),
+        (
+            "priority tiers (SPEC.md §11, INV-TIER-*, INV-ADMIT-*)",
+            capabilities.priority_refs,
+            ops.get("RegisterRef", 0) > 0,
+        ),
+        (
+            "bad input (INV-ERR-1/2: typed errors, state unchanged)",
+            capabilities.strict_input or bool(bad_input),
+            bad_input is not False and errors > 0,
+        ),
+        ("namespaces (INV-NS-*)", capabilities.namespaces, bool(cells)),
+    ]
+    out = []
+    for what, declared, exercised in parts:
+        if not declared:
+            out.append(f"{what}: not declared by the backend")
+        elif not exercised:
+            out.append(f"{what}: declared, but no step of this run exercised it")
+    for kind in FAULTS:
+        what = f"injected {kind} faults (SPEC.md §10.5)"
+        if kind not in capabilities.faults:
+            out.append(f"{what}: not declared by the backend")
+        elif kind not in faults_fired:
+            out.append(f"{what}: declared, but none was injected in this run")
+    missing = [p for p in POLICIES if p not in capabilities.policies]
+    if missing:
+        out.append(f"eviction policies {', '.join(missing)}: not declared by the backend")
+    if capabilities.write_policies:
+        missing = [w for w in WRITE_POLICIES if w not in capabilities.write_policies]
+        if missing:
+            out.append(f"write policies {', '.join(missing)}: not declared by the backend")
+    if capabilities.prefetch_policies:
+        missing = [w for w in PREFETCH_POLICIES if w not in capabilities.prefetch_policies]
+        if missing:
+            out.append(f"prefetch stop policies {', '.join(missing)}: not declared by the backend")
+    return out
 
 
 def certify(
@@ -306,4 +383,5 @@ def certify(
             on_cell(cell)
         if fail_fast and not cell.passed:
             break
+    cert.not_checked = scope_gaps(caps, cert.cells, bad_input)
     return cert

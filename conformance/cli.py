@@ -60,7 +60,12 @@ def print_certificate(cert: Certificate) -> None:
         console.print(f"  skipped: {note}")
     rate = cert.total_steps / max(cert.seconds, 1e-9)
     verdict = "[green]CERTIFIED[/]" if cert.passed else "[red]NOT CERTIFIED[/]"
-    console.print(f"{verdict}  seed={cert.seed}  {cert.total_steps} steps in {cert.seconds:.1f}s ({rate:,.0f} steps/s)")
+    scope = " for what it declares and this run exercised; NOT CHECKED:" if cert.not_checked else ""
+    console.print(
+        f"{verdict}  seed={cert.seed}  {cert.total_steps} steps in {cert.seconds:.1f}s ({rate:,.0f} steps/s){scope}"
+    )
+    for gap in cert.not_checked:
+        console.print(f"  not checked: {gap}")
 
 
 @app.command("certify")
@@ -185,29 +190,84 @@ def selftest_cmd(
     seed: int = typer.Option(0),
     out: Path = typer.Option(Path("kvcert-failures/zoo")),
     mutant_names: Optional[list[str]] = typer.Option(None, "--mutant", help="only these mutants"),
+    jobs: int = typer.Option(2, help="mutants certified at once, each in its own fresh interpreter"),
+    directed: bool = typer.Option(True, "--directed/--no-directed", help="also run the directed mutants"),
 ) -> None:
     """Run the suite against every mutant in the bug zoo; each must be killed, the refimpl must pass."""
-    from kvcert.conformance import zoo
+    from kvcert.conformance.selftest import Verdict, run_selftest
 
-    mutants = [m for m in zoo.MUTANTS if not mutant_names or m.name in mutant_names]
-    killed, lengths = 0, []
-    for mutant in mutants:
-        cert = zoo.run_mutant_isolated(mutant, examples=examples, steps=steps, seed=seed, out_dir=out)
-        failing = [c for c in cert.cells if not c.passed]
-        if failing:
-            killed += 1
-            first = failing[0]
-            lengths.append(first.trace_len or 0)
-            broken = (first.failure or "").splitlines()[1].strip() if first.failure else ""
-            console.print(f"[green]killed[/]   {mutant.name:<30} {first.trace_len:>3} ops  {broken}")
+    def show(v: Verdict) -> None:
+        if v.directed:
+            trace = (
+                f"[green]trace kills it[/] ({v.by_trace})" if v.by_trace else f"[red]TRACE MISSES IT[/] {v.trace_note}"
+            )
+            gen = f"generation kills it too, {v.trace_len} ops" if v.killed else "generation does not reach it"
+            console.print(f"directed {v.name:<34} {trace}; {gen}")
+        elif v.killed:
+            console.print(f"[green]killed[/]   {v.name:<34} {v.trace_len:>3} ops  {v.broken}")
+        elif v.unreplayed:
+            console.print(f"[red]NOT REPLAYED[/] {v.name:<30} a cell failed, its trace passed afresh: {v.broken}")
         else:
-            console.print(f"[red]SURVIVED[/] {mutant.name:<30} ({mutant.doc})")
-    control = zoo.run_control(examples=examples, steps=steps, seed=seed, out_dir=out)
-    console.print(f"control  kvcert.refimpl unmodified: {'[green]passes[/]' if control.passed else '[red]FAILS[/]'}")
+            console.print(f"[red]SURVIVED[/] {v.name:<34} ({v.doc})")
+
+    try:
+        report = run_selftest(
+            mutant_names,
+            examples=examples,
+            steps=steps,
+            seed=seed,
+            out_dir=out,
+            jobs=jobs,
+            directed=directed,
+            on_verdict=show,
+        )
+    except ValueError as err:
+        console.print(f"[red]error[/]: {err}")
+        raise typer.Exit(2) from None
+    control = (
+        "[green]passes[/]" if report.control_passed else f"[red]FAILS[/] {report.control_failure.splitlines()[:2]}"
+    )
+    console.print(f"control  kvcert.refimpl unmodified: {control}")
+    lengths = [v.trace_len or 0 for v in report.generated if v.killed]
     if lengths:
         console.print(f"median counterexample: {statistics.median(lengths)} ops (max {max(lengths)})")
-    console.print(f"killed {killed}/{len(mutants)}")
-    raise typer.Exit(0 if killed == len(mutants) and control.passed else 1)
+    killed = sum(v.killed for v in report.generated)
+    line = f"killed {killed}/{len(report.generated)} by generation"
+    if report.directed:
+        by_trace = sum(bool(v.by_trace) for v in report.directed)
+        also = sum(v.killed for v in report.directed)
+        line += f"; directed: {by_trace}/{len(report.directed)} killed by their traces, {also} also by generation"
+    console.print(line)
+    raise typer.Exit(0 if report.passed else 1)
+
+
+@app.command("same")
+def same_cmd(
+    first: Path = typer.Argument(..., exists=True, readable=True, help="a certificate written by certify --json"),
+    second: Path = typer.Argument(..., exists=True, readable=True),
+) -> None:
+    """Whether two certificates are the same run: cell by cell, the digest of every op executed (exit 1 if not).
+
+    Two machines, installs or processes that certified the same target at the same seed and budget
+    must print "same run" for every cell (SPEC.md §3)."""
+    cells = []
+    for path in (first, second):
+        body = json.loads(path.read_text())
+        cells.append({(c["page_size"], c["policy"], c["write_policy"]): c for c in body["cells"]})
+    differ = 0
+    for key in sorted(set(cells[0]) | set(cells[1])):
+        a, b = cells[0].get(key), cells[1].get(key)
+        where = f"page_size={key[0]} policy={key[1]} {key[2] or 'device-only'}"
+        if a is None or b is None:
+            console.print(f"  [red]only in {'the second' if a is None else 'the first'}[/]  {where}")
+            differ += 1
+        elif a.get("digest") and a.get("digest") == b.get("digest") and a["passed"] == b["passed"]:
+            console.print(f"  same run   {where}  {a['steps']} steps, {a['digest'][:16]}")
+        else:
+            console.print(f"  [red]DIFFERENT[/]  {where}  {a['steps']} vs {b['steps']} steps")
+            differ += 1
+    console.print("same run" if not differ else f"[red]{differ} cells differ[/]")
+    raise typer.Exit(1 if differ else 0)
 
 
 bench_app = typer.Typer(
@@ -227,10 +287,14 @@ def bench_meta_cmd(
     host: bool = typer.Option(False, "--host", help="also replay with a host tier (2x the pool, write-through)"),
     json_out: Optional[Path] = typer.Option(None, "--json", help="write the figures as JSON"),
 ) -> None:
-    """Replay one multi-turn trace against every implementation; print calls/s per operation and ratios."""
+    """Replay one multi-turn trace against every implementation; print calls/s per operation and ratios.
+
+    Every implementation runs on a logical clock (the request number) and must answer every request
+    with the same hit lengths; where one does not, the run says so and exits 1."""
     from kvcert.conformance import bench
 
     report = []
+    differ = False
     modes = [("device", bench.drivers, bench.replay, bench.IMPLEMENTATIONS, bench.BASELINE)]
     if host:
         modes.append(("host", bench.host_drivers, bench.replay_host, bench.HOST_IMPLEMENTATIONS, bench.HOST_BASELINE))
@@ -249,6 +313,9 @@ def bench_meta_cmd(
                 console.print(f"  {res.name:<34} {res.seconds:7.1f}s{note}{'  ' + res.error if res.error else ''}")
             if not results:
                 continue
+            for line in bench.disagreements([res for _, res in results]):
+                console.print(f"  [red]DIFFERENT ANSWERS[/]: {line}")
+                differ = True
             ops = results[0][1].ops
             base = dict(results).get(baseline)
             title = f"calls/s, page size {ps}{' with a host tier' if mode == 'host' else ''} (ratio to {baseline})"
@@ -277,11 +344,14 @@ def bench_meta_cmd(
                         "calls": dict(res.calls),
                         "calls_per_s": {op: res.rate(op) for op in ops},
                         "all_per_s": res.total_rate,
+                        "tokens_hit": sum(d + h for d, h in res.hits),
                     }
                 )
             console.print(table, width=max(console.width, 180))  # one row per implementation, unwrapped
     if json_out is not None:
         json_out.write_text(json.dumps(report, indent=1))
+    if differ:  # the figures compare different work: say so in the exit status too
+        raise typer.Exit(1)
 
 
 def main() -> None:

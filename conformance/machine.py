@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
 
 from kvcert.conformance.backend import Factory
+from kvcert.conformance.determinism import StepDigest
 from kvcert.conformance.driver import Harness
 from kvcert.spec.ops import (
     AbortPrefetch,
@@ -97,6 +98,8 @@ class RunStats:
     ops: Counter[str] = field(default_factory=Counter)
     """Steps per op kind, plus "Prefetch>0" (prefetches that asked storage for something) and
     "<Op>:error" (steps the backend rejected): what a run actually exercised."""
+    digest: StepDigest = field(default_factory=StepDigest)
+    """Every op the run's rules executed, in order: equal digests, same run (SPEC.md §3, INV-DET-1)."""
 
 
 class CacheMachine(RuleBasedStateMachine):
@@ -110,9 +113,11 @@ class CacheMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
+        # A Harness whose first check fails closes its backend: teardown never runs for this machine then.
         self.h = Harness(type(self).factory(type(self).config), type(self).config, type(self).capabilities)
         type(self).last = self.h
         type(self).stats.examples += 1
+        type(self).stats.digest.example()
         self.namespaces = NAMESPACES if self.capabilities.namespaces else (None,)
         self.failed = False
         self.seen: list[tuple[Optional[str], list[int]]] = []
@@ -145,6 +150,7 @@ class CacheMachine(RuleBasedStateMachine):
     def do(self, op: Op) -> None:
         stats = type(self).stats
         stats.steps += 1
+        stats.digest.step(op)
         name = type(op).__name__
         stats.ops[name] += 1
         try:
@@ -152,10 +158,12 @@ class CacheMachine(RuleBasedStateMachine):
         except BaseException:
             self.failed = True
             raise
+        if isinstance(op, InjectFault):
+            stats.ops[f"{name}:{op.kind}"] += 1  # which faults fired: the certificate's scope says
         if isinstance(got, KVCertError):
             stats.ops[f"{name}:error"] += 1
-        elif isinstance(op, Prefetch) and isinstance(got, int) and got > 0:
-            stats.ops["Prefetch>0"] += 1
+        elif isinstance(op, (Prefetch, LoadBack)) and isinstance(got, int) and got > 0:
+            stats.ops[f"{name}>0"] += 1
 
     @initialize(data=st.data())
     def start(self, data: st.DataObject) -> None:
@@ -321,12 +329,16 @@ class CacheMachine(RuleBasedStateMachine):
 
         Settling rarely keeps several copies open at once, so acks finish out of order often.
         """
-        if settle:  # the engine goes idle: every copy lands, including stores issued by write acks
-            while self.h.open_copies():
-                for k in self.h.open_copies():
-                    self.do(Complete(k))
-                self.do(Poll())
+        if settle:
+            self.settle()
         self.do(Poll())
+
+    def settle(self) -> None:
+        """The engine goes idle: every copy lands, including stores issued by write acks, and its ack is consumed."""
+        while self.h.open_copies():
+            for k in self.h.open_copies():
+                self.do(Complete(k))
+            self.do(Poll())
 
     @precondition(lambda self: self.host() and self.on("evict_host"))
     @rule(data=st.data(), small=st.booleans())
@@ -338,6 +350,31 @@ class CacheMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def load_back(self, data: st.DataObject) -> None:
         self.do(LoadBack(data.draw(st.sampled_from(self.h.host_hits()), label="match")))
+
+    @precondition(lambda self: self.host() and self.on("load_back") and bool(self.seen))
+    @rule(data=st.data(), land=st.booleans())
+    def readmit(self, data: st.DataObject, land: bool) -> None:
+        """An earlier conversation comes back: match its key and, when the host holds the rest, load it back,
+        often letting the load land at once (the scheduler's admission of a request with a host hit).
+
+        A host hit lives from a demotion to the next host eviction; waiting for `load_back` to pick one
+        up loaded back about one step in a hundred (none in 100 examples of SGLang's P=4 host cell),
+        so a wrong slot in a load was seldom read. After a lull the conversation's KV was demoted."""
+        ns, codes = data.draw(st.sampled_from(self.seen), label="earlier key")
+        if data.draw(st.booleans(), label="after a lull"):  # while it was idle its copies landed, its KV was demoted
+            self.settle()
+            self.do(Evict(self.config.capacity))
+        at = len(self.h.ops)
+        self.do(Match(ns, tokens_of(codes, self.config.page_size)))
+        if at not in self.h.host_hits():
+            return
+        issued = len(self.h.copies)
+        self.do(LoadBack(at))
+        if land and len(self.h.copies) > issued:
+            for k in range(issued, len(self.h.copies)):
+                if k in self.h.open_copies():
+                    self.do(Complete(k))
+            self.do(Poll())
 
     @precondition(
         lambda self: (
@@ -590,6 +627,4 @@ class CacheMachine(RuleBasedStateMachine):
             if not self.failed:  # after a failure, the first broken rule is the report
                 self.h.quiesce()
         finally:
-            close = getattr(self.h.backend, "close", None)
-            if callable(close):  # optional: adapters over real engines release their pools
-                close()
+            self.h.close()

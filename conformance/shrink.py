@@ -9,13 +9,14 @@ deleting op i drops the ops that used its handle and renumbers later ones.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import replace
+from dataclasses import fields, replace
 from typing import Optional
 
-from kvcert.spec.ops import Evict, EvictHost, Insert, LoadBack, Lock, Match, Op, Prefetch, Publish, Retract, Unlock
+from kvcert.spec.ops import OP_TYPES, Evict, EvictHost, Insert, Match, Op, Publish
 
-BY_HANDLE = (Lock, Unlock, LoadBack, Prefetch, Retract)
-"""Ops that name an earlier op by position (its node, or its match's host node)."""
+BY_HANDLE = tuple(t for t in OP_TYPES.values() if any(f.name == "handle" for f in fields(t)))
+"""Ops that name an earlier op by position (its node, or its match's host node): every op with a
+`handle` field, derived from the vocabulary so that a new one (RegisterRef was once missed) is renumbered too."""
 
 Verdict = Callable[[list[Op]], Optional[list[str]]]
 """Replays a trace; returns the broken invariant IDs in report order, or None if it passes."""

@@ -556,6 +556,72 @@ MUTANTS: tuple[Mutant, ...] = (
         page_sizes=(1,),
         write_policies=("write_through",),
     ),
+    # ------------------------------------------------------------- KV bytes (SPEC.md §9.12)
+    Mutant(
+        "split_host_slices_swapped",
+        "a split cuts the host copy from the wrong end: each half gets the right number of host slots, "
+        "holding the other half's KV",
+        (
+            (
+                "        head_host, child_host = _cut(child.host_slots, at)\n",
+                "        child_host, head_host = _cut(child.host_slots, len(child.key) - at)\n",
+            ),
+        ),
+        page_sizes=(1,),
+        write_policies=("write_through",),
+    ),
+    Mutant(
+        "load_back_slots_leaf_first",
+        "a load-back hands the chain's fresh device slots out leaf first while its copy fills them root first",
+        (
+            (
+                "        for n in chain:\n            n.slots = tuple(slots[offset : offset + len(n.key)])\n",
+                "        for n in reversed(chain):\n            n.slots = tuple(slots[offset : offset + len(n.key)])\n",
+            ),
+        ),
+        page_sizes=(1,),
+        write_policies=("write_through",),
+    ),
+    Mutant(
+        "restore_reversed",
+        "a retraction restore copies the backup into the request's slots back to front",
+        (
+            (
+                "        _move_kv(self.host_kv, backup.host_slots[: backup.tokens], self.kv, slots)",
+                "        _move_kv(self.host_kv, backup.host_slots[: backup.tokens], self.kv, slots[::-1])",
+            ),
+        ),
+        page_sizes=(1,),
+        write_policies=("write_through",),
+        prefetch_policies=("best_effort",),
+    ),
+    Mutant(
+        "prefetch_keeps_unfetched_slots",
+        "a prefetch that ends early hangs the last reserved host slots on the new node, not the fetched ones",
+        (
+            (
+                "                    host_slots=p.host_slots[at - p.start : keep],\n",
+                "                    host_slots=p.host_slots[len(p.host_slots) - (end - at) :],\n",
+            ),
+        ),
+        page_sizes=(1,),
+        write_policies=("write_through_selective",),
+        prefetch_policies=("best_effort",),
+    ),
+    Mutant(
+        "prefetch_end_not_an_access",
+        "ending a prefetch is not an access: the anchor and the nodes its pages join keep their old "
+        "recency, and LRU evicts them first (calibration D16)",
+        (
+            (
+                "        return self._end_prefetch(p, keep=p.fetched * self.page_size, touch=True)\n",
+                "        return self._end_prefetch(p, keep=p.fetched * self.page_size, touch=False)\n",
+            ),
+        ),
+        page_sizes=(1,),
+        write_policies=("write_back",),
+        prefetch_policies=("best_effort", "timeout"),
+    ),
 )
 
 
@@ -616,9 +682,9 @@ DIRECTED: tuple[Mutant, ...] = (
         ),
     ),
 )
-"""Mutants the state machine kills in only some runs at the zoo's budget: each is checked by a
-hand-written trace in tests/test_zoo.py instead, and stays out of `kvcert selftest` until generation
-reaches it reliably. `write_acks_drained_on_one_path` was killed only after 157–344 of 600 examples
+"""Mutants the state machine kills in only some runs at the zoo's budget: each is killed by a
+hand-written trace (`conformance.selftest.DIRECTED_TRACES`), and `kvcert selftest` also runs each through
+generation and reports whether it reached it, so the day it does shows. `write_acks_drained_on_one_path` was killed only after 157–344 of 600 examples
 at seeds 0–2, and survived in some runs (see `run_mutant_isolated`); `demotion_never_restored` needs a demoted session and a high one to coexist
 when the high one ends (seed 0 took 48 ops and most of the budget); `demotes_longest_session` needs two idle high-priority sessions on the host
 while host eviction has nothing UNUSED or LOW_REF left; `tier_ignores_ref_counts` needs two same-tier candidates held by different
@@ -653,7 +719,11 @@ def run_mutant_isolated(
     mutant: Mutant, *, examples: int, steps: int, seed: int, out_dir: Optional[Path] = None
 ) -> Certificate:
     """`run_mutant` in a fresh interpreter: a mutant's verdict at a seed is then what a run of it alone
-    gives. In one long process verdicts were seen to depend on what ran before (not yet explained)."""
+    gives. In one long process verdicts once depended on what ran before: Hypothesis drew from literals
+    it harvested from every module imported so far, compiled mutants included
+    (`conformance.determinism.fixed_generation` now switches that off; tests/test_determinism.py shows
+    a run after another mutant's is the same run). A fresh interpreter per mutant stays: it also isolates
+    crashes and leaks, and lets `kvcert selftest --jobs` run mutants side by side."""
     ctx = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=ctx) as pool:
         return pool.submit(_run_named, mutant.name, examples, steps, seed, out_dir).result()

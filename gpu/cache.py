@@ -1682,7 +1682,7 @@ class GpuCache:
             if p.waiting_since is None:
                 p.waiting_since = self.now  # D11: the deadline starts at the first check that waits
             return None
-        added = self._end_prefetch(p, fetched * self.page_size)
+        added = self._end_prefetch(p, fetched * self.page_size, touch=True)
         self._compact()
         return added
 
@@ -1690,8 +1690,11 @@ class GpuCache:
         self._end_prefetch(self._prefetch(prefetch), 0)
         self._compact()
 
-    def _end_prefetch(self, p: Prefetch, keep: int) -> int:
-        """Hang the first `keep` fetched tokens below the anchor as host-only nodes; free the rest."""
+    def _end_prefetch(self, p: Prefetch, keep: int, touch: bool = False) -> int:
+        """Hang the first `keep` fetched tokens below the anchor as host-only nodes; free the rest.
+
+        `touch` (ended by check_prefetch): the anchor and every node the walk enters are accessed now (D16).
+        """
         assert self.alloc_host is not None
         del self.prefetches[p.id]
         self._host_unlock_all(p)
@@ -1701,6 +1704,9 @@ class GpuCache:
         base = at = 8 * p.start  # bytes into `tokens`; `host` starts at the anchor's end
         end = 8 * (p.start + keep)
         kept = array("q")
+        if touch and node is not self.root:
+            node.last_access = self.now
+            self._refresh(node)
         while at < end:
             page = tokens[at : at + pb]
             child = node.children.get((p.ns, page) if node is self.root else page)
@@ -1714,6 +1720,9 @@ class GpuCache:
                 kept.frombytes(leaf.host_slots)
                 added += (end - at) >> 3
                 break
+            if touch:
+                child.last_access = self.now
+                self._refresh(child)
             run = len(child.key) if tokens.startswith(child.key, at) and at + len(child.key) <= end else 0
             if not run:
                 run = self._common(child.key, tokens, at, end)

@@ -8,6 +8,10 @@ callback so the harness can steer this model to a backend's legal choice.
 With `host_capacity > 0` it models the host tier (SPEC.md §9): backups to host
 slots under a write policy, demotion on eviction, host eviction, load-back, and
 asynchronous copies that stay pending until `complete` and `poll` say otherwise.
+
+It also holds KV bytes (SPEC.md §9.12): two plain dicts, device slot -> entry and host slot ->
+entry, filled by the caller's `write_kv` and moved by every copy exactly where a real cache's
+bytes move (`_move_kv`). As the oracle it is never written to, so its dicts stay near empty.
 """
 
 from __future__ import annotations
@@ -223,6 +227,26 @@ def _retraction_picks(low: list[Running], short: int) -> Optional[list[Running]]
     return first + [min(rest, key=lambda r: (r.tokens, r.id))]
 
 
+def _check_ids(slots: Sequence[int], limit: int) -> None:
+    """Slot ids a KV read may name: ints in [0, limit); `SlotNotOwned` otherwise (a read changes nothing)."""
+    if isinstance(slots, (str, bytes)) or any(not _is_int(x) or not 0 <= x < limit for x in slots):
+        raise SlotNotOwned(f"slots {tuple(slots)[:8]} are not slot ids of this pool")
+
+
+def _move_kv(src: dict[int, bytes], src_slots: Sequence[int], dst: dict[int, bytes], dst_slots: Sequence[int]) -> None:
+    """One copy job: slot `src_slots[i]`'s entry into `dst_slots[i]`; an unwritten slot copies as unwritten.
+
+    Bytes move when a copy is issued, not when it completes (SGLang on CPU): the harness reads
+    no device slot of a pending load and no host slot of a pending write, so nobody can tell,
+    and no bytes need to wait in flight. A freed slot keeps its stale bytes, as memory does.
+    """
+    for s, d in zip(src_slots, dst_slots):
+        if s in src:
+            dst[d] = src[s]
+        else:
+            dst.pop(d, None)
+
+
 def _cut(slots: Optional[tuple[int, ...]], at: int) -> tuple[Optional[tuple[int, ...]], Optional[tuple[int, ...]]]:
     return (None, None) if slots is None else (slots[:at], slots[at:])
 
@@ -243,6 +267,7 @@ class RefCache:
         prefetch_policies=PREFETCH_POLICIES,
         faults=FAULTS,
         retraction=True,
+        kv_reads=True,
         priority_refs=True,
     )
 
@@ -279,6 +304,10 @@ class RefCache:
         self.prefetch_policy = config.prefetch_policy
         self.timeout = (config.prefetch_timeout_base, config.prefetch_timeout_per_page)
         self.kv_layers = config.kv_layers
+        self.kv: dict[int, bytes] = {}
+        """Device slot -> the entry it holds (SPEC.md §9.12); a slot never written holds none."""
+        self.host_kv: dict[int, bytes] = {}
+        """Host slot -> the entry it holds."""
         self.digest = l3.canonical_digest(config.page_size, config.model_id)
         self.storage: Optional[l3.StorageBackend] = None
         self.prefetches: list[Prefetching] = []
@@ -322,7 +351,7 @@ class RefCache:
         head_key, tail_key = pages.split_key(child.key, at, self.page_size)
         parent = child.parent
         assert parent is not None
-        head_slots, child_slots = _cut(child.slots, at)
+        head_slots, child_slots = _cut(child.slots, at)  # bytes stay in their slots: cutting moves none
         head_host, child_host = _cut(child.host_slots, at)
         head = self._new_node(
             parent=parent,
@@ -638,6 +667,7 @@ class RefCache:
         if slots is None:
             return False
         node.host_slots = slots
+        _move_kv(self.kv, node.slots or (), self.host_kv, slots)  # the backup's bytes, as it is issued
         return True
 
     def _host_alloc(self, n: int) -> Optional[tuple[int, ...]]:
@@ -741,6 +771,7 @@ class RefCache:
             n.slots = tuple(slots[offset : offset + len(n.key)])
             offset += len(n.key)
             self._account(n, +1)  # locked: protected
+        _move_kv(self.host_kv, [x for n in chain for x in n.host_slots or ()], self.kv, slots)  # one job
         self.copies.append(Copy(self._next_copy, "load", chain, anchors=[node], host_locked=[node]))
         self._next_copy += 1
         return size
@@ -937,6 +968,7 @@ class RefCache:
         host_slots = self._host_alloc(pages.page_ceil(len(slots), self.page_size))
         if host_slots is None:
             return None
+        _move_kv(self.kv, slots, self.host_kv, host_slots)  # synchronous: the engine waits for it
         backup = Retraction(self._next_retraction, len(slots), host_slots)
         self._next_retraction += 1
         self.retractions.append(backup)
@@ -959,6 +991,7 @@ class RefCache:
         self.pool.require_lent(slots, "restore into")
         if len(slots) != backup.tokens:
             raise LengthMismatch(f"backup {backup_id} holds {backup.tokens} tokens, restore gave {len(slots)} slots")
+        _move_kv(self.host_kv, backup.host_slots[: backup.tokens], self.kv, slots)  # in the request's order
         self._drop_retraction(backup)
         self.root.own_locks += 1
         return self.root.id
@@ -1083,9 +1116,20 @@ class RefCache:
         if payload is not None and payload == l3.page_payload(
             p.namespace, p.tokens, page, self.page_size, self.kv_layers
         ):
+            self._fill_page(p, page)
             p.fetched += 1
         else:
             p.failed = True  # a miss, a torn or corrupt page: never wrong KV
+
+    def _fill_page(self, p: Prefetching, page: int) -> None:
+        """A verified page lands in the prefetch's next reserved host page: its entries, token by token.
+
+        The payload was checked equal to the content function's, so its entries are `token_entries`
+        of the path up to the page's end, sliced to the page.
+        """
+        start = p.fetched * self.page_size
+        entries = l3.token_entries(p.namespace, p.tokens[: (page + 1) * self.page_size], self.kv_layers)
+        self.host_kv.update(zip(p.host_slots[start : start + self.page_size], entries[page * self.page_size :]))
 
     def check_prefetch(self, prefetch_id: int) -> Optional[int]:
         """End the prefetch if its stop policy allows; then insert what was fetched.
@@ -1105,17 +1149,19 @@ class RefCache:
             if p.waiting_since is None:
                 p.waiting_since = self.now  # D11: the deadline starts at the first check that keeps it running
             return None
-        return self._end_prefetch(p, keep=p.fetched * self.page_size)
+        return self._end_prefetch(p, keep=p.fetched * self.page_size, touch=True)
 
     def abort_prefetch(self, prefetch_id: int) -> None:
         """The request is gone: release everything, insert nothing."""
         self._end_prefetch(self._prefetching(prefetch_id), keep=0)
 
-    def _end_prefetch(self, p: Prefetching, keep: int) -> int:
+    def _end_prefetch(self, p: Prefetching, keep: int, touch: bool = False) -> int:
         """Insert the first `keep` prefetched tokens below the anchor; free the rest.
 
         The walk backs up a device node without a backup with the fetched pages under the
-        write-through policies and walks past it under write-back (calibration D15).
+        write-through policies and walks past it under write-back (calibration D15). With
+        `touch` (the prefetch ended by `check_prefetch`, not aborted) the insertion is an
+        access: the anchor and every node the walk enters become the most recent (D16).
         """
         assert self.host is not None
         self.prefetches.remove(p)
@@ -1124,6 +1170,8 @@ class RefCache:
         node, at, added = p.anchor, p.start, 0
         end = p.start + keep
         kept: set[int] = set()
+        if touch:
+            node.last_access = self.now
         while at < end:
             child = node.children.get(self._selector(p.namespace, p.tokens[at:end]))
             if child is None:
@@ -1140,6 +1188,8 @@ class RefCache:
                 kept.update(leaf.host_slots or ())
                 added += end - at
                 break
+            if touch:
+                child.last_access = self.now
             run = pages.match_len(child.key, p.tokens[at:end], self.page_size)
             if run < len(child.key):
                 child = self._split(child, run)
@@ -1150,6 +1200,31 @@ class RefCache:
             node, at = child, at + run  # D15: write_back walks past a device node without a backup
         self.host.release(tuple(slot for slot in p.host_slots if slot not in kept))
         return added
+
+    # ------------------------------------------------------------------ KV bytes (SPEC.md §9.12)
+
+    def write_kv(self, slots: Sequence[int], entries: Sequence[bytes]) -> None:
+        """The forward pass: `entries[i]` into device slot `slots[i]`, slots lent to the caller only.
+
+        Bad input writes nothing: every check runs before the first byte lands.
+        """
+        if not isinstance(slots, Sequence) or not isinstance(entries, Sequence) or len(slots) != len(entries):
+            raise LengthMismatch(f"write_kv takes one entry per slot, got {slots!r:.60} and {entries!r:.60}")
+        self.pool.require_lent(slots, "write KV into")
+        width = len(l3.KV_PARTS) * self.kv_layers * l3.KV_WIDTH
+        if any(not isinstance(e, bytes) or len(e) != width for e in entries):
+            raise LengthMismatch(f"an entry is {width} bytes: K and V of {self.kv_layers} layers")
+        self.kv.update(zip(slots, entries))
+
+    def read_kv(self, slots: Sequence[int]) -> list[bytes]:
+        """The entries device slots hold now (b"" for a slot never written)."""
+        _check_ids(slots, self.pool.capacity)
+        return [self.kv.get(s, b"") for s in slots]
+
+    def read_host_kv(self, host_slots: Sequence[int]) -> list[bytes]:
+        """The entries host slots hold now (b"" for a slot never written)."""
+        _check_ids(host_slots, self.host.capacity if self.host else 0)
+        return [self.host_kv.get(s, b"") for s in host_slots]
 
     # ------------------------------------------------------------------ observation
 

@@ -93,3 +93,22 @@ def test_cli_host_section(tmp_path: Path) -> None:
     rows = json.loads(out.read_text())
     assert [r["mode"] for r in rows] == ["device", "host"]
     assert rows[1]["calls"]["backup"] == 60 and set(rows[1]["calls_per_s"]) == set(bench.HOST_OPS)
+
+
+def test_every_implementation_gives_the_same_answers_on_a_logical_clock() -> None:
+    """The bench compares like with like only if every cache makes the same evictions: on the request-number
+    clock kvcert.gpu and the model answer every request alike; with gpu's clock left at 0 (as it once was,
+    while SGLang read a real clock) LRU degrades to insertion order and the answers part."""
+    tight = bench.TraceSpec(**{**SMALL.__dict__, "pages": 16, "requests": 200})  # evicts hot sessions' pages
+    trace = bench.make_trace(tight)
+    makers = dict(bench.drivers(4, 16 * 4, ["gpu", "refimpl"]))
+    same = [bench.replay(makers[k](), trace, budget=60) for k in ("refimpl", "gpu")]
+    assert bench.disagreements(same) == [] and same[0].hits and any(d for d, _ in same[0].hits)
+
+    class Frozen(bench.ProtocolDriver):
+        def tick(self, now: int) -> None:
+            pass
+
+    frozen = bench.replay(Frozen("gpu, clock at 0", makers["gpu"]().cache), trace, budget=60)
+    (line,) = bench.disagreements([same[0], frozen])
+    assert "gpu, clock at 0 answers request" in line

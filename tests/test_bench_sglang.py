@@ -37,3 +37,16 @@ def test_kvcert_and_sglang_hicache_see_the_same_host_hits() -> None:
     makers = dict(bench.host_drivers(4, 64 * 4, ["gpu", "sglang-hicache-python"]))
     loaded = {label: bench.replay_host(make(), trace, budget=60).loaded for label, make in makers.items()}
     assert loaded["gpu"] == loaded["sglang-hicache-python"] > 0
+
+
+def test_every_implementation_answers_every_request_alike() -> None:
+    """On the request-number clock every tree, SGLang's three included, hits the same tokens on every request."""
+    tight = bench.TraceSpec(**{**SMALL.__dict__, "pages": 16, "requests": 200})
+    trace = bench.make_trace(tight)
+    device = [bench.replay(make(), trace, budget=60) for _, make in bench.drivers(4, 16 * 4, bench.IMPLEMENTATIONS)]
+    host = [
+        bench.replay_host(make(), trace, budget=60) for _, make in bench.host_drivers(4, 16 * 4, bench.HOST_IMPLEMENTATIONS)
+    ]
+    assert len(device) == len(bench.IMPLEMENTATIONS) and len(host) == len(bench.HOST_IMPLEMENTATIONS)
+    assert bench.disagreements(device) == [] and bench.disagreements(host) == []
+    assert any(h for _, h in host[0].hits), "the host section must see host hits"

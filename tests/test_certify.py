@@ -138,3 +138,155 @@ def test_cli_storage_only_runs_the_storage_matrix(tmp_path: Path) -> None:
         "write_back+timeout",
         "write_back+wait_complete",
     ]
+
+
+# --------------------------------------------------------------------------- what a certificate claims
+
+
+def test_a_certificate_says_what_it_did_not_check(tmp_path: Path) -> None:
+    """Capabilities a backend does not declare are listed as not checked, beside CERTIFIED."""
+    from dataclasses import replace
+
+    def device_only(config: CacheConfig) -> RefCache:
+        return RefCache(config)
+
+    device_only.capabilities = replace(  # type: ignore[attr-defined]
+        RefCache.capabilities,
+        name="device-only model",
+        write_policies=(),
+        prefetch_policies=(),
+        faults=(),
+        retraction=False,
+        kv_reads=False,
+        priority_refs=False,
+        strict_input=False,
+        policies=("lru",),
+    )
+    cert = certify("x", factory=device_only, examples=5, steps=10, page_sizes=[1], out_dir=tmp_path)
+    assert cert.passed
+    gaps = "\n".join(cert.not_checked)
+    for part in ("KV bytes", "host tier", "storage tier", "retraction", "priority tiers", "bad input"):
+        assert f"{part}" in gaps and "not declared" in gaps, part
+    assert "injected host_alloc faults" in gaps and "injected copy faults" in gaps
+    assert "eviction policies lfu, fifo, mru, priority: not declared" in gaps
+    full = certify(
+        "kvcert.refimpl:factory",
+        examples=5,
+        steps=10,
+        page_sizes=[1],
+        device_cells=True,
+        write_policies=[],
+        prefetch_policies=[],
+        out_dir=tmp_path,
+    )
+    assert all("not declared" not in g for g in full.not_checked)  # the model declares everything
+    assert any("host tier" in g and "no step of this run" in g for g in full.not_checked)  # but --device-only ran none
+
+
+def test_cli_prints_the_scope_next_to_the_verdict(tmp_path: Path) -> None:
+    res = CliRunner().invoke(
+        app,
+        ["certify", "kvcert.refimpl:factory", "--examples", "3", "--steps", "8", "--device-only", "--page-size", "1"],
+    )
+    assert res.exit_code == 0, res.output
+    verdict = next(line for line in res.output.splitlines() if line.startswith("CERTIFIED"))
+    assert "NOT CHECKED" in verdict and "not checked: host tier" in res.output
+
+
+@pytest.mark.parametrize("bad_builds", [(3,), (3, 4)], ids=["hypothesis-replay-passes", "fresh-replay-passes"])
+def test_a_failure_that_does_not_replay_is_reported_as_inv_det_1(tmp_path: Path, bad_builds: tuple[int, ...]) -> None:
+    """A backend whose failure depends on something outside the trace (here: how many backends were built
+    in this process) fails a run but not the replay: the cell reports INV-DET-1 with the original failure,
+    whether Hypothesis's own replay passed or only kvcert's replay on a fresh backend did."""
+    from kvcert.spec.types import InsertOut
+
+    built = {"n": 0}
+
+    class Flaky(RefCache):
+        def __init__(self, config: CacheConfig) -> None:
+            super().__init__(config)
+            built["n"] += 1
+            self.bad = built["n"] in bad_builds  # only these backends ever built misbehave
+
+        def insert(self, namespace, tokens, slots, priority=0) -> InsertOut:  # type: ignore[no-untyped-def]
+            out = super().insert(namespace, tokens, slots, priority)
+            return InsertOut(out.prefix_len + 1, out.node) if self.bad else out
+
+    def flaky(config: CacheConfig) -> RefCache:
+        return Flaky(config)
+
+    flaky.capabilities = RefCache.capabilities  # type: ignore[attr-defined]
+    cert = certify(
+        "x",
+        factory=flaky,
+        examples=10,
+        steps=10,
+        page_sizes=[1],
+        policies=["lru"],
+        write_policies=[],
+        prefetch_policies=[],
+        out_dir=tmp_path,
+    )
+    (cell,) = cert.cells
+    assert not cell.passed and cell.reproduced is False
+    assert cell.failure is not None and cell.failure.startswith("INV-DET-1") and "INV-INS-1" in cell.failure
+    assert "None" != cell.failure
+
+
+def test_certificates_of_the_same_run_are_the_same(tmp_path: Path) -> None:
+    paths = []
+    for i in range(2):
+        paths.append(tmp_path / f"c{i}.json")
+        res = CliRunner().invoke(
+            app,
+            [
+                "certify",
+                "kvcert.refimpl:factory",
+                "--examples",
+                "4",
+                "--steps",
+                "10",
+                "--page-size",
+                "1",
+                "--policy",
+                "lru",
+                "--device-only",
+                "--json",
+                str(paths[-1]),
+            ],
+        )
+        assert res.exit_code == 0, res.output
+    res = CliRunner().invoke(app, ["same", str(paths[0]), str(paths[1])])
+    assert res.exit_code == 0 and "same run" in res.output
+    body = json.loads(paths[1].read_text())
+    body["cells"][0]["digest"] = "0" * 64
+    paths[1].write_text(json.dumps(body))
+    res = CliRunner().invoke(app, ["same", str(paths[0]), str(paths[1])])
+    assert res.exit_code == 1 and "DIFFERENT" in res.output
+
+
+def test_the_shrinker_renumbers_every_op_that_names_a_handle() -> None:
+    from kvcert.conformance.shrink import BY_HANDLE, without
+    from kvcert.spec.ops import OP_TYPES, LoadBack, Prefetch, RegisterRef, Retract
+
+    assert {t.__name__ for t in BY_HANDLE} == {
+        name for name, t in OP_TYPES.items() if "handle" in t.__dataclass_fields__
+    }
+    ops = [
+        Insert(None, (1,)),
+        Insert(None, (2,)),
+        RegisterRef("a", 1, 1),
+        Lock(1),
+        LoadBack(1),
+        Prefetch(1),
+        Retract(1, 1),
+    ]
+    assert without(ops, 0) == [
+        Insert(None, (2,)),
+        RegisterRef("a", 0, 1),
+        Lock(0),
+        LoadBack(0),
+        Prefetch(0),
+        Retract(0, 1),
+    ]
+    assert without(ops, 1) == [Insert(None, (1,))]  # every op naming the deleted one goes with it

@@ -6,6 +6,7 @@ import importlib.util
 from pathlib import Path
 
 import pytest
+from _sglang import required
 
 from kvcert.conformance.driver import ConformanceFailure, run_trace
 from kvcert.refimpl import RefCache
@@ -35,6 +36,8 @@ def test_the_model_rejects_the_bad_input_cleanly(path: Path) -> None:
 @pytest.mark.parametrize("path", FINDINGS, ids=lambda p: p.stem)
 def test_sglang_still_behaves_as_logged(path: Path) -> None:
     if importlib.util.find_spec("sglang") is None:
+        if required():
+            pytest.fail("KVCERT_SGLANG=1 but sglang is not installed", pytrace=False)
         pytest.skip("sglang not installed: run scripts/install_sglang.sh")
     from kvcert.conformance.certify import load_factory
 

@@ -115,5 +115,6 @@ def test_wrong_bytes_are_named(corrupt: str, inv: str) -> None:
 def test_backends_without_kv_reads_are_not_read() -> None:
     cache = ContentCache(CONFIG)
     cache.corrupt = "device"
-    run_trace(cache, CONFIG, RefCache.capabilities, OPS)  # kv_reads off: nothing is read, nothing fails
+    no_kv = replace(RefCache.capabilities, kv_reads=False)
+    run_trace(cache, CONFIG, no_kv, OPS)  # kv_reads off: nothing is read, nothing fails
     assert cache.written == []

@@ -277,3 +277,30 @@ def test_plan_checker_flags_retractions_beyond_the_fewest() -> None:
     too_many = replace(plan, retract=(1, 0), keep=(False, False))
     found = {i for i, _ in contracts.plan_violations(snap, 12, 1, running, None, 2, too_many)}
     assert found == {"INV-ADMIT-2"}
+
+
+def test_an_eviction_whose_ranks_change_midway_is_judged_by_replay() -> None:
+    """A write-back victim's backup needs host room; host pressure demotes the idle high session, so the node
+    its path shares drops a tier halfway through the eviction and goes before an older HIGH_REF node
+    (SPEC.md §11.4). No order over the ranks before the call explains that; the harness lets the oracle
+    re-rank as it goes instead of reporting INV-EVICT-4 against a correct cache (found by a refimpl run)."""
+    from kvcert.conformance.driver import run_trace
+    from kvcert.refimpl import RefCache
+    from kvcert.spec.ops import Evict, Insert, RegisterRef, UpdateRef
+    from kvcert.spec.types import CacheConfig
+
+    config = CacheConfig(
+        page_size=1, capacity=6, host_capacity=6, write_policy="write_back", prefetch_policy="best_effort"
+    )
+    ops = [
+        Insert(None, (1, 1, 1)),
+        Insert(None, (2,)),
+        RegisterRef("c", 1, 0),
+        UpdateRef("c", 1),
+        RegisterRef("a", 0, 1),
+        Evict(1),
+        Insert(None, (1, 2, 1, 1, 0)),
+        Evict(5),
+    ]
+    h = run_trace(RefCache(config), config, RefCache.capabilities, ops, quiesce=False)
+    assert any(s.demoted for s in h.oracle.sessions.values()), "the eviction demoted a session on the way"

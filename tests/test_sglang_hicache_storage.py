@@ -176,6 +176,7 @@ def test_store_copy_writes_the_spec_records() -> None:
     try:
         slots = backend.alloc(3)
         backend.set_clock(1)
+        backend.write_kv(slots, l3.token_entries("lora-a", [4, 5, 6], config.kv_layers))  # the forward pass
         node = backend.insert("lora-a", [4, 5, 6], slots).node
         (write,) = backend.snapshot().pending
         backend.complete(write.id)
@@ -333,7 +334,7 @@ def test_same_trace_same_run() -> None:
 def test_storage_cells_are_certified(name: str, tmp_path: Path) -> None:
     """SGLang's L3 path (stepped threads, bridge store) passes every storage cell at P = 1 and 4.
 
-    SPEC.md §10 took calibration decisions D7-D15 (HICACHE_CALIBRATION.md); a short run for CI,
+    SPEC.md §10 took calibration decisions D7-D16 (HICACHE_CALIBRATION.md); a short run for CI,
     the longer one's figures are in docs/sglang.md.
     """
     cert = certify(
@@ -352,3 +353,24 @@ def test_storage_cells_are_certified(name: str, tmp_path: Path) -> None:
     pfs = ("best_effort", "wait_complete", "timeout")
     assert {(c.page_size, c.write_policy) for c in cert.cells} == {(p, f"{w}+{f}") for p in (1, 4) for w in wps for f in pfs}
     assert all(c.steps > 0 for c in cert.cells)
+
+
+D16 = Path(__file__).parent / "traces" / "d16-prefetch-end-is-an-access.json"
+
+
+@pytest.mark.parametrize("factory", [factory_storage, factory_rust_storage], ids=["python", "rust"])
+def test_d16_ending_a_prefetch_is_an_access(factory: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Calibration D16: SGLang stamps the anchor and the walked nodes when a prefetch ends (`insert_host` ->
+    `_touch_node`). Its trace passes on SGLang and on the model; a model that touches nothing fails it."""
+    from kvcert.conformance.driver import ConformanceFailure
+    from kvcert.refimpl import cache as refcache
+    from kvcert.spec.ops import Trace
+
+    trace = Trace.from_json(D16.read_text())
+    run_trace(factory(trace.config), trace.config, factory.capabilities, list(trace.ops))
+    run_trace(refcache.RefCache(trace.config), trace.config, refcache.RefCache.capabilities, list(trace.ops))
+    plain = refcache.RefCache._end_prefetch
+    monkeypatch.setattr(refcache.RefCache, "_end_prefetch", lambda self, p, keep, touch=False: plain(self, p, keep))
+    with pytest.raises(ConformanceFailure) as failure:
+        run_trace(factory(trace.config), trace.config, factory.capabilities, list(trace.ops))
+    assert {"INV-COPY-1", "INV-HOST-11"} & {v.inv for v in failure.value.violations}

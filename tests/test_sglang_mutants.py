@@ -82,3 +82,55 @@ def test_patched_sglang_is_not_certified(name: str, monkeypatch: pytest.MonkeyPa
     assert failing, f"SGLang with {name} was certified"
     assert expected in (failing[0].failure or ""), failing[0].failure
     assert failing[0].reproduced
+
+
+# --------------------------------------------------------------------------- HiCache: KV bytes (SPEC.md §9.12)
+
+from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost  # noqa: E402
+
+
+def backup_reversed(orig: Callable[..., Any]) -> Callable[..., Any]:
+    """A device->host copy that writes a batch's tokens into the host slots in reverse order."""
+
+    def patched(self: Any, device_pool: Any, host_indices: Any, device_indices: Any, io_backend: Any) -> Any:
+        return orig(self, device_pool, host_indices.flip(0), device_indices, io_backend)
+
+    return patched
+
+
+def load_reversed(orig: Callable[..., Any]) -> Callable[..., Any]:
+    """A host->device load that lands a batch's tokens in the device slots in reverse order."""
+
+    def patched(self: Any, device_pool: Any, host_indices: Any, device_indices: Any, *args: Any, **kw: Any) -> Any:
+        return orig(self, device_pool, host_indices, device_indices.flip(0), *args, **kw)
+
+    return patched
+
+
+HICACHE_CASES: dict[str, tuple[str, Callable[[Callable[..., Any]], Callable[..., Any]], int, str]] = {
+    "backup_reversed": ("backup_from_device_all_layer", backup_reversed, 1, "INV-KV-2"),
+    "load_reversed": ("load_to_device_per_layer", load_reversed, 4, "INV-KV-1"),  # a page: >= 4 tokens a load
+}
+
+
+@pytest.mark.parametrize("name", sorted(HICACHE_CASES))
+def test_patched_hicache_copies_are_caught_by_the_bytes(
+    name: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Copies that move the right slots' worth of KV to the wrong places: the tree and every count stay
+    right, so only reading the bytes back (kv_reads) sees it."""
+    method, mutate, page_size, expected = HICACHE_CASES[name]
+    monkeypatch.setattr(MHATokenToKVPoolHost, method, mutate(getattr(MHATokenToKVPoolHost, method)))
+    cert = certify(
+        "kvcert.conformance.adapters.sglang_hicache_backend:factory",
+        examples=100,
+        steps=30,
+        page_sizes=[page_size],
+        write_policies=["write_through"],
+        device_cells=False,
+        out_dir=tmp_path,
+    )
+    failing = [c for c in cert.cells if not c.passed]
+    assert failing, f"HiCache with {name} was certified"
+    assert expected in (failing[0].failure or ""), failing[0].failure
+    assert failing[0].reproduced

@@ -24,6 +24,7 @@ import importlib.util
 import sys
 import types
 import warnings
+from collections.abc import Iterable, Iterator, MutableSet
 from pathlib import Path
 from typing import Any
 
@@ -204,3 +205,41 @@ def import_sglang() -> types.SimpleNamespace:
         TokenToKVPoolAllocator=TokenToKVPoolAllocator,
         PagedTokenToKVPoolAllocator=PagedTokenToKVPoolAllocator,
     )
+
+
+class OrderedSet(MutableSet[Any]):
+    """An insertion-ordered set, for SGLang's sets of tree nodes.
+
+    SGLang keeps candidate leaves in `set`s of node objects, which hash by address, and
+    heapifies them in set order: candidates of equal rank then leave in an order that
+    changes from process to process. Insertion order is one of the orders a set could
+    produce, and the same in every run. Set algebra (`-`, `&`, `==`, used by SGLang's
+    `sanity_check`) comes from `MutableSet`.
+    """
+
+    def __init__(self, items: Iterable[Any] = ()) -> None:
+        self._items: dict[Any, None] = dict.fromkeys(items)
+
+    def add(self, item: Any) -> None:
+        self._items[item] = None
+
+    def discard(self, item: Any) -> None:
+        self._items.pop(item, None)
+
+    def clear(self) -> None:
+        self._items.clear()
+
+    def copy(self) -> OrderedSet:
+        return OrderedSet(self._items)
+
+    def __contains__(self, item: object) -> bool:
+        return item in self._items
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(list(self._items))
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __repr__(self) -> str:
+        return f"OrderedSet({list(self._items)!r})"

@@ -65,7 +65,7 @@ from typing import Any, NamedTuple, Optional
 
 import torch
 
-from kvcert.conformance.adapters._sglang_env import import_sglang
+from kvcert.conformance.adapters._sglang_env import OrderedSet, import_sglang
 
 __all__ = ["HiCacheConfig", "Match", "SGLangHiCache", "install_cpu_shims"]
 
@@ -383,6 +383,12 @@ class SGLangHiCache:
                 with stepped_threads() if config.stepped_storage else contextlib.nullcontext():
                     self.cache.init_hicache(self.args, self.params)
         self.is_rust = type(self.cache.tree_core).__name__.startswith("Rust")
+        if not self.is_rust:
+            # Sets of nodes hashed by address: eviction heapifies them in set order, so equal-rank candidates
+            # would leave in an order that changes from process to process. Insertion order is one a set could give.
+            core = self.cache.tree_core
+            core.evictable_device_leaves = OrderedSet(core.evictable_device_leaves)
+            core.evictable_host_leaves = OrderedSet(core.evictable_host_leaves)
         self.host_lock_ledger = HostLockLedger(self.cache.tree_core)
         """host_lock_ref as SGLang's own inc/dec_host_lock_ref calls leave it (the Rust core hides the counter)."""
         self.load_ledger = LoadLedger(self.cache.tree_core)
@@ -655,7 +661,10 @@ class SGLangHiCache:
             self.cache.sanity_check()
 
     def close(self) -> None:
-        """Stop storage threads and free host pools."""
+        """Stop storage threads and free host pools (once: a second call does nothing)."""
+        if getattr(self, "_closed", False):
+            return
+        self._closed = True
         if self.l3 is not None:
             self.l3.close()
         with contextlib.suppress(Exception):

@@ -64,6 +64,7 @@ from typing import Any, Optional
 import torch
 
 from kvcert.conformance.adapters._sglang_env import SGLANG_VERSION
+from kvcert.conformance.adapters._sglang_kv import HEAD_DIM, HEAD_NUM, entries_of, tensor_of
 from kvcert.conformance.adapters.sglang_hicache import (
     CORES,
     LAYOUTS,
@@ -72,7 +73,7 @@ from kvcert.conformance.adapters.sglang_hicache import (
     _root_path,
     _Segment,
 )
-from kvcert.conformance.adapters.sglang_hicache_storage import CLOCK, HEAD_DIM, HEAD_NUM, canonical_kv
+from kvcert.conformance.adapters.sglang_hicache_storage import CLOCK
 from kvcert.spec import pages
 from kvcert.spec.storage import StorageBackend
 from kvcert.spec.types import (
@@ -130,16 +131,15 @@ class SGLangHiCacheBackend:
         self.page_size = ps = config.page_size
         self.host = config.host_capacity > 0
         self.storage = bool(config.prefetch_policy) and self.host
-        geometry: dict[str, Any] = {}
-        if self.storage:  # one (token, layer, K|V) entry = the spec's 8 bytes of synthetic KV (SPEC.md §10.1)
-            geometry = {
+        CLOCK.now = 0.0  # process-global (the timeout policy's PollTimer reads it): nothing carries over
+        # One (token, layer, K|V) element = the spec's 8 bytes of synthetic KV (SPEC.md §9.12, §10.1).
+        geometry: dict[str, Any] = {"layer_num": config.kv_layers, "head_num": HEAD_NUM, "head_dim": HEAD_DIM}
+        if self.storage:
+            geometry |= {
                 "stepped_storage": True,
                 "prefetch_policy": config.prefetch_policy,
                 "prefetch_timeout": (float(config.prefetch_timeout_base), float(config.prefetch_timeout_per_page)),
                 "model_id": config.model_id,
-                "layer_num": config.kv_layers,
-                "head_num": HEAD_NUM,
-                "head_dim": HEAD_DIM,
             }
         self.h = SGLangHiCache(
             HiCacheConfig(
@@ -221,14 +221,7 @@ class SGLangHiCacheBackend:
     def insert(
         self, namespace: Optional[str], tokens: Sequence[int], slots: Sequence[int], priority: int = 0
     ) -> InsertOut:
-        if self.storage:  # what the forward pass would write: the spec's KV of every request position
-            n = min(len(tokens), len(slots))
-            if n:
-                kv = canonical_kv(namespace, list(tokens)[:n], self.config.kv_layers)
-                idx = torch.tensor(list(slots)[:n], dtype=torch.int64)
-                for layer in range(self.config.kv_layers):
-                    self.h.kv_pool.k_buffer[layer][idx] = kv[0, layer]
-                    self.h.kv_pool.v_buffer[layer][idx] = kv[1, layer]
+        if self.storage:  # the harness wrote the request's KV (write_kv); the bridge learns its pages' paths
             assert self.h.l3 is not None and self.h.l3.bridge is not None
             self.h.l3.bridge.learn(namespace, tokens)
         matched, node = self.h.insert(namespace, list(tokens), list(slots))
@@ -253,6 +246,24 @@ class SGLangHiCacheBackend:
 
     def evict(self, n: int) -> int:
         return self.h.evict(n)
+
+    # ------------------------------------------------------------------ KVBackend (SPEC.md §9.12)
+
+    def write_kv(self, slots: Sequence[int], entries: Sequence[bytes]) -> None:
+        """The forward pass: each entry into the device K and V buffers of every layer at its slot."""
+        kv = tensor_of(entries, self.config.kv_layers)
+        idx = torch.tensor(list(slots), dtype=torch.int64)
+        for layer in range(self.config.kv_layers):
+            self.h.kv_pool.k_buffer[layer][idx] = kv[0, layer]
+            self.h.kv_pool.v_buffer[layer][idx] = kv[1, layer]
+
+    def read_kv(self, slots: Sequence[int]) -> list[bytes]:
+        return entries_of(self.h.read_device_kv(slots))
+
+    def read_host_kv(self, host_slots: Sequence[int]) -> list[bytes]:
+        if not self.host:
+            return []
+        return entries_of(self.h.read_host_kv(host_slots))
 
     # ------------------------------------------------------------------ RetractionBackend (SPEC.md §9.11)
 
@@ -516,6 +527,7 @@ def make_factory(core: str = "python", layout: str = "layer_first", storage: boo
         write_policies=("write_through", "write_through_selective", "write_back"),
         prefetch_policies=PREFETCH_POLICIES if storage else (),
         retraction=True,
+        kv_reads=True,
         notes=(
             f"{core} tree core, {layout} host layout, direct io via torch shims on CPU; copies held until complete()",
             "host pool sized exactly to host_capacity through hicache_ratio; load_back_threshold set on the cache",

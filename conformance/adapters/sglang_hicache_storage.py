@@ -69,9 +69,8 @@ logging.getLogger("sglang.srt.mem_cache.pool_host.base").setLevel(logging.ERROR)
 
 __all__ = ["BridgeStorage", "SteppedStorage", "canonical_kv", "sglang_page_keys", "stepped_threads"]
 
-KV_DTYPE = torch.float32
-HEAD_NUM, HEAD_DIM = 1, l3.KV_WIDTH // 4
-"""Device/host KV geometry under which one (token, layer, K|V) entry is exactly `token_kv`'s 8 bytes."""
+from kvcert.conformance.adapters._sglang_kv import HEAD_DIM, HEAD_NUM, KV_DTYPE  # noqa: E402
+
 BACKUP_BATCH = _cc_mod.STORAGE_BATCH_SIZE
 """SGLang's storage batch (128 pages): a store copy of a node is one batch_set, as §10.2 wants."""
 

@@ -17,6 +17,11 @@ ids are therefore 0 (root), 1, 2, ... per adapter, whatever else ran in the
 process. The cache's `evictable_leaves` set, whose order (TreeNodes hash by
 address) decides ties between equal-rank leaves, becomes insertion-ordered.
 Not thread-safe: one call into SGLang at a time.
+
+KV bytes (SPEC.md §9.12). The pool has the spec's geometry (`_sglang_kv`): the harness writes
+each request's KV into its slots before the insert and reads every cached slot back after
+every step, so a slot SGLang hands to the wrong node, or frees while a node still maps it and
+reuses, shows as wrong bytes (INV-KV-1).
 """
 
 from __future__ import annotations
@@ -30,7 +35,8 @@ from typing import Any, Optional
 
 import torch
 
-from kvcert.conformance.adapters._sglang_env import SGLANG_VERSION, import_sglang
+from kvcert.conformance.adapters._sglang_env import SGLANG_VERSION, OrderedSet, import_sglang
+from kvcert.conformance.adapters._sglang_kv import HEAD_DIM, HEAD_NUM, KV_DTYPE, entries_of, tensor_of
 from kvcert.spec.types import (
     POLICIES,
     CacheConfig,
@@ -65,40 +71,6 @@ class _LogicalTime:
         return getattr(_real_time, name)
 
 
-class _OrderedSet:
-    """Insertion-ordered stand-in for `RadixCache.evictable_leaves`.
-
-    SGLang keeps the evictable leaves in a `set` of TreeNodes, which hash by
-    address, and `evict` heapifies them in set order: leaves of equal rank
-    then leave in an order that changes from run to run. Insertion order is
-    one of the orders a set could produce, and the same on every run.
-    """
-
-    def __init__(self) -> None:
-        self._items: dict[Any, None] = {}
-
-    def add(self, item: Any) -> None:
-        self._items[item] = None
-
-    def remove(self, item: Any) -> None:
-        del self._items[item]
-
-    def discard(self, item: Any) -> None:
-        self._items.pop(item, None)
-
-    def clear(self) -> None:
-        self._items.clear()
-
-    def __contains__(self, item: object) -> bool:
-        return item in self._items
-
-    def __iter__(self) -> Iterator[Any]:
-        return iter(list(self._items))
-
-    def __len__(self) -> int:
-        return len(self._items)
-
-
 class SGLangRadixBackend:
     """One `RadixCache` over real CPU pools; node handles are `TreeNode.id`."""
 
@@ -110,13 +82,13 @@ class SGLangRadixBackend:
         self._next_node_id = 0
         self._nodes: dict[int, Any] = {}
         """Every TreeNode the adapter has handed out or seen in the tree, by id."""
-        kv = self.sg.MHATokenToKVPool(
+        self.kv_pool = kv = self.sg.MHATokenToKVPool(  # the spec's KV geometry: entries are bytes of it
             size=config.capacity,
             page_size=config.page_size,
-            dtype=torch.float32,
-            head_num=1,
-            head_dim=8,
-            layer_num=1,
+            dtype=KV_DTYPE,
+            head_num=HEAD_NUM,
+            head_dim=HEAD_DIM,
+            layer_num=config.kv_layers,
             device="cpu",
             enable_memory_saver=False,
             enable_alt_stream=False,
@@ -139,7 +111,7 @@ class SGLangRadixBackend:
         with self._in_sglang():
             self.cache = self.sg.RadixCache(params)
         assert not self.cache.evictable_leaves
-        self.cache.evictable_leaves = _OrderedSet()
+        self.cache.evictable_leaves = OrderedSet()
         self._remember(self.cache.root_node)
 
     # ------------------------------------------------------------------ plumbing
@@ -235,6 +207,26 @@ class SGLangRadixBackend:
             res = self.cache.evict(self.sg.EvictParams(num_tokens=n))
         return int(res.num_tokens_evicted)
 
+    # ------------------------------------------------------------------ KVBackend (SPEC.md §9.12)
+
+    def write_kv(self, slots: Sequence[int], entries: Sequence[bytes]) -> None:
+        """The forward pass: each entry into the K and V buffers of every layer at its slot."""
+        kv = tensor_of(entries, self.config.kv_layers)
+        idx = torch.tensor(list(slots), dtype=torch.int64)
+        for layer in range(self.config.kv_layers):
+            self.kv_pool.k_buffer[layer][idx] = kv[0, layer]
+            self.kv_pool.v_buffer[layer][idx] = kv[1, layer]
+
+    def read_kv(self, slots: Sequence[int]) -> list[bytes]:
+        idx = torch.tensor(list(slots), dtype=torch.int64)
+        layers = range(self.config.kv_layers)
+        k = torch.stack([self.kv_pool.k_buffer[layer][idx] for layer in layers])
+        v = torch.stack([self.kv_pool.v_buffer[layer][idx] for layer in layers])
+        return entries_of(torch.stack([k, v]))
+
+    def read_host_kv(self, host_slots: Sequence[int]) -> list[bytes]:
+        return []  # no host tier: no node ever has host slots
+
     def snapshot(self) -> Snapshot:
         ps = self.page_size
         views = []
@@ -284,8 +276,10 @@ factory.capabilities = Capabilities(  # type: ignore[attr-defined]
     policies=POLICIES,
     namespaces=True,
     strict_input=False,
+    kv_reads=True,
     notes=(
         "real MHATokenToKVPool + (Paged)TokenToKVPoolAllocator on CPU; slot 0 / page 0 is reserved padding",
+        "KV bytes: the harness writes the spec's entries into the pool's K/V buffers and reads them back",
         "time.monotonic and TreeNode.counter are swapped for a logical clock and a per-adapter counter during each call",
     ),
 )

@@ -1,0 +1,58 @@
+"""Print certificates (`kvcert certify --json`) as the Markdown tables the docs quote.
+
+    python scripts/cert_table.py kvcert-long/*.json            # one row per certificate
+    python scripts/cert_table.py --cells kvcert-long/x.json    # one row per cell
+
+Figures in docs come from this output, pasted with the command beside them, never typed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+
+def _tier(cell: dict) -> str:
+    wp = cell["write_policy"]
+    if not wp:
+        return "device-only"
+    return ("storage " if "+" in wp else "host ") + wp
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("certificates", nargs="+", type=Path)
+    ap.add_argument("--cells", action="store_true", help="one row per cell instead of one per certificate")
+    args = ap.parse_args()
+    if args.cells:
+        print("| target | page size | policy | tier | verdict | examples | steps | steps/s | digest |")
+        print("|---|---|---|---|---|---|---|---|---|")
+    else:
+        print("| target | cells | verdict | examples/cell | steps | time | steps/s | not checked |")
+        print("|---|---|---|---|---|---|---|---|")
+    for path in args.certificates:
+        cert = json.loads(path.read_text())
+        target = cert["target"].split(".")[-1]
+        if args.cells:
+            for c in cert["cells"]:
+                rate = c["steps"] / max(c["seconds"], 1e-9)
+                verdict = "pass" if c["passed"] else "**FAIL**"
+                print(
+                    f"| `{target}` | {c['page_size']} | {c['policy']} | {_tier(c)} | {verdict} | {c['examples']:,} "
+                    f"| {c['steps']:,} | {rate:,.0f} | `{c.get('digest', '')[:12]}` |"
+                )
+            continue
+        cells = cert["cells"]
+        passed = sum(c["passed"] for c in cells)
+        seconds = sum(c["seconds"] for c in cells)
+        verdict = "CERTIFIED" if cert["passed"] else f"**{len(cells) - passed} FAIL**"
+        gaps = len(cert.get("not_checked", []))
+        print(
+            f"| `{target}` | {len(cells)} | {verdict} | {cert['examples']:,} | {cert['total_steps']:,} "
+            f"| {seconds / 60:,.0f} min | {cert['steps_per_second']:,.0f} | {gaps} lines |"
+        )
+
+
+if __name__ == "__main__":
+    main()
