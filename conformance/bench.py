@@ -245,6 +245,11 @@ class ProtocolDriver(Driver):
             self.cache.complete(copy)
         self.cache.poll()
 
+    def close(self) -> None:
+        close = getattr(self.cache, "close", None)
+        if callable(close):  # kvcert.gpu's copy engine
+            close()
+
 
 class GpuNativeDriver(ProtocolDriver):
     """`kvcert.gpu` through its tensor-native API, as an engine calls it (and as SGLang's trees are driven here).
