@@ -290,3 +290,65 @@ def test_the_shrinker_renumbers_every_op_that_names_a_handle() -> None:
         Retract(0, 1),
     ]
     assert without(ops, 1) == [Insert(None, (1,))]  # every op naming the deleted one goes with it
+
+
+def test_host_cells_load_back_and_land_it(tmp_path: Path) -> None:
+    """Reach: a host cell loads KV back and lets the load land, so INV-KV-1 reads loaded slots. Before the
+    `readmit` rule SGLang's P=4 write-through cell loaded back nothing in 100 examples."""
+    from dataclasses import replace
+
+    def plain(config: CacheConfig) -> RefCache:
+        return RefCache(config)
+
+    plain.capabilities = replace(RefCache.capabilities, priority_refs=False, strict_input=False)  # type: ignore[attr-defined]
+    cert = certify(
+        "x",
+        factory=plain,
+        examples=100,
+        steps=30,
+        page_sizes=[4],
+        write_policies=["write_through"],
+        device_cells=False,
+        prefetch_policies=[],
+        out_dir=tmp_path,
+    )
+    (cell,) = cert.cells
+    assert cell.passed and cell.ops.get("LoadBack>0", 0) >= 5, cell.ops
+
+
+@pytest.mark.parametrize("mutant", [None, "evict_locked"])
+def test_every_backend_built_is_closed(tmp_path: Path, mutant: object) -> None:
+    """Generation, Hypothesis's own replay, shrinking and the final replay all build backends: every one of
+    them is closed, pass or fail, so an engine's pools and threads never outlive their run."""
+    cls = (
+        RefCache
+        if mutant is None
+        else zoo.build(next(m for m in zoo.MUTANTS if m.name == mutant))(CacheConfig()).__class__
+    )
+    built, closed = [], []
+
+    class Counted(cls):  # type: ignore[valid-type, misc]
+        def __init__(self, config: CacheConfig) -> None:
+            super().__init__(config)
+            built.append(self)
+
+        def close(self) -> None:
+            closed.append(self)
+
+    def counted(config: CacheConfig) -> RefCache:
+        return Counted(config)
+
+    counted.capabilities = RefCache.capabilities  # type: ignore[attr-defined]
+    cert = certify(
+        "x",
+        factory=counted,
+        examples=40,
+        steps=20,
+        page_sizes=[1],
+        policies=["lru"],
+        write_policies=[],
+        prefetch_policies=[],
+        out_dir=tmp_path,
+    )
+    assert cert.passed == (mutant is None)
+    assert len(built) > 40 and len(closed) == len(built) and len({id(b) for b in closed}) == len(built)
