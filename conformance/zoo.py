@@ -470,9 +470,9 @@ MUTANTS: tuple[Mutant, ...] = (
         "a retraction backup gives up when the host pool is full instead of host-evicting to make room",
         (
             (
-                "        host_slots = self._host_alloc(pages.page_ceil(len(slots), self.page_size))\n",
+                "        host_slots = self._host_alloc(pages.page_ceil(len(slots), self.page_size), reclaim_all=True)  # D17\n",
                 "        need = pages.page_ceil(len(slots), self.page_size)\n"
-                "        host_slots = self._host_alloc(need) if len(self.host.free_list) >= need else None\n",
+                "        host_slots = self._host_alloc(need, reclaim_all=True) if len(self.host.free_list) >= need else None\n",
             ),
         ),
         page_sizes=(1, 4),

@@ -1134,11 +1134,12 @@ class GpuCache:
         assert self.threshold is not None
         return n.slots is not None and n.host_slots is None and n.hit_count >= self.threshold
 
-    def _host_alloc(self, n: int) -> Optional[bytes]:
-        """`n` host slots for the cache; host eviction makes room first. None without room or on an armed fault."""
+    def _host_alloc(self, n: int, reclaim_all: bool = False) -> Optional[bytes]:
+        """`n` host slots for the cache; host eviction makes room first (the shortfall, or all `n` with
+        `reclaim_all`: a retraction backup, D17). None without room or on an armed fault."""
         assert self.alloc_host is not None
         if self.alloc_host.available < n:
-            self._evict_host(n - self.alloc_host.available)
+            self._evict_host(n if reclaim_all else n - self.alloc_host.available)
         if self.alloc_host.consume_failure():
             return None
         if self.alloc_host.available < n:
@@ -1511,7 +1512,7 @@ class GpuCache:
             raise SlotNotOwned(f"cannot back up slots {tuple(slots)[:8]}: repeated or free")
         if self.alloc_host is None or self.host_kv is None:
             return None
-        raw = self._host_alloc(pages.page_ceil(len(slots), self.page_size))
+        raw = self._host_alloc(pages.page_ceil(len(slots), self.page_size), reclaim_all=True)  # D17
         if raw is None:
             self._compact()
             return None

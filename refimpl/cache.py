@@ -670,11 +670,14 @@ class RefCache:
         _move_kv(self.kv, node.slots or (), self.host_kv, slots)  # the backup's bytes, as it is issued
         return True
 
-    def _host_alloc(self, n: int) -> Optional[tuple[int, ...]]:
-        """`n` host slots for the tree, host eviction making room first; None without room or on an injected fault."""
+    def _host_alloc(self, n: int, reclaim_all: bool = False) -> Optional[tuple[int, ...]]:
+        """`n` host slots for the tree, host eviction making room first; None without room or on an injected fault.
+
+        Host eviction frees the shortfall, or with `reclaim_all` (a retraction backup, D17) all `n` tokens.
+        """
         assert self.host is not None
         if len(self.host.free_list) < n:
-            self.evict_host(n - len(self.host.free_list), choose=self.steer)
+            self.evict_host(n if reclaim_all else n - len(self.host.free_list), choose=self.steer)
         if self.armed_faults.get("host_alloc"):
             self.armed_faults["host_alloc"] -= 1
             return None
@@ -965,7 +968,7 @@ class RefCache:
             raise SlotNotOwned(f"cannot back up slots {tuple(slots)[:8]}: repeated or free")
         if self.host is None:
             return None
-        host_slots = self._host_alloc(pages.page_ceil(len(slots), self.page_size))
+        host_slots = self._host_alloc(pages.page_ceil(len(slots), self.page_size), reclaim_all=True)  # D17
         if host_slots is None:
             return None
         _move_kv(self.kv, slots, self.host_kv, host_slots)  # synchronous: the engine waits for it

@@ -374,3 +374,24 @@ def test_d16_ending_a_prefetch_is_an_access(factory: Any, monkeypatch: pytest.Mo
     with pytest.raises(ConformanceFailure) as failure:
         run_trace(factory(trace.config), trace.config, factory.capabilities, list(trace.ops))
     assert {"INV-COPY-1", "INV-HOST-11"} & {v.inv for v in failure.value.violations}
+
+
+D17 = Path(__file__).parent / "traces" / "d17-retraction-reclaims-its-size.json"
+
+
+@pytest.mark.parametrize("factory", [factory_storage, factory_rust_storage], ids=["python", "rust"])
+def test_d17_a_retraction_backup_reclaims_its_whole_size(factory: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Calibration D17: SGLang's `HostPoolGroup.alloc(reclaim=...)` host-evicts the backup's whole size when it
+    does not fit. The trace passes on SGLang and on the model; a model that reclaims the shortfall fails it."""
+    from kvcert.conformance.driver import ConformanceFailure
+    from kvcert.refimpl import cache as refcache
+    from kvcert.spec.ops import Trace
+
+    trace = Trace.from_json(D17.read_text())
+    run_trace(factory(trace.config), trace.config, factory.capabilities, list(trace.ops))
+    run_trace(refcache.RefCache(trace.config), trace.config, refcache.RefCache.capabilities, list(trace.ops))
+    plain = refcache.RefCache._host_alloc
+    monkeypatch.setattr(refcache.RefCache, "_host_alloc", lambda self, n, reclaim_all=False: plain(self, n))
+    with pytest.raises(ConformanceFailure) as failure:
+        run_trace(factory(trace.config), trace.config, factory.capabilities, list(trace.ops))
+    assert "INV-TREE-4" in {v.inv for v in failure.value.violations}
