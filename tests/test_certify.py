@@ -143,6 +143,26 @@ def test_cli_storage_only_runs_the_storage_matrix(tmp_path: Path) -> None:
 # --------------------------------------------------------------------------- what a certificate claims
 
 
+def _one_cell(cls: type, tmp_path: Path, *, examples: int, steps: int):  # type: ignore[no-untyped-def]
+    """Certify a RefCache subclass on one device-only cell (page size 1, LRU)."""
+
+    def make(config: CacheConfig) -> RefCache:
+        return cls(config)
+
+    make.capabilities = RefCache.capabilities  # type: ignore[attr-defined]
+    return certify(
+        "x",
+        factory=make,
+        examples=examples,
+        steps=steps,
+        page_sizes=[1],
+        policies=["lru"],
+        write_policies=[],
+        prefetch_policies=[],
+        out_dir=tmp_path,
+    )
+
+
 def test_a_certificate_says_what_it_did_not_check(tmp_path: Path) -> None:
     """Capabilities a backend does not declare are listed as not checked, beside CERTIFIED."""
     from dataclasses import replace
@@ -212,21 +232,7 @@ def test_a_failure_that_does_not_replay_is_reported_as_inv_det_1(tmp_path: Path,
             out = super().insert(namespace, tokens, slots, priority)
             return InsertOut(out.prefix_len + 1, out.node) if self.bad else out
 
-    def flaky(config: CacheConfig) -> RefCache:
-        return Flaky(config)
-
-    flaky.capabilities = RefCache.capabilities  # type: ignore[attr-defined]
-    cert = certify(
-        "x",
-        factory=flaky,
-        examples=10,
-        steps=10,
-        page_sizes=[1],
-        policies=["lru"],
-        write_policies=[],
-        prefetch_policies=[],
-        out_dir=tmp_path,
-    )
+    cert = _one_cell(Flaky, tmp_path, examples=10, steps=10)
     (cell,) = cert.cells
     assert not cell.passed and cell.reproduced is False
     assert cell.failure is not None and cell.failure.startswith("INV-DET-1") and "INV-INS-1" in cell.failure
@@ -335,20 +341,6 @@ def test_every_backend_built_is_closed(tmp_path: Path, mutant: object) -> None:
         def close(self) -> None:
             closed.append(self)
 
-    def counted(config: CacheConfig) -> RefCache:
-        return Counted(config)
-
-    counted.capabilities = RefCache.capabilities  # type: ignore[attr-defined]
-    cert = certify(
-        "x",
-        factory=counted,
-        examples=40,
-        steps=20,
-        page_sizes=[1],
-        policies=["lru"],
-        write_policies=[],
-        prefetch_policies=[],
-        out_dir=tmp_path,
-    )
+    cert = _one_cell(Counted, tmp_path, examples=40, steps=20)
     assert cert.passed == (mutant is None)
     assert len(built) > 40 and len(closed) == len(built) and len({id(b) for b in closed}) == len(built)

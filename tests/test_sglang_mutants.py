@@ -57,6 +57,14 @@ def insert_ignores_namespace(orig: Callable[..., Any]) -> Callable[..., Any]:
     return patched
 
 
+def _assert_caught(cert: Any, name: str, expected: str) -> None:
+    """The patched engine failed a cell, broke the expected rule, and the saved trace replays."""
+    failing = [c for c in cert.cells if not c.passed]
+    assert failing, f"SGLang with {name} was certified"
+    assert expected in (failing[0].failure or ""), failing[0].failure
+    assert failing[0].reproduced
+
+
 CASES: dict[str, tuple[list[str], Callable[[Callable[..., Any]], Callable[..., Any]], int, str]] = {
     "split_drops_lock": (["_split_node"], split_drops_lock, 1, "INV-LOCK"),
     "lock_skips_self": (["inc_lock_ref", "dec_lock_ref"], lock_skips_self, 1, "INV-LOCK-2"),
@@ -78,10 +86,7 @@ def test_patched_sglang_is_not_certified(name: str, monkeypatch: pytest.MonkeyPa
         policies=["lru"],
         out_dir=tmp_path,
     )
-    failing = [c for c in cert.cells if not c.passed]
-    assert failing, f"SGLang with {name} was certified"
-    assert expected in (failing[0].failure or ""), failing[0].failure
-    assert failing[0].reproduced
+    _assert_caught(cert, name, expected)
 
 
 # --------------------------------------------------------------------------- HiCache: KV bytes (SPEC.md §9.12)
@@ -130,7 +135,4 @@ def test_patched_hicache_copies_are_caught_by_the_bytes(
         device_cells=False,
         out_dir=tmp_path,
     )
-    failing = [c for c in cert.cells if not c.passed]
-    assert failing, f"HiCache with {name} was certified"
-    assert expected in (failing[0].failure or ""), failing[0].failure
-    assert failing[0].reproduced
+    _assert_caught(cert, name, expected)
