@@ -245,6 +245,7 @@ def selftest_cmd(
 def same_cmd(
     first: Path = typer.Argument(..., exists=True, readable=True, help="a certificate written by certify --json"),
     second: Path = typer.Argument(..., exists=True, readable=True),
+    common: bool = typer.Option(False, "--common", help="compare only the cells both certificates ran"),
 ) -> None:
     """Whether two certificates are the same run: cell by cell, the digest of every op executed (exit 1 if not).
 
@@ -255,7 +256,8 @@ def same_cmd(
         body = json.loads(path.read_text())
         cells.append({(c["page_size"], c["policy"], c["write_policy"]): c for c in body["cells"]})
     differ = 0
-    for key in sorted(set(cells[0]) | set(cells[1])):
+    keys = set(cells[0]) & set(cells[1]) if common else set(cells[0]) | set(cells[1])
+    for key in sorted(keys):
         a, b = cells[0].get(key), cells[1].get(key)
         where = f"page_size={key[0]} policy={key[1]} {key[2] or 'device-only'}"
         if a is None or b is None:
