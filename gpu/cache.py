@@ -1612,8 +1612,8 @@ class GpuCache:
         start = len(path)
         if self.storage is None or key[:start] != path or len(key) <= start:
             return 0
-        if anchor is not self.root and anchor.ns != namespace:
-            return 0
+        if anchor is not self.root and (anchor.ns != namespace or anchor.host_slots is None):
+            return 0  # D18: an anchor that lost its backup since its match asks storage nothing
         keys = l3.page_keys(namespace, key, self.page_size, self.digest)[start // self.page_size :]
         try:
             hit = self.storage.batch_exists(keys)

@@ -1061,6 +1061,8 @@ class RefCache:
             return 0
         if anchor is not self.root and anchor.namespace != namespace:
             return 0
+        if anchor is not self.root and anchor.host_slots is None:
+            return 0  # D18: it lost its backup since its match (§9.4's reclaim); no storage call
         keys = l3.page_keys(namespace, key, self.page_size, self.digest)[start // self.page_size :]
         try:
             hit = self.storage.batch_exists(keys)

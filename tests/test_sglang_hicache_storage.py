@@ -351,7 +351,9 @@ def test_storage_cells_are_certified(name: str, tmp_path: Path) -> None:
     assert not failures, "\n".join(failures)
     wps = ("write_through", "write_through_selective", "write_back")
     pfs = ("best_effort", "wait_complete", "timeout")
-    assert {(c.page_size, c.write_policy) for c in cert.cells} == {(p, f"{w}+{f}") for p in (1, 4) for w in wps for f in pfs}
+    assert {(c.page_size, c.write_policy) for c in cert.cells} == {
+        (p, f"{w}+{f}") for p in (1, 4) for w in wps for f in pfs
+    }
     assert all(c.steps > 0 for c in cert.cells)
 
 
@@ -395,3 +397,33 @@ def test_d17_a_retraction_backup_reclaims_its_whole_size(factory: Any, monkeypat
     with pytest.raises(ConformanceFailure) as failure:
         run_trace(factory(trace.config), trace.config, factory.capabilities, list(trace.ops))
     assert "INV-TREE-4" in {v.inv for v in failure.value.violations}
+
+
+D18 = Path(__file__).parent / "traces" / "d18-prefetch-gate-at-prefetch-time.json"
+
+
+@pytest.mark.parametrize("factory", [factory_storage, factory_rust_storage], ids=["python", "rust"])
+def test_d18_the_prefetch_gate_holds_when_the_prefetch_is_made(factory: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Calibration D18: a deferred prefetch whose anchor lost its backup since its match asks storage nothing
+    (SGLang's scheduler gates on `is_backuped` when it prefetches). A model that prefetches anyway fails."""
+    from kvcert.conformance.driver import ConformanceFailure
+    from kvcert.refimpl import cache as refcache
+    from kvcert.spec.ops import Trace
+
+    trace = Trace.from_json(D18.read_text())
+    run_trace(factory(trace.config), trace.config, factory.capabilities, list(trace.ops))
+    run_trace(refcache.RefCache(trace.config), trace.config, refcache.RefCache.capabilities, list(trace.ops))
+
+    def ungated(self: Any, node_id: int, namespace: Any, tokens: Any) -> int:
+        anchor = self._live(node_id)
+        kept, anchor.host_slots = anchor.host_slots, anchor.host_slots or ()  # looks backed up to the gate
+        try:
+            return gated(self, node_id, namespace, tokens)
+        finally:
+            anchor.host_slots = kept
+
+    gated = refcache.RefCache.prefetch
+    monkeypatch.setattr(refcache.RefCache, "prefetch", ungated)
+    with pytest.raises(ConformanceFailure) as failure:
+        run_trace(factory(trace.config), trace.config, factory.capabilities, list(trace.ops))
+    assert "INV-PF-2" in {v.inv for v in failure.value.violations}
