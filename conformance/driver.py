@@ -888,14 +888,19 @@ class Harness:
             need = {spec[n.id] for n in want.nodes}
             if have != need:
 
-                def ends(paths: Any) -> list[str]:  # where each node ends: its length, and its namespace if any
-                    return sorted(f"{len(p[1])}" + (f" in {p[0]!r}" if p[0] is not None else "") for p in paths if p)
+                def ends(paths: Any) -> str:  # each node as its path's last tokens @ its length, with its namespace
+                    names = sorted(
+                        (len(p[1]), f"{p[1][-4:]}@{len(p[1])}" + (f" in {p[0]!r}" if p[0] is not None else ""))
+                        for p in paths
+                        if p
+                    )
+                    return "[" + ", ".join(n for _, n in names) + "]"
 
                 return [
                     Violation(
                         "INV-COPY-1",
-                        f"pending {got.kind} copy {got.id} moves nodes ending at {ends(have)} tokens; the spec's "
-                        f"moves {ends(need)} (missing {ends(need - have)}, extra {ends(have - need)})",
+                        f"pending {got.kind} copy {got.id} moves the nodes {ends(have)}; the spec's moves "
+                        f"{ends(need)} (missing {ends(need - have)}, extra {ends(have - need)})",
                     )
                 ]
         return []
