@@ -251,12 +251,20 @@ def same_cmd(
 
     Two machines, installs or processes that certified the same target at the same seed and budget
     must print "same run" for every cell (SPEC.md §3)."""
-    cells = []
+    cells, runs = [], []
     for path in (first, second):
         body = json.loads(path.read_text())
         cells.append({(c["page_size"], c["policy"], c["write_policy"]): c for c in body["cells"]})
+        runs.append({k: body.get(k) for k in ("target", "seed", "examples", "steps")})
     differ = 0
+    for k in runs[0]:
+        if runs[0][k] != runs[1][k]:  # another target, seed or budget is another run, whatever the digests
+            console.print(f"  [red]DIFFERENT {k}[/]  {runs[0][k]} vs {runs[1][k]}")
+            differ += 1
     keys = set(cells[0]) & set(cells[1]) if common else set(cells[0]) | set(cells[1])
+    if not keys:
+        console.print("[red]no cell in common[/]: nothing was compared")
+        raise typer.Exit(1)
     for key in sorted(keys):
         a, b = cells[0].get(key), cells[1].get(key)
         where = f"page_size={key[0]} policy={key[1]} {key[2] or 'device-only'}"

@@ -20,6 +20,16 @@ def _tier(cell: dict) -> str:
     return ("storage " if "+" in wp else "host ") + wp
 
 
+def _gap(line: str) -> str:
+    """`storage tier (SPEC.md §10: …): not declared by the backend` -> `storage tier (not declared)`."""
+    what, _, why = line.partition(": ")
+    what = what.split(" (")[0]
+    for reason in ("not declared", "declared, but no step of this run exercised it", "not run"):
+        if reason in line:
+            return f"{what} ({'unexercised' if reason.startswith('declared') else reason})"
+    return what
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("certificates", nargs="+", type=Path)
@@ -47,10 +57,10 @@ def main() -> None:
         passed = sum(c["passed"] for c in cells)
         seconds = sum(c["seconds"] for c in cells)
         verdict = "CERTIFIED" if cert["passed"] else f"**{len(cells) - passed} FAIL**"
-        gaps = len(cert.get("not_checked", []))
+        gaps = "; ".join(_gap(line) for line in cert.get("not_checked", [])) or "—"
         print(
             f"| `{target}` | {len(cells)} | {verdict} | {cert['examples']:,} | {cert['total_steps']:,} "
-            f"| {seconds / 60:,.0f} min | {cert['steps_per_second']:,.0f} | {gaps} lines |"
+            f"| {seconds / 60:,.0f} min | {cert['steps_per_second']:,.0f} | {gaps} |"
         )
 
 

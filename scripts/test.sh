@@ -15,4 +15,6 @@ echo "== crosshair (spec contracts)"
 PYTHON="$V/python" scripts/crosshair.sh
 PYTHON="$V/python" scripts/crosshair.sh spec/storage.py
 echo "== pytest"
-"$V/pytest" -q "$@"
+# Two workers, one test file each at a time (module fixtures are built once); the zoo's own pool runs
+# inside its worker. KVCERT_TEST_JOBS=0 runs in one process.
+"$V/pytest" -q -n "${KVCERT_TEST_JOBS:-2}" --dist loadfile "$@"

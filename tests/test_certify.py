@@ -269,6 +269,15 @@ def test_certificates_of_the_same_run_are_the_same(tmp_path: Path) -> None:
     paths[1].write_text(json.dumps(body))
     res = CliRunner().invoke(app, ["same", str(paths[0]), str(paths[1])])
     assert res.exit_code == 1 and "DIFFERENT" in res.output
+    body["cells"][0]["page_size"] = 4  # no cell in common: nothing compared is no "same run"
+    paths[1].write_text(json.dumps(body))
+    res = CliRunner().invoke(app, ["same", "--common", str(paths[0]), str(paths[1])])
+    assert res.exit_code == 1 and "no cell in common" in res.output
+    body["cells"][0]["page_size"], body["examples"] = 1, 5  # another budget is another run
+    body["cells"][0]["digest"] = json.loads(paths[0].read_text())["cells"][0]["digest"]
+    paths[1].write_text(json.dumps(body))
+    res = CliRunner().invoke(app, ["same", str(paths[0]), str(paths[1])])
+    assert res.exit_code == 1 and "DIFFERENT examples" in res.output, res.output
 
 
 def test_the_shrinker_renumbers_every_op_that_names_a_handle() -> None:
