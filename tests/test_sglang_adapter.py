@@ -219,3 +219,30 @@ def test_short_certification_passes(page_size: int, tmp_path) -> None:
     )
     assert {c.policy for c in cert.cells} == set(factory.capabilities.policies)
     assert cert.passed, [c.failure for c in cert.cells if not c.passed]
+
+
+def test_ordered_set_is_a_set_in_insertion_order() -> None:
+    """The set SGLang's leaf sets are replaced with: a set's answers, insertion order, any process."""
+    from kvcert.conformance.adapters._sglang_env import OrderedSet
+
+    s = OrderedSet([3, 1])
+    s.add(2)
+    s.add(1)  # already there: its place stays
+    assert list(s) == [3, 1, 2] and len(s) == 3 and 2 in s and 5 not in s
+    s.remove(3)
+    with pytest.raises(KeyError):
+        s.remove(3)
+    s.discard(3)  # absent: nothing
+    s.discard(1)
+    assert list(s) == [2] and s == {2} and {2} == s and s != {1}
+    s.add(7)
+    assert s - {7} == {2} and {2, 9} - s == {9} and s & {7, 8} == {7} and {7, 8} & s == {7}
+    assert s | {1} == {1, 2, 7} and s <= {1, 2, 7} and s >= {2}
+    c = s.copy()
+    c.add(4)
+    assert isinstance(c, OrderedSet) and list(c) == [2, 7, 4] and list(s) == [2, 7]
+    for x in s:  # iterating walks a copy: the loop may drop what it visits
+        s.discard(x)
+    assert not s and s == set()
+    s.clear()
+    assert repr(OrderedSet([1])) == "OrderedSet([1])"
