@@ -2,6 +2,7 @@
 
     python scripts/cert_table.py kvcert-long/*.json            # one row per certificate
     python scripts/cert_table.py --cells kvcert-long/x.json    # one row per cell
+    python scripts/cert_table.py --cells kvcert-long/x.log     # the cells a run printed before it was stopped
 
 Figures in docs come from this output, pasted with the command beside them, never typed.
 """
@@ -10,7 +11,35 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from pathlib import Path
+
+# One line of `kvcert certify`'s output per finished cell.
+CELL_LINE = re.compile(
+    r"page_size=(\d+)\s+policy=(\w+)\s+(\S+)\s+(PASS|FAIL)\s+(\d+) examples, (\d+) steps, ([\d,]+) steps/s"
+)
+
+
+def _cells_of_log(path: Path) -> dict:
+    """A certificate's cells as far as a (possibly interrupted) run's printed lines say: no digests."""
+    cells = []
+    for m in CELL_LINE.finditer(path.read_text()):
+        ps, policy, tier, verdict, examples, steps, rate = m.groups()
+        wp = tier.removeprefix("host=") if tier.startswith("host=") else ""
+        seconds = int(steps) / max(int(rate.replace(",", "")), 1)
+        cells.append(
+            dict(
+                page_size=int(ps),
+                policy=policy,
+                write_policy=wp,
+                passed=verdict == "PASS",
+                examples=int(examples),
+                steps=int(steps),
+                seconds=seconds,
+                digest="(log)",
+            )
+        )
+    return {"target": path.stem, "cells": cells}
 
 
 def _tier(cell: dict) -> str:
@@ -42,7 +71,9 @@ def main() -> None:
         print("| target | cells | verdict | examples/cell | steps | time | steps/s | not checked |")
         print("|---|---|---|---|---|---|---|---|")
     for path in args.certificates:
-        cert = json.loads(path.read_text())
+        cert = _cells_of_log(path) if path.suffix == ".log" else json.loads(path.read_text())
+        if path.suffix == ".log" and not args.cells:
+            raise SystemExit(f"{path}: a run's log has cells, not a certificate: use --cells")
         target = cert["target"].split(".")[-1]
         if args.cells:
             for c in cert["cells"]:
