@@ -405,6 +405,16 @@ class Harness:
         except KVCertError as err:
             return err
 
+    def _snapshot(self, index: int, op: Op) -> Snapshot:
+        """The backend's snapshot; an exception reading it (the backend's or its adapter's) fails the step with
+        the trace so far, as a crash in an operation does, instead of ending the run with no trace."""
+        try:
+            return self.backend.snapshot()
+        except Exception as err:
+            raise ConformanceFailure(
+                index, op, [Violation("INV-ERR-3", f"snapshot raised untyped {type(err).__name__}: {err}")]
+            ) from err
+
     def step(self, op: Op) -> Outcome:
         """Apply `op` to the backend, then to the oracle steered to the backend's legal choices; check."""
         index = len(self.ops)
@@ -412,7 +422,7 @@ class Harness:
         self.clock += 1
         self.backend.set_clock(self.clock)
         self.oracle.set_clock(self.clock)
-        before = self.backend.snapshot()
+        before = self._snapshot(index, op)
         self._step_violations, self._made_kv, self._planned = [], None, None
         if isinstance(op, (StorageFault, Publish)):  # storage-side events: no cache call
             if self.storages:
@@ -425,7 +435,7 @@ class Harness:
             raise ConformanceFailure(
                 index, op, [Violation("INV-ERR-3", f"raised untyped {type(err).__name__}: {err}")]
             ) from err
-        after = self.backend.snapshot()
+        after = self._snapshot(index, op)
         violations: list[Violation] = []
         # Where the spec leaves the backend a choice the snapshots cannot show, try the oracle once per
         # candidate choice until it reaches the backend's state: write-back's reclaim order, and whether

@@ -39,7 +39,7 @@ def _cells_of_log(path: Path) -> dict:
                 digest="(log)",
             )
         )
-    return {"target": path.stem, "cells": cells}
+    return {"target": path.name.split(".")[0], "cells": cells}
 
 
 def _tier(cell: dict) -> str:

@@ -353,3 +353,21 @@ def test_every_backend_built_is_closed(tmp_path: Path, mutant: object) -> None:
     cert = _one_cell(Counted, tmp_path, examples=40, steps=20)
     assert cert.passed == (mutant is None)
     assert len(built) > 40 and len(closed) == len(built) and len({id(b) for b in closed}) == len(built)
+
+
+def test_a_snapshot_that_raises_fails_its_cell_with_a_trace(tmp_path: Path) -> None:
+    """An adapter that cannot read its cache's state fails the step, shrunk and saved like any failure;
+    it does not end the whole run without a trace (a ten-times SGLang run lost an hour that way)."""
+
+    class Blind(RefCache):
+        def snapshot(self):  # type: ignore[no-untyped-def]
+            snap = super().snapshot()
+            if len(snap.nodes) > 2:
+                raise AssertionError("cannot name a node")
+            return snap
+
+    cert = _one_cell(Blind, tmp_path, examples=20, steps=10)
+    (cell,) = cert.cells
+    assert not cell.passed and cell.reproduced
+    assert cell.failure is not None and "INV-ERR-3" in cell.failure and "snapshot raised" in cell.failure
+    assert cell.trace_path and Path(cell.trace_path).exists() and (cell.trace_len or 0) <= 3

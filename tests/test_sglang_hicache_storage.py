@@ -427,3 +427,18 @@ def test_d18_the_prefetch_gate_holds_when_the_prefetch_is_made(factory: Any, mon
     with pytest.raises(ConformanceFailure) as failure:
         run_trace(factory(trace.config), trace.config, factory.capabilities, list(trace.ops))
     assert "INV-PF-2" in {v.inv for v in failure.value.violations}
+
+
+FROM_STORAGE = Path(__file__).parent / "traces" / "rust-core-key-of-a-node-from-storage.json"
+
+
+@pytest.mark.parametrize("factory", [factory_storage, factory_rust_storage], ids=["python", "rust"])
+def test_the_tokens_of_a_node_that_came_from_storage_are_known(factory: Any) -> None:
+    """Found by the ten-times `factory_rust_storage` run (an adapter bug, not SGLang's): prefetched pages,
+    loaded back, host copy reclaimed by the next prefetch (write_back), then split by a match. No Insert
+    names that node's tokens; the Rust-core reader (which sees spans, not tokens) learns them from the
+    path it saw the node's lower half on. Before, its snapshot raised and ended the run."""
+    from kvcert.spec.ops import Trace
+
+    trace = Trace.from_json(FROM_STORAGE.read_text())
+    run_trace(factory(trace.config), trace.config, factory.capabilities, list(trace.ops))

@@ -834,7 +834,10 @@ class SGLangHiCache:
             assert len(own) == end - start, (nid, own, start, end)
             self._paths[nid] = (ns, prefix + own)
             return own
-        for cand in sorted({k[start:end] for k in self._inserted.get(ns, ()) if len(k) >= end and k[:start] == prefix}):
+        # Its path is a prefix of a key the trace inserted, or of a path learned before: a node split off the
+        # top of a node that came from storage (a prefetch; no Insert names its tokens) and lost its host copy.
+        known_keys = self._inserted.get(ns, set()) | {p for pns, p in self._paths.values() if pns == ns}
+        for cand in sorted({k[start:end] for k in known_keys if len(k) >= end and k[:start] == prefix}):
             path = prefix + cand
             matched, node, _ = self.cache.tree_core.match_full_device_prefix(self._key(ns, path))
             if int(matched) == end and int(node) == nid:
