@@ -1,4 +1,4 @@
-"""What `bench meta`'s determinism shims cost SGLang's `RadixCache`, measured side by side.
+"""What `bench meta`'s shims and clock cost, measured side by side: SGLang's `RadixCache`, and `kvcert.gpu`.
 
     KVCERT_SGLANG=1 .venv/bin/python scripts/bench_shims.py [--requests 10000] [--rounds 2]
 
@@ -9,12 +9,17 @@ every request alike. Both are Python-level calls in SGLang's hot path, so they s
 every ratio in docs/bench.md divides by. This replays the bench's trace on the shimmed driver and
 on SGLang as it ships (builtin set, wall clock), alternating, in one process, and prints calls/s
 of each and their ratio: the bias the shims put into kvcert's ratios.
+
+Then the same for `kvcert.gpu`'s tensor API with the bench's logical clock (every call at its own
+time, as now) against its clock left at 0 (as `bench meta` did before: every node stamped 0, so
+no touch reorders its eviction heaps): what a real clock costs kvcert.gpu.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+from functools import partial
 from typing import Any
 
 from kvcert.conformance import bench
@@ -36,6 +41,31 @@ class _AsShipped(bench.SGLangRadixDriver):
         return contextlib.nullcontext()
 
 
+class _FrozenClock(bench.GpuNativeDriver):
+    """kvcert.gpu's tensor API with its clock never set (0 throughout)."""
+
+    def tick(self, now: int) -> None:
+        pass
+
+
+def _gpu(ps: int, capacity: int, frozen: bool) -> bench.Driver:
+    from kvcert import gpu
+    from kvcert.spec.types import CacheConfig
+
+    cls = _FrozenClock if frozen else bench.GpuNativeDriver
+    return cls("kvcert.gpu", gpu.factory(CacheConfig(page_size=ps, capacity=capacity)))
+
+
+def _side_by_side(ps: int, trace: list[bench.Request], capacity: int, rounds: int, makers: dict) -> dict:
+    rates: dict[str, list[float]] = {k: [] for k in makers}
+    for _ in range(rounds):  # alternate, so drift on a shared machine falls on both alike
+        for key, make in makers.items():
+            res = bench.replay(make(), trace, budget=1e9)
+            assert not res.error, res.error
+            rates[key].append(res.total_rate or 0.0)
+    return {k: sum(v) / len(v) for k, v in rates.items()}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--requests", type=int, default=10_000)
@@ -43,18 +73,35 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--page-size", type=int, action="append", default=None)
     args = ap.parse_args()
-    print("| page size | shimmed (bench meta) calls/s | as shipped calls/s | shimmed / as shipped |")
+    sizes = args.page_size or [1, 64]
+    traces = {
+        ps: bench.make_trace(bench.TraceSpec(page_size=ps, pages=args.pages, requests=args.requests)) for ps in sizes
+    }
+    print("| page size | SGLang RadixCache shimmed (bench meta) calls/s | as shipped calls/s | shimmed / as shipped |")
     print("|---|---|---|---|")
-    for ps in args.page_size or [1, 64]:
-        trace = bench.make_trace(bench.TraceSpec(page_size=ps, pages=args.pages, requests=args.requests))
-        rates: dict[str, list[float]] = {"shim": [], "ship": []}
-        for _ in range(args.rounds):  # alternate, so drift on a shared machine falls on both alike
-            for key, make in (("shim", bench.SGLangRadixDriver), ("ship", _AsShipped)):
-                res = bench.replay(make(ps, args.pages * ps), trace, budget=1e9)
-                assert not res.error, res.error
-                rates[key].append(res.total_rate or 0.0)
-        shim, ship = (sum(v) / len(v) for v in (rates["shim"], rates["ship"]))
-        print(f"| {ps} | {shim:,.0f} | {ship:,.0f} | {shim / ship:.3f} |")
+    for ps in sizes:
+        cap = args.pages * ps
+        r = _side_by_side(
+            ps,
+            traces[ps],
+            cap,
+            args.rounds,
+            {"shim": partial(bench.SGLangRadixDriver, ps, cap), "ship": partial(_AsShipped, ps, cap)},
+        )
+        print(f"| {ps} | {r['shim']:,.0f} | {r['ship']:,.0f} | {r['shim'] / r['ship']:.3f} |")
+    print()
+    print("| page size | kvcert.gpu, logical clock (bench meta) calls/s | clock at 0 calls/s | logical / at 0 |")
+    print("|---|---|---|---|")
+    for ps in sizes:
+        cap = args.pages * ps
+        r = _side_by_side(
+            ps,
+            traces[ps],
+            cap,
+            args.rounds,
+            {"tick": partial(_gpu, ps, cap, False), "zero": partial(_gpu, ps, cap, True)},
+        )
+        print(f"| {ps} | {r['tick']:,.0f} | {r['zero']:,.0f} | {r['tick'] / r['zero']:.3f} |")
 
 
 if __name__ == "__main__":
