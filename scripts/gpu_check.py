@@ -499,9 +499,11 @@ def run_bandwidth(ctx: Ctx) -> dict[str, Any]:
                         total, _ = _timed(ctx, once, reps)
                         submit = statistics.median(submit_times)
                         engine.close()
-                    row["gbps"] = round(n / total / 1e9, 3)
-                    row["plain_gbps"] = round(n / plain[direction] / 1e9, 3)
-                    row["ratio"] = round(plain[direction] / total, 3)
+                    # four significant figures, not three decimals: a 512-byte copy on a loaded CPU is
+                    # well under 0.001 GB/s, and rounding it to 0 would read as "nothing moved"
+                    row["gbps"] = float(f"{n / total / 1e9:.4g}")
+                    row["plain_gbps"] = float(f"{n / plain[direction] / 1e9:.4g}")
+                    row["ratio"] = float(f"{plain[direction] / total:.4g}")
                     row["submit_ms"] = round(submit * 1e3, 3)
                     row["ms"] = round(total * 1e3, 3)
                 except Exception as err:
