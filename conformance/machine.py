@@ -4,9 +4,8 @@ Every rule only chooses an `Op`; `Harness.step` runs and checks it. The machine
 remembers the last harness it built, so after Hypothesis has shrunk a failure and
 re-run the minimal example, `last_trace()` is that minimal trace.
 
-Token ids are drawn from a few *page patterns* so sequences share prefixes
-often, and one pattern differs from another only in its last token, so matches
-diverge inside a page as well as at page boundaries.
+Rules decide from the harness's queries (`conformance.queries`: positions a trace can name, a
+few counts), never from the oracle's private state, and draw through `conformance.draws`.
 """
 
 from __future__ import annotations
@@ -20,6 +19,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition,
 
 from kvcert.conformance.backend import Factory
 from kvcert.conformance.determinism import StepDigest
+from kvcert.conformance.draws import MORE_ON_INSERT, MORE_ON_MATCH, PAGES, Draws, cut_of, draws, tokens_of
 from kvcert.conformance.driver import Harness
 from kvcert.spec.ops import (
     AbortPrefetch,
@@ -68,25 +68,10 @@ SWARM_RULES = (
 )
 """Rules a storage run may switch off (swarm testing): with fewer kinds of step, each run goes
 deeper into the ones it keeps (Groce et al., "Swarm Testing", ISSTA 2012)."""
-MAX_PAGES = 5
 SESSIONS = ("a", "b", "c", "d")
 """Session ids a priority run registers (SPEC.md §11): few, so they share paths and re-register."""
 SCOPES = ((True, True), (True, False), (False, False))
 """Eviction scopes (allow_low, allow_high): a high-priority requester's, a low one's, the UNUSED tier only."""
-
-
-def page_tokens(code: int, page_size: int) -> tuple[int, ...]:
-    """Page pattern `code`: 0..2 are runs of one token; 3 is page 0 with its last token changed."""
-    if code < 3:
-        return (code,) * page_size
-    return (0,) * (page_size - 1) + (1,)
-
-
-def tokens_of(codes: list[int], page_size: int, tail: int = 0) -> tuple[int, ...]:
-    out: tuple[int, ...] = ()
-    for c in codes:
-        out += page_tokens(c, page_size)
-    return out + (2,) * tail
 
 
 @dataclass
@@ -165,8 +150,8 @@ class CacheMachine(RuleBasedStateMachine):
         elif isinstance(op, (Prefetch, LoadBack)) and isinstance(got, int) and got > 0:
             stats.ops[f"{name}>0"] += 1
 
-    @initialize(data=st.data())
-    def start(self, data: st.DataObject) -> None:
+    @initialize(data=draws())
+    def start(self, data: Draws) -> None:
         """Pick this run's fault kinds, and whether it uses the priority rules: a few kinds often beat all
         kinds always (swarm testing), and most runs keep every step for the tiers below §11."""
         if self.capabilities.priority_refs:
@@ -184,7 +169,7 @@ class CacheMachine(RuleBasedStateMachine):
 
     # ----------------------------------------------------------------- valid traffic
 
-    def draw_key(self, data: st.DataObject, remember: bool) -> tuple[Optional[str], list[int]]:
+    def draw_key(self, data: Draws, remember: bool) -> tuple[Optional[str], list[int]]:
         """(namespace, page codes): often a cut of an inserted key plus a little, so prefixes recur.
 
         Inserts (`remember`) reuse half the time and usually add pages, so they make new nodes and
@@ -194,13 +179,11 @@ class CacheMachine(RuleBasedStateMachine):
         reuse = data.draw(st.integers(0, 1 if remember else 3), label="reuse unless 0")
         if self.seen and reuse:
             ns, base = data.draw(st.sampled_from(self.seen), label="earlier key")
-            cut = data.draw(st.one_of(st.just(len(base)), st.integers(0, len(base))), label="cut")
-            tail = st.lists(st.integers(0, 3), min_size=1, max_size=2)
-            more = st.one_of(tail, st.just([])) if remember else st.one_of(st.just([]), tail)
-            codes = base[:cut] + data.draw(more, label="extension")
+            cut = data.draw(cut_of(len(base)), label="cut")
+            codes = base[:cut] + data.draw(MORE_ON_INSERT if remember else MORE_ON_MATCH, label="extension")
         else:
             ns = data.draw(st.sampled_from(self.namespaces), label="namespace")
-            codes = data.draw(st.lists(st.integers(0, 3), max_size=MAX_PAGES), label="pages")
+            codes = data.draw(PAGES, label="pages")
         codes = codes[: self.config.capacity // self.config.page_size]  # longer never fits: a wasted step
         if remember and codes and (ns, codes) not in self.seen:
             self.seen.append((ns, codes))
@@ -208,8 +191,8 @@ class CacheMachine(RuleBasedStateMachine):
 
     # Hypothesis orders rules by argument count, then name, and its simplest draw is the first
     # rule: `insert` takes one argument so that the simplest trace builds a tree.
-    @rule(data=st.data())
-    def insert(self, data: st.DataObject) -> None:
+    @rule(data=draws())
+    def insert(self, data: Draws) -> None:
         """A request finishes and caches its key; with a host tier the scheduler often makes room first.
 
         Without that, most inserts into a 6-page device meet a pool full of KV locked by pending
@@ -218,40 +201,40 @@ class CacheMachine(RuleBasedStateMachine):
         priority = data.draw(st.integers(0, 2), label="priority")
         ns, codes = self.draw_key(data, remember=True)
         tokens = tokens_of(codes, self.config.page_size)
-        if self.host() and len(tokens) > len(self.h.oracle.pool.free_list):
+        if self.host() and len(tokens) > self.h.free_tokens():
             if data.draw(st.booleans(), label="make room"):
                 self.make_room(len(tokens))
         self.do(Insert(ns, tokens, priority))
 
     def make_room(self, tokens: int) -> None:
         """The scheduler waits for the oldest copies while locked KV fills the device, then evicts."""
-        oracle = self.h.oracle
-        while oracle.evictable_size + len(oracle.pool.free_list) < tokens and self.h.open_copies():
-            self.do(Complete(self.h.open_copies()[0]))
+        h = self.h
+        while h.evictable_tokens() + h.free_tokens() < tokens and h.open_copies():
+            self.do(Complete(h.open_copies()[0]))
             self.do(Poll())
-        short = tokens - len(oracle.pool.free_list)
+        short = tokens - h.free_tokens()
         if short > 0:
             self.do(Evict(short))
 
-    @rule(data=st.data())
-    def match(self, data: st.DataObject) -> None:
+    @rule(data=draws())
+    def match(self, data: Draws) -> None:
         ns, codes = self.draw_key(data, remember=False)
         tail = data.draw(st.integers(0, self.config.page_size - 1), label="unaligned tail")
         self.do(Match(ns, tokens_of(codes, self.config.page_size, tail)))
 
     @precondition(lambda self: self.on("lock") and bool(self.h.live_handles()))
-    @rule(data=st.data())
-    def lock(self, data: st.DataObject) -> None:
+    @rule(data=draws())
+    def lock(self, data: Draws) -> None:
         self.do(Lock(data.draw(st.sampled_from(self.h.live_handles()), label="handle")))
 
     @precondition(lambda self: bool(self.h.locked_handles()))
-    @rule(data=st.data())
-    def unlock(self, data: st.DataObject) -> None:
+    @rule(data=draws())
+    def unlock(self, data: Draws) -> None:
         self.do(Unlock(data.draw(st.sampled_from(self.h.locked_handles()), label="handle")))
 
     @precondition(lambda self: self.on("evict"))
-    @rule(data=st.data(), small=st.booleans())
-    def evict(self, data: st.DataObject, small: bool) -> None:
+    @rule(data=draws(), small=st.booleans())
+    def evict(self, data: Draws, small: bool) -> None:
         high = 2 * self.config.page_size if small else self.config.capacity
         n = data.draw(st.integers(1 if small else 0, high), label="tokens")
         scope = data.draw(st.sampled_from(SCOPES), label="scope") if self.priority() else (True, True)
@@ -263,15 +246,14 @@ class CacheMachine(RuleBasedStateMachine):
         return self.capabilities.priority_refs and self.sessions_on
 
     @precondition(lambda self: self.priority() and bool(self.h.live_handles()))
-    @rule(data=st.data(), action=st.sampled_from(["register", "register", "fork", "update", "release"]))
-    def session(self, data: st.DataObject, action: str) -> None:
+    @rule(data=draws(), action=st.sampled_from(["register", "register", "fork", "update", "release"]))
+    def session(self, data: Draws, action: str) -> None:
         """A conversation's turn ends and it holds its path (again), forks (a rollout group sharing its
         prefix: a second session on the same node), changes priority, or ends."""
-        registered = list(self.h.oracle.sessions)
+        registered = self.h.sessions()
         priority = data.draw(st.integers(0, 2), label="priority")
         if action == "fork" and registered:
-            node = self.h.oracle.sessions[data.draw(st.sampled_from(registered), label="forked")].node.id
-            same = [k for k in self.h.live_handles() if self.h.handles[k][1] == node]
+            same = self.h.session_handles(data.draw(st.sampled_from(registered), label="forked"))
             if same:
                 name = data.draw(st.sampled_from(SESSIONS), label="session")
                 self.do(RegisterRef(name, same[0], priority))
@@ -282,18 +264,17 @@ class CacheMachine(RuleBasedStateMachine):
         elif action == "update":
             self.do(UpdateRef(data.draw(st.sampled_from(registered), label="session"), priority))
         else:
-            sessions = self.h.oracle.sessions
-            high = [k for k in registered if self.h.oracle._is_high(sessions[k])]
-            if high and any(x.demoted for x in sessions.values()) and data.draw(st.booleans(), label="high ends"):
+            high = self.h.high_sessions()
+            if high and self.h.any_demoted() and data.draw(st.booleans(), label="high ends"):
                 registered = high  # a high-priority session ending is what gives a demoted one back its tier
             self.do(ReleaseRef(data.draw(st.sampled_from(registered), label="session")))
 
     @precondition(lambda self: self.priority())
-    @rule(data=st.data(), profiled=st.booleans())
-    def admit(self, data: st.DataObject, profiled: bool) -> None:
+    @rule(data=draws(), profiled=st.booleans())
+    def admit(self, data: Draws, profiled: bool) -> None:
         """A request asks for room while others decode: plan (evict, retract, fewer layers), then apply it."""
         ps = self.config.page_size
-        free = len(self.h.oracle.pool.free_list) // ps
+        free = self.h.free_tokens() // ps
         running = []
         for _ in range(data.draw(st.integers(0, 3), label="running requests")):
             pages = data.draw(st.integers(0, min(2, free)), label="pages held")
@@ -315,16 +296,16 @@ class CacheMachine(RuleBasedStateMachine):
         return self.config.host_capacity > 0
 
     @precondition(lambda self: self.host() and bool(self.h.open_copies()))
-    @rule(data=st.data(), oldest=st.booleans())
-    def complete(self, data: st.DataObject, oldest: bool) -> None:
+    @rule(data=draws(), oldest=st.booleans())
+    def complete(self, data: Draws, oldest: bool) -> None:
         """Finish a copy: the oldest one, or a later one, so acks also finish out of order."""
         open_copies = self.h.open_copies()
         later = open_copies[1:] or open_copies
         self.do(Complete(open_copies[0] if oldest else data.draw(st.sampled_from(later), label="copy")))
 
     @precondition(lambda self: self.host())
-    @rule(data=st.data(), settle=st.sampled_from([False, False, False, True]))
-    def poll(self, data: st.DataObject, settle: bool) -> None:
+    @rule(data=draws(), settle=st.sampled_from([False, False, False, True]))
+    def poll(self, data: Draws, settle: bool) -> None:
         """One tick of ack handling; `settle` (one poll in four) first finishes every open copy.
 
         Settling rarely keeps several copies open at once, so acks finish out of order often.
@@ -341,19 +322,19 @@ class CacheMachine(RuleBasedStateMachine):
             self.do(Poll())
 
     @precondition(lambda self: self.host() and self.on("evict_host"))
-    @rule(data=st.data(), small=st.booleans())
-    def evict_host(self, data: st.DataObject, small: bool) -> None:
+    @rule(data=draws(), small=st.booleans())
+    def evict_host(self, data: Draws, small: bool) -> None:
         high = 2 * self.config.page_size if small else self.config.host_capacity
         self.do(EvictHost(data.draw(st.integers(1 if small else 0, high), label="host tokens")))
 
     @precondition(lambda self: self.host() and self.on("load_back") and bool(self.h.host_hits()))
-    @rule(data=st.data())
-    def load_back(self, data: st.DataObject) -> None:
+    @rule(data=draws())
+    def load_back(self, data: Draws) -> None:
         self.do(LoadBack(data.draw(st.sampled_from(self.h.host_hits()), label="match")))
 
     @precondition(lambda self: self.host() and self.on("load_back") and bool(self.seen))
-    @rule(data=st.data(), land=st.booleans())
-    def readmit(self, data: st.DataObject, land: bool) -> None:
+    @rule(data=draws(), land=st.booleans())
+    def readmit(self, data: Draws, land: bool) -> None:
         """An earlier conversation comes back: match its key and, when the host holds the rest, load it back,
         often letting the load land at once (the scheduler's admission of a request with a host hit).
 
@@ -381,7 +362,7 @@ class CacheMachine(RuleBasedStateMachine):
             self.storage()
             and "host_alloc" in self.capabilities.faults
             and self.on("alloc_fault")
-            and not self.h.oracle.armed_faults.get("host_alloc")
+            and not self.h.host_alloc_armed()
         )
     )
     @rule()
@@ -403,8 +384,8 @@ class CacheMachine(RuleBasedStateMachine):
             and bool(self.h.open_copies())
         )
     )
-    @rule(data=st.data())
-    def copy_fault(self, data: st.DataObject) -> None:
+    @rule(data=draws())
+    def copy_fault(self, data: Draws) -> None:
         """The copy engine fails one copy: a write or load is retried (stays pending), a store writes nothing."""
         self.do(InjectFault("copy"))
         self.do(Complete(data.draw(st.sampled_from(self.h.open_copies()), label="failed copy")))
@@ -415,8 +396,8 @@ class CacheMachine(RuleBasedStateMachine):
         return self.storage() and self.capabilities.retraction
 
     @precondition(lambda self: self.retraction() and self.on("retract") and bool(self.h.live_handles()))
-    @rule(data=st.data(), tail=st.integers(1, 2))
-    def retract(self, data: st.DataObject, tail: int) -> None:
+    @rule(data=draws(), tail=st.integers(1, 2))
+    def retract(self, data: Draws, tail: int) -> None:
         """Decode runs out of KV: a running request (its prefix, and `tail` pages it decoded) is retracted to host.
 
         A running request has decoded at least one token (SGLang asserts `seqlen > 1`), so the
@@ -425,21 +406,19 @@ class CacheMachine(RuleBasedStateMachine):
         self.do(Retract(k, tail * self.config.page_size))
 
     @precondition(lambda self: self.retraction() and bool(self.h.open_retractions()))
-    @rule(data=st.data(), resume=st.booleans())
-    def resume(self, data: st.DataObject, resume: bool) -> None:
+    @rule(data=draws(), resume=st.booleans())
+    def resume(self, data: Draws, resume: bool) -> None:
         """A retracted request resumes (after the scheduler evicts for its KV), or is aborted for good."""
         k = data.draw(st.sampled_from(self.h.open_retractions()), label="retraction")
         if not resume:
             self.do(Discard(k))
             return
-        backup = self.h.retractions[k][1]
-        tokens = next(r.tokens for r in self.h.oracle.retractions if r.id == backup)
-        self.make_room(page_ceil(tokens, self.config.page_size))
+        self.make_room(page_ceil(self.h.retraction_tokens(k), self.config.page_size))
         self.do(Restore(k))
 
     @precondition(lambda self: self.storage() and self.on("abort") and bool(self.h.handles))
-    @rule(data=st.data())
-    def abort(self, data: st.DataObject) -> None:
+    @rule(data=draws())
+    def abort(self, data: Draws) -> None:
         """A request is aborted wherever it stands: prefetching, retracted, or holding locks while its
         load-back is still in flight. It gives back everything it holds; its copies finish on their own."""
         k = data.draw(st.sampled_from(sorted(self.h.handles)), label="request")
@@ -457,8 +436,8 @@ class CacheMachine(RuleBasedStateMachine):
         return bool(self.config.prefetch_policy)
 
     @precondition(lambda self: self.storage())
-    @rule(data=st.data(), fresh=st.booleans())
-    def prefetch(self, data: st.DataObject, fresh: bool) -> None:
+    @rule(data=draws(), fresh=st.booleans())
+    def prefetch(self, data: Draws, fresh: bool) -> None:
         """A request prefetches what follows its host hit from storage: a new request (match, then
         prefetch), or one matched earlier that the scheduler deferred until now."""
         earlier = self.h.prefetch_anchors()
@@ -470,7 +449,7 @@ class CacheMachine(RuleBasedStateMachine):
         else:
             self.do(Prefetch(data.draw(st.sampled_from(earlier), label="deferred match")))
 
-    def draw_request(self, data: st.DataObject) -> tuple[Optional[str], list[int]]:
+    def draw_request(self, data: Draws) -> tuple[Optional[str], list[int]]:
         """A request's key: often one a peer published (a warm L3 hit), else as `draw_key` draws.
 
         Without this most prefetches find storage empty: the engine's own pages reach it only
@@ -482,8 +461,8 @@ class CacheMachine(RuleBasedStateMachine):
         return self.draw_key(data, remember=True)
 
     @precondition(lambda self: self.storage())
-    @rule(data=st.data())
-    def request(self, data: st.DataObject) -> None:
+    @rule(data=draws())
+    def request(self, data: Draws) -> None:
         """A whole cold request in one step: match, prefetch, every page arrives, check, then insert."""
         ns, codes = self.draw_request(data)
         tokens = tokens_of(codes, self.config.page_size)
@@ -500,8 +479,8 @@ class CacheMachine(RuleBasedStateMachine):
             self.do(Insert(ns, tokens))
 
     @precondition(lambda self: self.storage() and self.on("publish"))
-    @rule(data=st.data())
-    def publish(self, data: st.DataObject) -> None:
+    @rule(data=draws())
+    def publish(self, data: Draws) -> None:
         """A peer engine sharing the store (a prefill node, say) writes a prefix's pages to L3."""
         ns, codes = self.draw_key(data, remember=True)
         if codes and (ns, codes) not in self.published:
@@ -509,8 +488,8 @@ class CacheMachine(RuleBasedStateMachine):
         self.do(Publish(ns, tokens_of(codes, self.config.page_size)))
 
     @precondition(lambda self: (self.storage() or (self.host() and self.priority())) and self.on("pressure"))
-    @rule(data=st.data())
-    def pressure(self, data: st.DataObject) -> None:
+    @rule(data=draws())
+    def pressure(self, data: Draws) -> None:
         """A load spike empties both memory tiers; only storage keeps the pages (and locks keep theirs).
 
         With priority rules on, host pressure demotes idle high-priority sessions (SPEC.md §11.4), and
@@ -518,15 +497,14 @@ class CacheMachine(RuleBasedStateMachine):
         """
         self.do(Evict(self.config.capacity))
         self.do(EvictHost(self.config.host_capacity))
-        sessions = self.h.oracle.sessions
-        high = [k for k, x in sessions.items() if self.h.oracle._is_high(x)]
-        if self.priority() and high and any(x.demoted for x in sessions.values()):
+        high = self.h.high_sessions()
+        if self.priority() and high and self.h.any_demoted():
             if data.draw(st.booleans(), label="a high session ends"):
                 self.do(ReleaseRef(data.draw(st.sampled_from(high), label="session")))
 
     @precondition(lambda self: self.storage() and bool(self.h.fetchable()))
-    @rule(data=st.data(), pages=st.integers(1, 3))
-    def fetch(self, data: st.DataObject, pages: int) -> None:
+    @rule(data=draws(), pages=st.integers(1, 3))
+    def fetch(self, data: Draws, pages: int) -> None:
         """Storage delivers one or a few pages of one prefetch."""
         k = data.draw(st.sampled_from(self.h.fetchable()), label="prefetch")
         for _ in range(pages):
@@ -534,15 +512,15 @@ class CacheMachine(RuleBasedStateMachine):
                 self.do(Fetch(k))
 
     @precondition(lambda self: self.storage() and bool(self.h.open_prefetches()))
-    @rule(data=st.data(), abort=st.booleans())
-    def end_prefetch(self, data: st.DataObject, abort: bool) -> None:
+    @rule(data=draws(), abort=st.booleans())
+    def end_prefetch(self, data: Draws, abort: bool) -> None:
         """check_prefetch_progress, or the request is aborted."""
         k = data.draw(st.sampled_from(self.h.open_prefetches()), label="prefetch")
         self.do(AbortPrefetch(k) if abort else CheckPrefetch(k))
 
     @precondition(lambda self: self.storage() and bool(self.faults))
-    @rule(data=st.data())
-    def storage_fault(self, data: st.DataObject) -> None:
+    @rule(data=draws())
+    def storage_fault(self, data: Draws) -> None:
         kind = data.draw(st.sampled_from(self.faults), label="fault")
         self.do(StorageFault(kind, data.draw(st.integers(0, 7), label="at")))
 
@@ -552,8 +530,8 @@ class CacheMachine(RuleBasedStateMachine):
         return self.bad_input
 
     @precondition(lambda self: self.strict() and self.on("malformed"))
-    @rule(data=st.data(), kind=st.sampled_from(["insert", "match", "handle", "evict", "host", "session"]))
-    def malformed(self, data: st.DataObject, kind: str) -> None:
+    @rule(data=draws(), kind=st.sampled_from(["insert", "match", "handle", "evict", "host", "session"]))
+    def malformed(self, data: Draws, kind: str) -> None:
         """One rule for every kind of bad input, so valid traffic keeps most of the steps."""
         ps = self.config.page_size
         if kind == "session" and self.priority():
@@ -615,7 +593,7 @@ class CacheMachine(RuleBasedStateMachine):
         elif kind == "handle":
             live = self.h.live_handles()
             stale = [k for k in self.h.handles if k not in live]
-            unlocked = [k for k in live if self.h.oracle.nodes[self.h.handles[k][1]].own_locks == 0]
+            unlocked = [k for k in live if self.h.own_locks(k) == 0]
             k = data.draw(st.sampled_from([10_000, *stale, *unlocked]), label="handle")
             lock = k in stale and data.draw(st.booleans(), label="lock?")
             self.do(Lock(k) if lock else Unlock(k))

@@ -21,8 +21,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Union
 
+from kvcert.spec import storage as l3
+from kvcert.spec.ops import Publish, StorageFault
 from kvcert.spec.storage import StorageError
-from kvcert.spec.types import BadInput
+from kvcert.spec.types import BadInput, CacheConfig
 
 
 def _check_batch(keys: Sequence[str], values: Sequence[bytes]) -> None:
@@ -244,3 +246,29 @@ class FaultyStorage:
             return False
         self.log.append(Fault("drop", (key,)))
         return True
+
+
+# ---------------------------------------------------------------------- storage-side trace events
+
+
+def publish(stores: Sequence[FaultyStorage], op: Publish, config: CacheConfig) -> None:
+    """Write `op.tokens`' canonical pages into every store, as a peer engine would."""
+    tokens = tuple(t for t in op.tokens if isinstance(t, int) and not isinstance(t, bool) and t >= 0)
+    digest = l3.canonical_digest(config.page_size, config.model_id)
+    pairs = l3.stored_pages(op.namespace, tokens, config.page_size, config.kv_layers, digest)
+    for store in stores:
+        store.inner.batch_set([k for k, _ in pairs], [v for _, v in pairs])
+
+
+def damage(stores: Sequence[FaultyStorage], op: StorageFault) -> None:
+    """Damage every store alike; a page fault picks the `at`-th of the last store's (the oracle's) keys."""
+    if op.kind in ("corrupt", "drop"):
+        keys = sorted(stores[-1].inner.contents())
+        if not keys:
+            return
+        key = keys[op.at % len(keys)]
+        for store in stores:
+            store.corrupt(key) if op.kind == "corrupt" else store.drop(key)
+        return
+    for store in stores:
+        store.arm(op.kind, at=op.at)

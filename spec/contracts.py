@@ -31,6 +31,10 @@ Path = tuple[Namespace, Tokens]
 
 def node_paths(s: Snapshot) -> dict[int, Path]:
     """Every non-root node's end path, computed once top-down."""
+    return s.derived("node_paths", _node_paths)
+
+
+def _node_paths(s: Snapshot) -> dict[int, Path]:
     kids = s.children()
     nodes = s.by_id()
     out: dict[int, Path] = {}
@@ -56,6 +60,10 @@ class NodeShape:
 
 def shape(s: Snapshot) -> dict[Path, NodeShape]:
     """The backend-independent tree: end path -> edge length, locks and residency."""
+    return s.derived("shape", _shape)
+
+
+def _shape(s: Snapshot) -> dict[Path, NodeShape]:
     nodes = s.by_id()
     return {
         p: NodeShape(len(n.key), n.lock_ref, n.slots is not None, n.host_slots is not None, n.host_lock_ref)
@@ -81,6 +89,10 @@ def page_slots(s: Snapshot) -> dict[Path, tuple[int, ...]]:
     Pages, not tokens, are the unit: with page_size > 1 two cached pages may
     share leading tokens yet hold different slots.
     """
+    return s.derived("page_slots", _page_slots)
+
+
+def _page_slots(s: Snapshot) -> dict[Path, tuple[int, ...]]:
     nodes = s.by_id()
     ps = s.page_size
     out: dict[Path, tuple[int, ...]] = {}
@@ -263,6 +275,10 @@ def host_eviction_bounds(before: Snapshot, after: Snapshot, asked: int, reported
 
 def device_paths(s: Snapshot) -> dict[int, Path]:
     """Node id -> path, for the nodes whose KV is on the device."""
+    return s.derived("device_paths", _device_paths)
+
+
+def _device_paths(s: Snapshot) -> dict[int, Path]:
     nodes = s.by_id()
     return {i: p for i, p in node_paths(s).items() if nodes[i].slots is not None}
 
@@ -271,6 +287,10 @@ def pinned_nodes(s: Snapshot) -> set[int]:
     """Device nodes eviction may skip: a node without a backup that is itself host-protected,
     or whose host-only subtree holds a locked or host-protected node (it would be dropped with
     it), and its ancestors, which keep a device child (SPEC.md §9.3)."""
+    return s.derived("pinned_nodes", _pinned_nodes)
+
+
+def _pinned_nodes(s: Snapshot) -> set[int]:
     nodes, kids = s.by_id(), s.children()
 
     def protected_below(i: int) -> bool:
@@ -358,6 +378,10 @@ def _tier(s: Snapshot, node_id: int) -> int:
 
 def session_paths(s: Snapshot) -> list[tuple[str, Path, int, bool, bool]]:
     """The sessions as the spec fixes them: (id, the path they hold, priority, high, demoted), in order."""
+    return s.derived("session_paths", _session_paths)
+
+
+def _session_paths(s: Snapshot) -> list[tuple[str, Path, int, bool, bool]]:
     paths = node_paths(s)
     return [(x.id, paths.get(x.node, (None, ())), x.priority, x.high, x.demoted) for x in s.sessions]
 

@@ -27,7 +27,11 @@ class Violation:
         return f"{self.inv}: {self.message}"
 
 
-def _non_root(s: Snapshot):
+def _non_root(s: Snapshot) -> list[NodeView]:
+    return s.derived("non_root", _build_non_root)
+
+
+def _build_non_root(s: Snapshot) -> list[NodeView]:
     return [n for n in s.nodes if n.id != s.root]
 
 

@@ -6,9 +6,11 @@ the `Snapshot` it exposes and the results it returns, never by its internals.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional, TypeVar
+
+_T = TypeVar("_T")
 
 Namespace = Optional[str]
 """A cache namespace (LoRA id, cache salt). `None` is the default namespace."""
@@ -216,15 +218,29 @@ class Snapshot:
     high_priority_threshold: int = 1
     """Priorities at or above this are high (SPEC.md §11.1)."""
 
+    def derived(self, name: str, build: Callable[[Snapshot], _T]) -> _T:
+        """`build(self)`, computed once per snapshot and kept with it.
+
+        A snapshot never changes, and a conformance step asks for the same derived structures (node
+        paths, shapes, page slots) many times; each is built on first use. What it returns is shared:
+        callers must not mutate it.
+        """
+        memo: dict[str, Any] = self.__dict__.setdefault("_derived", {})
+        if name not in memo:
+            memo[name] = build(self)
+        got: _T = memo[name]
+        return got
+
     def by_id(self) -> dict[int, NodeView]:
-        return {n.id: n for n in self.nodes}
+        """Node id -> node (shared: do not mutate). Asked for most of all, so kept in its own slot."""
+        got: Optional[dict[int, NodeView]] = self.__dict__.get("_by_id")
+        if got is None:
+            got = self.__dict__["_by_id"] = _by_id(self)
+        return got
 
     def children(self) -> dict[int, list[int]]:
-        out: dict[int, list[int]] = {n.id: [] for n in self.nodes}
-        for n in self.nodes:
-            if n.parent is not None and n.parent in out:
-                out[n.parent].append(n.id)
-        return out
+        """Node id -> its children's ids, in node order (shared: do not mutate)."""
+        return self.derived("children", _children)
 
     def path_of(self, node_id: int) -> tuple[Namespace, Tokens]:
         """(namespace, all tokens from the root to the end of `node_id`)."""
@@ -242,6 +258,18 @@ class Snapshot:
             if seen > len(nodes):
                 raise ValueError("cycle in parent links")
         return ns, tuple(t for part in reversed(parts) for t in part)
+
+
+def _by_id(s: Snapshot) -> dict[int, NodeView]:
+    return {n.id: n for n in s.nodes}
+
+
+def _children(s: Snapshot) -> dict[int, list[int]]:
+    out: dict[int, list[int]] = {n.id: [] for n in s.nodes}
+    for n in s.nodes:
+        if n.parent is not None and n.parent in out:
+            out[n.parent].append(n.id)
+    return out
 
 
 @dataclass(frozen=True)

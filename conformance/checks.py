@@ -1,0 +1,353 @@
+"""The checks: after every step, the backend's state and answer against the spec and the oracle.
+
+Three families, in the order a step reports them: the operation's contract (`contract`: its answer
+against the oracle's, the relations SPEC.md states over the snapshots before and after), the state
+invariants of the backend's snapshot (`spec.invariants.check_snapshot`), and the state against the
+oracle's (`state`: tree shape and residency, locks, copies, prefetches, sessions, retraction
+backups, the L3 store, and every KV byte on both tiers, `kv`). Every derived structure they use
+(paths, shapes, page slots) is computed once per snapshot (`Snapshot.derived`).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from kvcert.conformance.backend import Backend
+from kvcert.conformance.ledger import Ledger
+from kvcert.conformance.scheduler import KVModel, Outcome, has_content, running_of
+from kvcert.conformance.steering import path_order
+from kvcert.conformance.storage import FaultyStorage
+from kvcert.refimpl import RefCache
+from kvcert.spec import contracts
+from kvcert.spec.invariants import Violation, check_snapshot
+from kvcert.spec.ops import (
+    Admit,
+    CheckPrefetch,
+    Evict,
+    EvictHost,
+    Insert,
+    LoadBack,
+    Match,
+    Op,
+    Poll,
+    Prefetch,
+    Restore,
+    Retract,
+)
+from kvcert.spec.types import (
+    AdmissionPlan,
+    AdmissionProfile,
+    CacheConfig,
+    Capabilities,
+    InsertOut,
+    KVCertError,
+    MatchOut,
+    Snapshot,
+)
+
+
+@dataclass
+class Checks:
+    """Every rule a step is judged by, for one backend under one config."""
+
+    backend: Backend
+    config: CacheConfig
+    capabilities: Capabilities
+    ledger: Ledger
+    model: KVModel
+
+    def contract(
+        self,
+        op: Op,
+        before: Snapshot,
+        after: Snapshot,
+        got: Outcome,
+        want: Outcome,
+        out: list[Violation],
+        planned: Optional[Snapshot] = None,
+    ) -> None:
+        """The operation's contract, and the backend's answer against the oracle's."""
+        if isinstance(want, KVCertError) or isinstance(got, KVCertError):
+            if not isinstance(got, KVCertError):
+                out.append(Violation("INV-ERR-1", f"succeeded; the spec raises {type(want).__name__}: {want}"))
+            elif not isinstance(want, KVCertError):
+                out.append(Violation("INV-ERR-2", f"rejected a valid call with {type(got).__name__}: {got}"))
+            elif type(got) is not type(want):
+                out.append(Violation("INV-ERR-1", f"raised {type(got).__name__}, the spec says {type(want).__name__}"))
+            if isinstance(got, KVCertError) and not same_state(before, after):
+                out.append(Violation("INV-ERR-1", f"{type(got).__name__} was raised but the state changed"))
+            return
+        out += [Violation("INV-SLOT-3", m) for m in contracts.slot_changes(before, after)]
+        if isinstance(op, Match) and isinstance(got, MatchOut):
+            self.match(op, before, after, got, out)
+        if isinstance(op, Insert) and isinstance(got, InsertOut) and isinstance(want, InsertOut):
+            self.insert(op, before, after, got, out)
+        if isinstance(op, Evict) and got != want:
+            out.append(Violation("INV-EVICT-5", f"freed {got}, the oracle (same victims) freed {want}"))
+        if self.capabilities.priority_refs and isinstance(op, Evict):
+            scope = (op.allow_low, op.allow_high)
+            out += [Violation(i, m) for i, m in contracts.tier_eviction_violations(before, after, *scope)]
+        if isinstance(op, Admit) and isinstance(got, AdmissionPlan) and planned is not None:
+            out += [
+                Violation(i, m)
+                for i, m in contracts.plan_violations(
+                    planned,
+                    op.length,
+                    op.priority,
+                    running_of(op.running),
+                    AdmissionProfile(*op.profile) if op.profile is not None else None,
+                    self.config.kv_layers,
+                    got,
+                )
+            ]
+            if got != want:
+                out.append(Violation("INV-ADMIT-4", f"plan {got}, the spec's {want}"))
+        if self.capabilities.priority_refs and isinstance(op, EvictHost):
+            out += [Violation(i, m) for i, m in contracts.host_tier_violations(before, after)]
+        if isinstance(op, EvictHost) and got != want:
+            out.append(Violation("INV-HOST-8", f"freed {got} host tokens, the oracle (same victims) freed {want}"))
+        if isinstance(op, LoadBack) and got != want:
+            out.append(Violation("INV-LOAD-1", f"loaded back {got} tokens, the spec loads {want}"))
+        if isinstance(op, Poll) and got != want:
+            out.append(
+                Violation("INV-COPY-2", f"consumed {got} acks, the spec consumes {want} (finished, in issue order)")
+            )
+        if isinstance(op, Prefetch) and got != want:
+            out.append(Violation("INV-PF-2", f"prefetch asked storage for {got} tokens, the spec asks {want}"))
+        if isinstance(op, Retract) and (got is None) != (want is None):
+            out.append(
+                Violation(
+                    "INV-RETRACT-2",
+                    f"retraction backup {'declined' if got is None else 'made'}; the spec "
+                    f"{'declines it' if want is None else 'makes it'}",
+                )
+            )
+        if isinstance(op, Restore) and isinstance(got, int):
+            self.handle(after, got, None, (), out)  # the root: the resumed request's last node
+        if isinstance(op, CheckPrefetch) and got != want:
+            say = {None: "kept it running"}
+            out.append(
+                Violation(
+                    "INV-PF-3",
+                    f"check_prefetch {say.get(got, f'ended it adding {got} tokens')}; "  # type: ignore[arg-type]
+                    f"the spec {say.get(want, f'ends it adding {want} tokens')}",  # type: ignore[arg-type]
+                )
+            )
+
+    def handle(self, after: Snapshot, node: int, namespace: Any, tokens: tuple, out: list[Violation]) -> None:
+        ids = after.by_id()
+        if node not in ids:
+            out.append(Violation("INV-HANDLE-1", f"returned node {node} is not in the tree"))
+            return
+        ns, path = after.path_of(node)
+        if path != tokens:
+            out.append(Violation("INV-HANDLE-1", f"returned node ends at {len(path)} tokens, not at {len(tokens)}"))
+        elif tokens and ns != namespace:
+            out.append(Violation("INV-NS-2", f"returned node is in namespace {ns!r}, asked {namespace!r}"))
+
+    def match(self, op: Match, before: Snapshot, after: Snapshot, got: MatchOut, out: list[Violation]) -> None:
+        expect = contracts.cached_prefix_len(before, op.namespace, op.tokens)
+        if got.length != expect:
+            out.append(Violation("INV-MATCH-1", f"matched {got.length} tokens, {expect} are cached"))
+            return
+        slots = contracts.prefix_slots(after, op.namespace, op.tokens, got.length)
+        if tuple(got.slots) != slots:
+            out.append(Violation("INV-MATCH-2", f"returned slots {tuple(got.slots)[:8]}, the tree holds {slots[:8]}"))
+        self.handle(after, got.node, op.namespace, tuple(op.tokens[: got.length]), out)
+        if self.config.host_capacity:
+            expect_host = contracts.host_hit_len(before, op.namespace, op.tokens, got.length)
+            if got.host_length != expect_host:
+                out.append(
+                    Violation("INV-MATCH-3", f"host hit {got.host_length} tokens, {expect_host} are on the host only")
+                )
+
+    def insert(self, op: Insert, before: Snapshot, after: Snapshot, got: InsertOut, out: list[Violation]) -> None:
+        expect = contracts.cached_prefix_len(before, op.namespace, op.tokens)
+        if got.prefix_len != expect:
+            out.append(Violation("INV-INS-1", f"insert reported prefix {got.prefix_len}, {expect} was cached"))
+            return
+        if contracts.cached_prefix_len(after, op.namespace, op.tokens) != len(op.tokens):
+            out.append(Violation("INV-INS-2", "the inserted key is not fully cached afterwards"))
+            return
+        self.handle(after, got.node, op.namespace, tuple(op.tokens), out)
+
+    def state(
+        self, snap: Snapshot, oracle: RefCache, spec: Snapshot, storages: tuple[FaultyStorage, ...]
+    ) -> list[Violation]:
+        """State invariants, then shape, locks, copies, prefetches, sessions, backups, storage and KV
+        against the oracle (`spec`: its snapshot)."""
+        violations = check_snapshot(snap)
+        if not any(v.inv == "INV-TREE-1" for v in violations):
+            mine, spec_shape = contracts.shape(snap), contracts.shape(spec)
+            if {p: v.size for p, v in mine.items()} != {p: v.size for p, v in spec_shape.items()}:
+                extra_paths = sorted(set(mine) - set(spec_shape), key=path_order)[:2]
+                missing = sorted(set(spec_shape) - set(mine), key=path_order)[:2]
+                violations.append(
+                    Violation("INV-TREE-4", f"tree differs from the spec's: extra {extra_paths}, missing {missing}")
+                )
+            else:
+                for p in sorted(mine, key=path_order):
+                    inv = contracts.shape_difference(mine[p], spec_shape[p])
+                    if inv is not None:
+                        violations.append(
+                            Violation(inv, f"node at {p[1][-4:]}@{len(p[1])} is {mine[p]}, spec says {spec_shape[p]}")
+                        )
+                        break
+            theirs = [(c.kind, c.finished) for c in oracle.copies]
+            if [(c.kind, c.finished) for c in snap.pending] != theirs:
+                violations.append(
+                    Violation(
+                        "INV-COPY-1",
+                        f"pending copies {[(c.kind, c.finished) for c in snap.pending]}, spec says {theirs}",
+                    )
+                )
+            else:
+                violations += self.copy_contents(snap, oracle, spec)
+            mine_pf = [(p.requested, p.fetched, p.failed) for p in snap.prefetches]
+            spec_pf = [(p.requested, p.fetched, p.failed) for p in spec.prefetches]
+            if mine_pf != spec_pf:
+                violations.append(
+                    Violation("INV-PF-3", f"prefetches (requested, fetched, failed) {mine_pf}, spec says {spec_pf}")
+                )
+            mine_ss, spec_ss = contracts.session_paths(snap), contracts.session_paths(spec)
+            if mine_ss != spec_ss:
+                differ = next((a, b) for a, b in itertools.zip_longest(mine_ss, spec_ss) if a != b)
+                violations.append(
+                    Violation(
+                        "INV-TIER-5", f"session (id, path, priority, high, demoted) {differ[0]}, spec says {differ[1]}"
+                    )
+                )
+            mine_rt = [r.tokens for r in snap.retractions]
+            spec_rt = [r.tokens for r in oracle.retractions]
+            if mine_rt != spec_rt:
+                violations.append(
+                    Violation("INV-RETRACT-2", f"retraction backups (tokens) {mine_rt}, spec says {spec_rt}")
+                )
+            violations += self.storage(storages)
+            violations += self.kv(snap)
+        return violations
+
+    def copy_contents(self, snap: Snapshot, oracle: RefCache, spec_snap: Snapshot) -> list[Violation]:
+        """INV-COPY-1: each pending copy moves the spec's nodes (by path), splits included."""
+        if not snap.pending:
+            return []
+        mine, spec = contracts.node_paths(snap), contracts.node_paths(spec_snap)
+        for got, want in zip(snap.pending, oracle.copies):
+            have = {mine.get(i) for i in got.nodes}
+            need = {spec[n.id] for n in want.nodes}
+            if have != need:
+
+                def ends(paths: Any) -> str:  # each node as its path's last tokens @ its length, with its namespace
+                    names = sorted(
+                        (len(p[1]), f"{p[1][-4:]}@{len(p[1])}" + (f" in {p[0]!r}" if p[0] is not None else ""))
+                        for p in paths
+                        if p
+                    )
+                    return "[" + ", ".join(n for _, n in names) + "]"
+
+                return [
+                    Violation(
+                        "INV-COPY-1",
+                        f"pending {got.kind} copy {got.id} moves the nodes {ends(have)}; the spec's moves "
+                        f"{ends(need)} (missing {ends(need - have)}, extra {ends(have - need)})",
+                    )
+                ]
+        return []
+
+    def storage(self, storages: tuple[FaultyStorage, ...]) -> list[Violation]:
+        """INV-STORE-1: the backend stored exactly the spec's pages, under the spec's keys, with its bytes."""
+        if not storages:
+            return []
+        mine, spec = storages[0].inner.contents(), storages[1].inner.contents()
+        if mine == spec:
+            return []
+        extra, missing = sorted(set(mine) - set(spec)), sorted(set(spec) - set(mine))
+        wrong = sorted(k for k in set(mine) & set(spec) if mine[k] != spec[k])
+        return [
+            Violation(
+                "INV-STORE-1",
+                f"storage differs from the spec's: {len(extra)} extra keys, {len(missing)} missing, "
+                f"{len(wrong)} with other bytes" + (f" (e.g. {(extra + missing + wrong)[0][:16]}…)"),
+            )
+        ]
+
+    def kv(self, snap: Snapshot) -> list[Violation]:
+        """INV-KV-1/2/3: every settled slot of both tiers, and every retraction backup, holds its content.
+
+        One `read_kv` and one `read_host_kv` call per step over every slot to check (a torch backend
+        gathers them in one index operation); the results are then compared in node order.
+        """
+        if not self.capabilities.kv_reads:
+            return []
+        loading = {n for c in snap.pending if c.kind == "load" for n in c.nodes}
+        writing = {n for c in snap.pending if c.kind == "write" for n in c.nodes}
+        paths = contracts.node_paths(snap)
+        checks: list[tuple[str, int, int, tuple[int, ...], tuple[bytes, ...]]] = []
+        """(invariant, path length or backup index, edge length, slots, the entries they must hold), in report order."""
+        for node in snap.nodes:
+            if node.id == snap.root or node.id not in paths or not node.key:
+                continue
+            ns, path = paths[node.id]
+            if not has_content(ns, path):
+                continue  # a key the spec never caches (a lenient backend took bad input): it has no content
+            want = self.model.entries(ns, path)[len(path) - len(node.key) :]
+            if node.slots is not None and node.id not in loading:
+                checks.append(("INV-KV-1", len(path), len(node.key), node.slots, want))
+            if node.host_slots is not None and node.id not in writing:
+                checks.append(("INV-KV-2", len(path), len(node.key), node.host_slots, want))
+        for view in snap.retractions:
+            k = self.ledger.retractions.number_of(view.id)
+            want_r = self.ledger.retraction_kv.get(k) if k is not None else None
+            if k is not None and want_r is not None:
+                checks.append(("INV-KV-3", k, 0, view.host_slots[: view.tokens], want_r))
+        device = iter(_read_batched(self.backend.read_kv, [c[3] for c in checks if c[0] == "INV-KV-1"]))  # type: ignore[attr-defined]
+        host = iter(_read_batched(self.backend.read_host_kv, [c[3] for c in checks if c[0] != "INV-KV-1"]))  # type: ignore[attr-defined]
+        out: list[Violation] = []
+        for inv, length, edge, slots, want in checks:
+            got = next(device) if inv == "INV-KV-1" else next(host)
+            if got == list(want):
+                continue
+            if inv == "INV-KV-1":
+                bad = next(i for i, (g, w) in enumerate(zip(got, want)) if g != w) if len(got) == len(want) else 0
+                out.append(
+                    Violation(
+                        inv,
+                        f"device slot {slots[bad]} of the node ending at "
+                        f"{length} tokens holds other KV than token {length - edge + bad}'s",
+                    )
+                )
+            elif inv == "INV-KV-2":
+                out.append(Violation(inv, f"the host copy of the node ending at {length} tokens holds other KV"))
+            else:
+                out.append(Violation(inv, f"retraction backup {length} holds other KV than it was made from"))
+        return out
+
+
+def same_state(a: Snapshot, b: Snapshot) -> bool:
+    """Equal as far as the spec can tell (ids and free-list order are the backend's business)."""
+    return (
+        contracts.shape(a) == contracts.shape(b)
+        and contracts.page_slots(a) == contracts.page_slots(b)
+        and set(a.free_slots) == set(b.free_slots)
+        and set(a.host_free_slots) == set(b.host_free_slots)
+        and [(c.kind, c.finished) for c in a.pending] == [(c.kind, c.finished) for c in b.pending]
+        and [r.tokens for r in a.retractions] == [r.tokens for r in b.retractions]
+        and contracts.session_paths(a) == contracts.session_paths(b)
+        and a.tier_evictable == b.tier_evictable
+        and (a.evictable_size, a.protected_size) == (b.evictable_size, b.protected_size)
+    )
+
+
+def _read_batched(read: Callable[[tuple[int, ...]], Any], runs: list[tuple[int, ...]]) -> list[list[bytes]]:
+    """`read` over every run at once, split back into one list per run."""
+    if not runs:
+        return []
+    flat = list(read(tuple(x for run in runs for x in run)))
+    out, at = [], 0
+    for run in runs:
+        out.append(flat[at : at + len(run)])
+        at += len(run)
+    return out
