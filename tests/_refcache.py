@@ -2,21 +2,15 @@
 
 from __future__ import annotations
 
+from kvcert.conformance import scheduler
 from kvcert.refimpl import RefCache
 
 
 def put(cache: RefCache, tokens: list[int]) -> int:
     """Allocate, insert, free the duplicates (SGLang's caller contract); the node the key ends at."""
-    slots = cache.alloc(len(tokens))
-    out = cache.insert(None, tokens, slots)
-    cache.free(slots[: out.prefix_len])
-    return out.node
+    return scheduler.insert_request(cache, None, tuple(tokens)).node
 
 
 def settle(cache: RefCache) -> None:
     """Finish every copy and consume every ack, until none is left (a write ack may issue store copies)."""
-    while cache.copies:
-        for copy in list(cache.copies):
-            if not copy.finished:
-                cache.complete(copy.id)
-        cache.poll()
+    scheduler.settle(cache)
