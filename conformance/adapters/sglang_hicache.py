@@ -45,6 +45,11 @@ SGLANG_HICACHE_NOTES.md §8), and what that interface hides is kept in ledgers
 of SGLang's own calls into the core: ``host_lock_ref`` (:class:`HostLockLedger`)
 and the nodes an in-flight load moves (:class:`LoadLedger`). Both are held to
 the Python core's node objects by the smoke tests.
+
+Longer than this project's ~600-line rooms: `SGLangHiCache` mirrors one SGLang class
+(`UnifiedRadixCache` + `HybridCacheController`) call for call, and its ack ledgers
+(`HostLockLedger`, `LoadLedger`) read its internals at the same points; splitting it would scatter
+one engine's facts across modules. Its notes file lists each with its SGLang file:line.
 """
 
 from __future__ import annotations
