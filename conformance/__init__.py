@@ -11,7 +11,7 @@ Which module owns what:
 | `steering` | leading the oracle to the backend's legal choices (eviction witness, reclaim order) |
 | `checks` | the op's contract, the state invariants, the state against the oracle, KV bytes |
 | `queries` | the narrow, per-step cached questions the generator may ask |
-| `machine` | the Hypothesis state machine: the rules that choose ops |
+| `machine`, `draws`, `runner` | the state machine: the rules that choose ops, what they draw from, and the loop that runs them on Hypothesis's choices |
 | `certify` | cells, runs, certificates, scope (`NOT CHECKED`) |
 | `shrink`, `determinism` | trace shrinking; same seed, same run |
 | `storage` | L3 stores with fault injection, storage-side trace events |

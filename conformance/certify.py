@@ -18,12 +18,12 @@ from typing import Optional
 
 from hypothesis import HealthCheck, Phase, Verbosity, settings
 from hypothesis.errors import Flaky
-from hypothesis.stateful import run_state_machine_as_test
 
 from kvcert.conformance.backend import Factory, capabilities_of
 from kvcert.conformance.determinism import fixed_generation
 from kvcert.conformance.driver import ConformanceFailure, run_trace
 from kvcert.conformance.machine import CacheMachine
+from kvcert.conformance.runner import run_machine
 from kvcert.conformance.shrink import shrink
 from kvcert.spec.ops import Op, Trace
 from kvcert.spec.types import FAULTS, POLICIES, PREFETCH_POLICIES, WRITE_POLICIES, CacheConfig, Capabilities
@@ -132,7 +132,6 @@ def run_cell(
     bad_input: Optional[bool] = None,
 ) -> CellResult:
     machine = CacheMachine.bind(factory, config, capabilities, bad_input)
-    machine._hypothesis_internal_use_seed = seed  # type: ignore[attr-defined]  # Hypothesis's own @seed hook
     conf = settings(
         max_examples=examples,
         stateful_step_count=steps,
@@ -149,7 +148,7 @@ def run_cell(
     result = CellResult(config.page_size, config.policy, True, 0, 0, 0.0, write_policy=_tier(config))
     try:
         with fixed_generation():
-            run_state_machine_as_test(machine, settings=conf)
+            run_machine(machine, conf, seed)
     except ConformanceFailure as original:
         ops = shrink(
             machine.last_trace(), lambda ops: failure_ids(factory, capabilities, config, ops), config.page_size

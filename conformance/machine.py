@@ -1,11 +1,13 @@
-"""The Hypothesis state machine: random traces over the op vocabulary, shrunk on failure.
+"""The state machine: random traces over the op vocabulary, shrunk on failure.
 
-Every rule only chooses an `Op`; `Harness.step` runs and checks it. The machine
-remembers the last harness it built, so after Hypothesis has shrunk a failure and
-re-run the minimal example, `last_trace()` is that minimal trace.
+Every rule only chooses an `Op`; `Harness.step` runs and checks it. The machine remembers the
+last harness it built, so after Hypothesis has replayed a failing example, `last_trace()` is its
+trace (then shrunk as a list of ops, `conformance.shrink`).
 
-Rules decide from the harness's queries (`conformance.queries`: positions a trace can name, a
-few counts), never from the oracle's private state, and draw through `conformance.draws`.
+Its rules run on Hypothesis's choices through `conformance.runner` (one rule per step, drawn among
+those whose preconditions hold, a swarm of rules off per example). Rules decide from the harness's
+queries (`conformance.queries`: positions a trace can name, a few counts), never from the
+oracle's private state, and draw through `conformance.draws`.
 """
 
 from __future__ import annotations
@@ -15,12 +17,12 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
 
 from kvcert.conformance.backend import Factory
 from kvcert.conformance.determinism import StepDigest
 from kvcert.conformance.draws import MORE_ON_INSERT, MORE_ON_MATCH, PAGES, Draws, cut_of, draws, tokens_of
 from kvcert.conformance.driver import Harness
+from kvcert.conformance.runner import initialize, precondition, rule
 from kvcert.spec.ops import (
     AbortPrefetch,
     Admit,
@@ -87,7 +89,7 @@ class RunStats:
     """Every op the run's rules executed, in order: equal digests, same run (SPEC.md §3, INV-DET-1)."""
 
 
-class CacheMachine(RuleBasedStateMachine):
+class CacheMachine:
     """Drives one backend per example; configured by `bind`."""
 
     factory: Factory
@@ -97,7 +99,6 @@ class CacheMachine(RuleBasedStateMachine):
     last: Optional[Harness] = None
 
     def __init__(self) -> None:
-        super().__init__()
         # A Harness whose first check fails closes its backend: teardown never runs for this machine then.
         self.h = Harness(type(self).factory(type(self).config), type(self).config, type(self).capabilities)
         type(self).last = self.h

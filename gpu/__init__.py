@@ -8,6 +8,18 @@ An engine calls the tensor API (`GpuCache.alloc_tensor`, `match_prefix_fast` -> 
 `insert_fast` -> `Inserted`, `free_tensor`); the suite calls the Backend protocol (`alloc`,
 `match_prefix`, `insert`, `free`, ...). Both are the same internals.
 
+`GpuCache` (`cache`) is the one public class, a facade over components, a module each:
+
+- `tree`: `RadixTree`, the radix tree and the device tier (walk, split, match, insert, locks,
+  device eviction, the copy registry); `GpuCache` subclasses it;
+- `evict_index`: `EvictionIndex`, the candidate sets and per-tier heaps (`refresh`, `pop_*`, `compact`);
+- `host`: `HostTier`, the host pool, backups, host eviction, load-back, retraction;
+- `storage`: `StorageTier`, store copies and prefetch;
+- `sessions`: `Sessions`, the session registry and ref counts along paths;
+- `admission`: `plan_admission`, a pure function of an `AdmissionCounters` record;
+- `run` (`Run`: keys and slot runs, counted in items) and `node` (the shared records);
+- `kv` (pools), `alloc` (page allocators), `copy_engine`, `agreement` (tensor-parallel ranks).
+
 This package imports only `kvcert.spec`, torch and the standard library: the suite compares it
 with `kvcert.refimpl`, so it must share none of the model's code.
 """

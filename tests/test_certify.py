@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -235,7 +236,11 @@ def test_a_failure_that_does_not_replay_is_reported_as_inv_det_1(tmp_path: Path,
     cert = _one_cell(Flaky, tmp_path, examples=10, steps=10)
     (cell,) = cert.cells
     assert not cell.passed and cell.reproduced is False
-    assert cell.failure is not None and cell.failure.startswith("INV-DET-1") and "INV-INS-1" in cell.failure
+    assert cell.failure is not None and cell.failure.startswith("INV-DET-1")
+    # ... with what the run saw: the misreported prefix itself (INV-INS-1), or the caller's free of the
+    # one slot too many that it made the harness give back (a typed error, INV-ERR-*), whichever came first
+    reported = cell.failure.split("the run reported:", 1)[1]
+    assert re.search(r"INV-(INS-1|ERR-\d)", reported), reported
     assert "None" != cell.failure
 
 
@@ -350,7 +355,7 @@ def test_every_backend_built_is_closed(tmp_path: Path, mutant: object) -> None:
         def close(self) -> None:
             closed.append(self)
 
-    cert = _one_cell(Counted, tmp_path, examples=40, steps=20)
+    cert = _one_cell(Counted, tmp_path, examples=40, steps=50)
     assert cert.passed == (mutant is None)
     assert len(built) > 40 and len(closed) == len(built) and len({id(b) for b in closed}) == len(built)
 
