@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from kvcert.conformance import scheduler
 from kvcert.gpu.cache import GpuCache
 from kvcert.gpu.host import HostTier
 from kvcert.gpu.node import Node
@@ -16,18 +17,12 @@ def cache_of(**kw: object) -> tuple[GpuCache, HostTier]:
 
 
 def put(cache: GpuCache, tokens: tuple[int, ...]) -> Node:
-    slots = cache.alloc(len(tokens))
-    out = cache.insert(None, tokens, slots)
-    cache.free(slots[: out.prefix_len])
-    return cache.nodes[out.node]
+    """The caller's side of an insert (`conformance.scheduler`)."""
+    return cache.nodes[scheduler.insert_request(cache, None, tokens).node]
 
 
 def settle(cache: GpuCache) -> None:
-    while cache.in_flight():
-        for c in cache.in_flight():
-            cache.complete(c)
-        cache.poll()
-    cache.poll()
+    scheduler.settle(cache)
 
 
 def test_write_through_backs_up_parents_first_in_one_copy() -> None:

@@ -15,6 +15,7 @@ from typing import Any, Optional
 
 import pytest
 
+from kvcert.conformance import scheduler
 from kvcert.gpu import CAPABILITIES, GpuCache, factory
 from kvcert.refimpl import RefCache
 from kvcert.spec.invariants import check_snapshot
@@ -135,11 +136,7 @@ class Twin:
         """Finish every copy and consume every ack on both sides."""
         self.tick()
         for cache in (self.gpu, self.ref):
-            while cache.snapshot().pending:
-                for c in cache.snapshot().pending:
-                    if not c.finished:
-                        cache.complete(c.id)
-                cache.poll()
+            scheduler.settle(cache)
         self.check()
 
     def refs(self, path: Path) -> tuple[int, int]:

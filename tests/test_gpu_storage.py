@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from kvcert.conformance import scheduler
 from kvcert.conformance.storage import MemoryStorage
 from kvcert.gpu.cache import GpuCache
 from kvcert.gpu.node import Node
@@ -22,18 +23,15 @@ def cache_of(store: MemoryStorage, host: int = 16, **kw: object) -> tuple[GpuCac
 
 
 def put(cache: GpuCache, tokens: tuple[int, ...]) -> Node:
-    slots = cache.alloc(len(tokens))
-    cache.write_kv(slots, l3.token_entries(None, tokens, cache.kv_layers))
-    out = cache.insert(None, tokens, slots)
-    cache.free(slots[: out.prefix_len])
+    """The caller's side of an insert, the model's KV written (`conformance.scheduler`)."""
+    out = scheduler.insert_request(
+        cache, None, tokens, write=lambda slots: cache.write_kv(slots, l3.token_entries(None, tokens, cache.kv_layers))
+    )
     return cache.nodes[out.node]
 
 
 def settle(cache: GpuCache) -> None:
-    while cache.in_flight():
-        for c in cache.in_flight():
-            cache.complete(c)
-        cache.poll()
+    scheduler.settle(cache)
 
 
 def test_a_write_ack_stores_every_page_verified_by_its_payload() -> None:
