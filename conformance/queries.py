@@ -46,8 +46,7 @@ class Queries:
 
     def live_handles(self) -> list[int]:
         """Handles whose node is still in the oracle's tree."""
-        nodes = self.oracle.nodes
-        return self._memo("live", lambda: [k for k, (_, o) in self.ledger.handles.items() if o in nodes])
+        return self._memo("live", lambda: [k for k, (_, o) in self.ledger.handles.items() if o in self.oracle.nodes])
 
     def locked_handles(self) -> list[int]:
         """Handles whose node holds at least one lock of its own.
@@ -84,16 +83,21 @@ class Queries:
 
     def host_hits(self) -> list[int]:
         """Match ops whose host node is still in the tree and on the host only: load-back candidates."""
-        nodes = self.spec_snapshot().by_id()
-        return self._memo(
-            "host hits",
-            lambda: [k for k, (_, o) in self.ledger.host_handles.items() if o in nodes and nodes[o].slots is None],
-        )
+
+        def build() -> list[int]:
+            nodes = self.spec_snapshot().by_id()
+            return [k for k, (_, o) in self.ledger.host_handles.items() if o in nodes and nodes[o].slots is None]
+
+        return self._memo("host hits", build)
 
     def prefetch_anchors(self) -> list[int]:
         """Match ops whose host node is still in the tree: prefetch requests."""
-        nodes = self.spec_snapshot().by_id()
-        return self._memo("anchors", lambda: [k for k, (_, o) in self.ledger.anchors.items() if o in nodes])
+
+        def build() -> list[int]:
+            nodes = self.spec_snapshot().by_id()
+            return [k for k, (_, o) in self.ledger.anchors.items() if o in nodes]
+
+        return self._memo("anchors", build)
 
     def open_prefetches(self) -> list[int]:
         """Trace indices of prefetches still running."""

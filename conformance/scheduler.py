@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
 from kvcert.conformance.ledger import Ledger
+from kvcert.refimpl.cache import Chooser
 from kvcert.spec import pages
 from kvcert.spec import storage as l3
 from kvcert.spec.invariants import Violation
@@ -57,7 +58,6 @@ from kvcert.spec.types import (
 )
 
 Outcome = Union[MatchOut, InsertOut, AdmissionPlan, int, None, KVCertError]
-Chooser = Callable[[list[int]], int]
 
 
 class KVModel:

@@ -18,12 +18,11 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from kvcert.refimpl import RefCache
+from kvcert.refimpl.cache import Chooser
 from kvcert.spec import contracts
 from kvcert.spec.invariants import Violation
 from kvcert.spec.ops import Evict, EvictHost, Op
 from kvcert.spec.types import CacheConfig, Snapshot
-
-Chooser = Callable[[list[int]], int]
 
 
 def path_order(path: contracts.Path) -> tuple[str, tuple[int, ...]]:
