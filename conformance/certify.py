@@ -337,6 +337,11 @@ def scope_gaps(capabilities: Capabilities, cells: list[CellResult], bad_input: O
         missing = [w for w in PREFETCH_POLICIES if w not in capabilities.prefetch_policies]
         if missing:
             out.append(f"prefetch stop policies {', '.join(missing)}: not declared by the backend")
+    if capabilities.still_between_calls:
+        out.append(
+            "state between steps: not re-read (the backend declares still_between_calls, so each step's "
+            "before is the last step's after)"
+        )
     return out
 
 

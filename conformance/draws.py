@@ -1,5 +1,13 @@
 """What the state machine's rules draw from: Hypothesis's choices, and the token patterns keys are made of.
 
+Every value a rule draws is one of Hypothesis's primitive choices (an integer in a range, a
+boolean), taken straight from its choice sequence. Drawing through strategies (`data.draw(st...)`)
+made the same kind of choices but cost three to seven times as much per value (validation,
+timing, a span and a recorded value per draw, a fresh `sampled_from` strategy per call), about a
+seventh of a certification; the suite needs none of it, since it shrinks its failures as traces of
+ops (`conformance.shrink`) and never prints Hypothesis's report. Each step stays one span
+(`conformance.runner`), so Hypothesis's engine still mutates and splices examples step by step.
+
 Token ids are drawn from a few *page patterns* so sequences share prefixes often, and one
 pattern differs from another only in its last token, so matches diverge inside a page as well as
 at page boundaries.
@@ -7,7 +15,9 @@ at page boundaries.
 
 from __future__ import annotations
 
-from typing import Optional, TypeVar
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Generic, Optional, TypeVar
 
 from hypothesis import strategies as st
 from hypothesis.internal.conjecture.data import ConjectureData
@@ -16,16 +26,16 @@ from hypothesis.strategies._internal.lazy import unwrap_strategies
 
 MAX_PAGES = 5
 """Pages in a drawn key at most."""
+MORE = 0.75
+"""The chance a drawn list of page codes grows by one more (while below its maximum): lengths fall off
+geometrically, as Hypothesis's lists do, averaging about 2.3 of at most 5 pages."""
 _T = TypeVar("_T")
 
 
 class Draws:
-    """What a rule draws from: Hypothesis's choice sequence itself.
+    """What a rule draws from: Hypothesis's choice sequence itself, one primitive choice per value.
 
-    `st.data()` wraps every draw in bookkeeping for Hypothesis's own failure report (a numbered note
-    per draw, a check that the strategy did not touch `random`), which this suite never prints: it
-    reports the shrunk trace of ops. The choices drawn are the same; a draw costs about half.
-    Labels stay in the rules as documentation.
+    Labels name what each choice means; they document the rules and cost nothing.
     """
 
     __slots__ = ("_data",)
@@ -33,11 +43,80 @@ class Draws:
     def __init__(self, data: ConjectureData) -> None:
         self._data = data
 
-    def draw(self, strategy: SearchStrategy[_T], label: Optional[str] = None) -> _T:
-        return self._data.draw(strategy)
+    def integer(self, low: int, high: int, label: str = "") -> int:
+        """An integer in [low, high]; the simplest choice is `low`."""
+        return self._data.draw_integer(low, high) if high > low else low
+
+    def boolean(self, label: str = "", p: float = 0.5) -> bool:
+        """True with probability `p`; the simplest choice is False."""
+        return self._data.draw_boolean(p)
+
+    def choice(self, options: Sequence[_T], label: str = "") -> _T:
+        """One of `options` (uniformly); the simplest choice is the first. There must be one."""
+        if not options:
+            raise ValueError(f"nothing to choose from for {label or 'a choice'}")
+        return options[self.integer(0, len(options) - 1)]
+
+    def subset(self, options: Sequence[_T], label: str = "") -> list[_T]:
+        """Each of `options` in or out with even odds (in their order)."""
+        return [x for x in options if self._data.draw_boolean(0.5)]
+
+    def codes(self, min_size: int, max_size: int, label: str = "") -> list[int]:
+        """A list of page codes (0..3), `min_size` to `max_size` long, shorter lengths likelier."""
+        n = min_size
+        while n < max_size and self._data.draw_boolean(MORE):
+            n += 1
+        return [self._data.draw_integer(0, 3) for _ in range(n)]
+
+    def cut(self, n: int, label: str = "") -> int:
+        """The whole of an n-page key half the time, else any cut of it (0..n)."""
+        return n if not self._data.draw_boolean(0.5) else self.integer(0, n)
+
+
+@dataclass(frozen=True)
+class Choice(Generic[_T]):
+    """A rule argument drawn as one integer choice: `options[i]`, or `i` itself where there are none."""
+
+    low: int
+    high: int
+    options: Optional[tuple[_T, ...]] = None
+
+    def draw(self, data: ConjectureData) -> Any:
+        i = data.draw_integer(self.low, self.high) if self.high > self.low else self.low
+        return i if self.options is None else self.options[i]
+
+
+def integers(low: int, high: int) -> Choice[int]:
+    return Choice(low, high)
+
+
+def booleans() -> Choice[bool]:
+    return Choice(0, 1, (False, True))
+
+
+def sampled_from(options: Sequence[_T]) -> Choice[_T]:
+    if not options:
+        raise ValueError("sampled_from of nothing")
+    return Choice(0, len(options) - 1, tuple(options))
+
+
+class _DrawsArg:
+    """The `data=draws()` argument of a rule: the step's `Draws`, no choice made."""
+
+    def draw(self, data: ConjectureData) -> Draws:
+        return Draws(data)
+
+
+DRAWS = _DrawsArg()
+
+
+def draws() -> _DrawsArg:
+    return DRAWS
 
 
 class _DrawsStrategy(SearchStrategy[Draws]):
+    """What `run_machine`'s one Hypothesis test takes: the example's `Draws`."""
+
     def do_draw(self, data: ConjectureData) -> Draws:
         return Draws(data)
 
@@ -49,25 +128,7 @@ class _DrawsStrategy(SearchStrategy[Draws]):
 
 
 _DATA_LABEL: int = unwrap_strategies(st.data()).label
-
-
-def draws() -> SearchStrategy[Draws]:
-    return _DrawsStrategy()
-
-
-PAGES = st.lists(st.integers(0, 3), max_size=MAX_PAGES)
-TAIL = st.lists(st.integers(0, 3), min_size=1, max_size=2)
-MORE_ON_INSERT = st.one_of(TAIL, st.just([]))
-MORE_ON_MATCH = st.one_of(st.just([]), TAIL)
-_CUTS: dict[int, SearchStrategy[int]] = {}
-"""Strategies built once (Hypothesis validates a strategy on first draw): the choices are the same."""
-
-
-def cut_of(n: int) -> SearchStrategy[int]:
-    """The whole of an n-page key, or any cut of it."""
-    if n not in _CUTS:
-        _CUTS[n] = st.one_of(st.just(n), st.integers(0, n))
-    return _CUTS[n]
+EXAMPLE = _DrawsStrategy()
 
 
 def page_tokens(code: int, page_size: int) -> tuple[int, ...]:

@@ -85,6 +85,8 @@ class Harness(Queries):
     closed: bool = False
     _spec_snap: Optional[Snapshot] = None
     """The oracle's snapshot since it last changed: taken once per step, reused as the next step's before."""
+    _last_after: Optional[Snapshot] = None
+    """The backend's snapshot after the last step, its next before where it declares `still_between_calls`."""
     _queries: dict[Any, Any] = field(default_factory=dict)
     _queries_at: int = -1
 
@@ -97,7 +99,7 @@ class Harness(Queries):
                 self.storages = (FaultyStorage(MemoryStorage()), FaultyStorage(MemoryStorage()))
                 self.backend.attach_storage(self.storages[0])  # type: ignore[attr-defined]
                 self.oracle.attach_storage(self.storages[1])
-            self.check(0, None, self._snapshot(0, None), [])
+            self.check(0, None, self._remember(self._snapshot(0, None)), [])
         except BaseException:
             self.close()  # nobody else holds the backend yet
             raise
@@ -159,6 +161,18 @@ class Harness(Queries):
                 index, op, [Violation("INV-ERR-3", f"snapshot raised untyped {type(err).__name__}: {err}")]
             ) from err
 
+    def _remember(self, snap: Snapshot) -> Snapshot:
+        if self.capabilities.still_between_calls:
+            self._last_after = snap
+        return snap
+
+    def _before(self, index: int, op: Op) -> Snapshot:
+        """The backend's state before `op`: the last step's after where the backend declares it cannot change
+        between calls (its derived tables come with it), else read afresh."""
+        if self._last_after is not None:
+            return self._last_after
+        return self._snapshot(index, op)
+
     def step(self, op: Op) -> Outcome:
         """Apply `op` to the backend, then to the oracle steered to the backend's legal choices; check."""
         index = len(self.ops)
@@ -166,7 +180,7 @@ class Harness(Queries):
         self.clock += 1
         self.backend.set_clock(self.clock)
         self.oracle.set_clock(self.clock)
-        before = self._snapshot(index, op)
+        before = self._before(index, op)
         if isinstance(op, (StorageFault, Publish)):  # storage-side events: no cache call
             if self.storages:
                 damage(self.storages, op) if isinstance(op, StorageFault) else publish(self.storages, op, self.config)
@@ -181,7 +195,7 @@ class Harness(Queries):
             raise ConformanceFailure(
                 index, op, [Violation("INV-ERR-3", f"raised untyped {type(err).__name__}: {err}")]
             ) from err
-        after = self._snapshot(index, op)
+        after = self._remember(self._snapshot(index, op))
         want, found = self._follow(op, before, after, got)
         violations = found
         self.checks.contract(op, before, after, got, want, violations, notes.planned)

@@ -16,11 +16,9 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Optional
 
-from hypothesis import strategies as st
-
 from kvcert.conformance.backend import Factory
 from kvcert.conformance.determinism import StepDigest
-from kvcert.conformance.draws import MORE_ON_INSERT, MORE_ON_MATCH, PAGES, Draws, cut_of, draws, tokens_of
+from kvcert.conformance.draws import MAX_PAGES, Draws, booleans, draws, integers, sampled_from, tokens_of
 from kvcert.conformance.driver import Harness
 from kvcert.conformance.runner import initialize, precondition, rule
 from kvcert.spec.ops import (
@@ -159,10 +157,10 @@ class CacheMachine:
             # One run in four in the host-tier cells, whose copy-ack races need every step they can get;
             # one in two elsewhere.
             odds = 3 if self.host() and not self.storage() else 1
-            self.sessions_on = data.draw(st.integers(0, odds), label="priority rules") == 0
+            self.sessions_on = data.integer(0, odds, "priority rules") == 0
         if self.storage():
-            self.faults = sorted(data.draw(st.sets(st.sampled_from(STORAGE_FAULTS)), label="fault kinds"))
-            self.off = data.draw(st.sets(st.sampled_from(SWARM_RULES)), label="rules switched off")
+            self.faults = sorted(data.subset(STORAGE_FAULTS, "fault kinds"))
+            self.off = set(data.subset(SWARM_RULES, "rules switched off"))
 
     def on(self, rule: str) -> bool:
         """Whether this run uses `rule` (every rule is on outside the storage cells)."""
@@ -177,14 +175,17 @@ class CacheMachine:
         copies; lookups reuse three times in four and often ask for a whole earlier key, so they
         touch leaves and find host hits.
         """
-        reuse = data.draw(st.integers(0, 1 if remember else 3), label="reuse unless 0")
+        reuse = data.integer(0, 1 if remember else 3, "reuse unless 0")
         if self.seen and reuse:
-            ns, base = data.draw(st.sampled_from(self.seen), label="earlier key")
-            cut = data.draw(cut_of(len(base)), label="cut")
-            codes = base[:cut] + data.draw(MORE_ON_INSERT if remember else MORE_ON_MATCH, label="extension")
+            ns, base = data.choice(self.seen, "earlier key")
+            codes = base[: data.cut(len(base), "cut")]
+            if remember:  # the simplest choice extends an insert's key, and leaves a lookup's as it is
+                codes += [] if data.boolean("no extension") else data.codes(1, 2, "extension")
+            else:
+                codes += data.codes(1, 2, "extension") if data.boolean("extension?") else []
         else:
-            ns = data.draw(st.sampled_from(self.namespaces), label="namespace")
-            codes = data.draw(PAGES, label="pages")
+            ns = data.choice(self.namespaces, "namespace")
+            codes = data.codes(0, MAX_PAGES, "pages")
         codes = codes[: self.config.capacity // self.config.page_size]  # longer never fits: a wasted step
         if remember and codes and (ns, codes) not in self.seen:
             self.seen.append((ns, codes))
@@ -199,11 +200,11 @@ class CacheMachine:
         Without that, most inserts into a 6-page device meet a pool full of KV locked by pending
         write-through copies, and change nothing.
         """
-        priority = data.draw(st.integers(0, 2), label="priority")
+        priority = data.integer(0, 2, "priority")
         ns, codes = self.draw_key(data, remember=True)
         tokens = tokens_of(codes, self.config.page_size)
         if self.host() and len(tokens) > self.h.free_tokens():
-            if data.draw(st.booleans(), label="make room"):
+            if data.boolean("make room"):
                 self.make_room(len(tokens))
         self.do(Insert(ns, tokens, priority))
 
@@ -220,25 +221,25 @@ class CacheMachine:
     @rule(data=draws())
     def match(self, data: Draws) -> None:
         ns, codes = self.draw_key(data, remember=False)
-        tail = data.draw(st.integers(0, self.config.page_size - 1), label="unaligned tail")
+        tail = data.integer(0, self.config.page_size - 1, "unaligned tail")
         self.do(Match(ns, tokens_of(codes, self.config.page_size, tail)))
 
     @precondition(lambda self: self.on("lock") and bool(self.h.live_handles()))
     @rule(data=draws())
     def lock(self, data: Draws) -> None:
-        self.do(Lock(data.draw(st.sampled_from(self.h.live_handles()), label="handle")))
+        self.do(Lock(data.choice(self.h.live_handles(), "handle")))
 
     @precondition(lambda self: bool(self.h.locked_handles()))
     @rule(data=draws())
     def unlock(self, data: Draws) -> None:
-        self.do(Unlock(data.draw(st.sampled_from(self.h.locked_handles()), label="handle")))
+        self.do(Unlock(data.choice(self.h.locked_handles(), "handle")))
 
     @precondition(lambda self: self.on("evict"))
-    @rule(data=draws(), small=st.booleans())
+    @rule(data=draws(), small=booleans())
     def evict(self, data: Draws, small: bool) -> None:
         high = 2 * self.config.page_size if small else self.config.capacity
-        n = data.draw(st.integers(1 if small else 0, high), label="tokens")
-        scope = data.draw(st.sampled_from(SCOPES), label="scope") if self.priority() else (True, True)
+        n = data.integer(1 if small else 0, high, "tokens")
+        scope = data.choice(SCOPES, "scope") if self.priority() else (True, True)
         self.do(Evict(n, *scope))
 
     # ----------------------------------------------------------------- priority tiers (SPEC.md §11)
@@ -247,46 +248,46 @@ class CacheMachine:
         return self.capabilities.priority_refs and self.sessions_on
 
     @precondition(lambda self: self.priority() and bool(self.h.live_handles()))
-    @rule(data=draws(), action=st.sampled_from(["register", "register", "fork", "update", "release"]))
+    @rule(data=draws(), action=sampled_from(["register", "register", "fork", "update", "release"]))
     def session(self, data: Draws, action: str) -> None:
         """A conversation's turn ends and it holds its path (again), forks (a rollout group sharing its
         prefix: a second session on the same node), changes priority, or ends."""
         registered = self.h.sessions()
-        priority = data.draw(st.integers(0, 2), label="priority")
+        priority = data.integer(0, 2, "priority")
         if action == "fork" and registered:
-            same = self.h.session_handles(data.draw(st.sampled_from(registered), label="forked"))
+            same = self.h.session_handles(data.choice(registered, "forked"))
             if same:
-                name = data.draw(st.sampled_from(SESSIONS), label="session")
+                name = data.choice(SESSIONS, "session")
                 self.do(RegisterRef(name, same[0], priority))
                 return
         if action in ("register", "fork") or not registered:
-            name = data.draw(st.sampled_from(SESSIONS), label="session")
-            self.do(RegisterRef(name, data.draw(st.sampled_from(self.h.live_handles()), label="handle"), priority))
+            name = data.choice(SESSIONS, "session")
+            self.do(RegisterRef(name, data.choice(self.h.live_handles(), "handle"), priority))
         elif action == "update":
-            self.do(UpdateRef(data.draw(st.sampled_from(registered), label="session"), priority))
+            self.do(UpdateRef(data.choice(registered, "session"), priority))
         else:
             high = self.h.high_sessions()
-            if high and self.h.any_demoted() and data.draw(st.booleans(), label="high ends"):
+            if high and self.h.any_demoted() and data.boolean("high ends"):
                 registered = high  # a high-priority session ending is what gives a demoted one back its tier
-            self.do(ReleaseRef(data.draw(st.sampled_from(registered), label="session")))
+            self.do(ReleaseRef(data.choice(registered, "session")))
 
     @precondition(lambda self: self.priority())
-    @rule(data=draws(), profiled=st.booleans())
+    @rule(data=draws(), profiled=booleans())
     def admit(self, data: Draws, profiled: bool) -> None:
         """A request asks for room while others decode: plan (evict, retract, fewer layers), then apply it."""
         ps = self.config.page_size
         free = self.h.free_tokens() // ps
         running = []
-        for _ in range(data.draw(st.integers(0, 3), label="running requests")):
-            pages = data.draw(st.integers(0, min(2, free)), label="pages held")
+        for _ in range(data.integer(0, 3, "running requests")):
+            pages = data.integer(0, min(2, free), "pages held")
             free -= pages
-            running.append((data.draw(st.integers(0, 2), label="its priority"), pages * ps))
-        pages = data.draw(st.integers(1, self.config.capacity // ps + 1), label="pages asked")
-        tokens = pages * ps - data.draw(st.integers(0, ps - 1), label="short of a page")
+            running.append((data.integer(0, 2, "its priority"), pages * ps))
+        pages = data.integer(1, self.config.capacity // ps + 1, "pages asked")
+        tokens = pages * ps - data.integer(0, ps - 1, "short of a page")
         profile = None
         if profiled:
-            profile = tuple(data.draw(st.integers(0, high), label=k) for k, high in self.PROFILE)
-        self.do(Admit(tokens, data.draw(st.integers(0, 2), label="priority"), tuple(running), profile))
+            profile = tuple(data.integer(0, high, k) for k, high in self.PROFILE)
+        self.do(Admit(tokens, data.integer(0, 2, "priority"), tuple(running), profile))
 
     PROFILE = (("load", 1), ("store", 1), ("step", 8), ("target", 64))
     """Ranges of the drawn profile: streaming one layer of a few pages lands on either side of the target."""
@@ -297,15 +298,15 @@ class CacheMachine:
         return self.config.host_capacity > 0
 
     @precondition(lambda self: self.host() and bool(self.h.open_copies()))
-    @rule(data=draws(), oldest=st.booleans())
+    @rule(data=draws(), oldest=booleans())
     def complete(self, data: Draws, oldest: bool) -> None:
         """Finish a copy: the oldest one, or a later one, so acks also finish out of order."""
         open_copies = self.h.open_copies()
         later = open_copies[1:] or open_copies
-        self.do(Complete(open_copies[0] if oldest else data.draw(st.sampled_from(later), label="copy")))
+        self.do(Complete(open_copies[0] if oldest else data.choice(later, "copy")))
 
     @precondition(lambda self: self.host())
-    @rule(data=draws(), settle=st.sampled_from([False, False, False, True]))
+    @rule(data=draws(), settle=sampled_from([False, False, False, True]))
     def poll(self, data: Draws, settle: bool) -> None:
         """One tick of ack handling; `settle` (one poll in four) first finishes every open copy.
 
@@ -323,18 +324,18 @@ class CacheMachine:
             self.do(Poll())
 
     @precondition(lambda self: self.host() and self.on("evict_host"))
-    @rule(data=draws(), small=st.booleans())
+    @rule(data=draws(), small=booleans())
     def evict_host(self, data: Draws, small: bool) -> None:
         high = 2 * self.config.page_size if small else self.config.host_capacity
-        self.do(EvictHost(data.draw(st.integers(1 if small else 0, high), label="host tokens")))
+        self.do(EvictHost(data.integer(1 if small else 0, high, "host tokens")))
 
     @precondition(lambda self: self.host() and self.on("load_back") and bool(self.h.host_hits()))
     @rule(data=draws())
     def load_back(self, data: Draws) -> None:
-        self.do(LoadBack(data.draw(st.sampled_from(self.h.host_hits()), label="match")))
+        self.do(LoadBack(data.choice(self.h.host_hits(), "match")))
 
     @precondition(lambda self: self.host() and self.on("load_back") and bool(self.seen))
-    @rule(data=draws(), land=st.booleans())
+    @rule(data=draws(), land=booleans())
     def readmit(self, data: Draws, land: bool) -> None:
         """An earlier conversation comes back: match its key and, when the host holds the rest, load it back,
         often letting the load land at once (the scheduler's admission of a request with a host hit).
@@ -342,8 +343,8 @@ class CacheMachine:
         A host hit lives from a demotion to the next host eviction; waiting for `load_back` to pick one
         up loaded back about one step in a hundred (none in 100 examples of SGLang's P=4 host cell),
         so a wrong slot in a load was seldom read. After a lull the conversation's KV was demoted."""
-        ns, codes = data.draw(st.sampled_from(self.seen), label="earlier key")
-        if data.draw(st.booleans(), label="after a lull"):  # while it was idle its copies landed, its KV was demoted
+        ns, codes = data.choice(self.seen, "earlier key")
+        if data.boolean("after a lull"):  # while it was idle its copies landed, its KV was demoted
             self.settle()
             self.do(Evict(self.config.capacity))
         at = len(self.h.ops)
@@ -389,7 +390,7 @@ class CacheMachine:
     def copy_fault(self, data: Draws) -> None:
         """The copy engine fails one copy: a write or load is retried (stays pending), a store writes nothing."""
         self.do(InjectFault("copy"))
-        self.do(Complete(data.draw(st.sampled_from(self.h.open_copies()), label="failed copy")))
+        self.do(Complete(data.choice(self.h.open_copies(), "failed copy")))
 
     # ----------------------------------------------------------------- retraction (SPEC.md §9.11)
 
@@ -397,20 +398,20 @@ class CacheMachine:
         return self.storage() and self.capabilities.retraction
 
     @precondition(lambda self: self.retraction() and self.on("retract") and bool(self.h.live_handles()))
-    @rule(data=draws(), tail=st.integers(1, 2))
+    @rule(data=draws(), tail=integers(1, 2))
     def retract(self, data: Draws, tail: int) -> None:
         """Decode runs out of KV: a running request (its prefix, and `tail` pages it decoded) is retracted to host.
 
         A running request has decoded at least one token (SGLang asserts `seqlen > 1`), so the
         tail is never empty; an empty retraction is bad input (the `malformed` rule)."""
-        k = data.draw(st.sampled_from(self.h.live_handles()), label="request")
+        k = data.choice(self.h.live_handles(), "request")
         self.do(Retract(k, tail * self.config.page_size))
 
     @precondition(lambda self: self.retraction() and bool(self.h.open_retractions()))
-    @rule(data=draws(), resume=st.booleans())
+    @rule(data=draws(), resume=booleans())
     def resume(self, data: Draws, resume: bool) -> None:
         """A retracted request resumes (after the scheduler evicts for its KV), or is aborted for good."""
-        k = data.draw(st.sampled_from(self.h.open_retractions()), label="retraction")
+        k = data.choice(self.h.open_retractions(), "retraction")
         if not resume:
             self.do(Discard(k))
             return
@@ -422,7 +423,7 @@ class CacheMachine:
     def abort(self, data: Draws) -> None:
         """A request is aborted wherever it stands: prefetching, retracted, or holding locks while its
         load-back is still in flight. It gives back everything it holds; its copies finish on their own."""
-        k = data.draw(st.sampled_from(sorted(self.h.handles)), label="request")
+        k = data.choice(sorted(self.h.handles), "request")
         prefetches, backups, locks = self.h.held_by(k)
         for p in prefetches:
             self.do(AbortPrefetch(p))
@@ -437,7 +438,7 @@ class CacheMachine:
         return bool(self.config.prefetch_policy)
 
     @precondition(lambda self: self.storage())
-    @rule(data=draws(), fresh=st.booleans())
+    @rule(data=draws(), fresh=booleans())
     def prefetch(self, data: Draws, fresh: bool) -> None:
         """A request prefetches what follows its host hit from storage: a new request (match, then
         prefetch), or one matched earlier that the scheduler deferred until now."""
@@ -448,7 +449,7 @@ class CacheMachine:
             if len(self.h.ops) - 1 in self.h.anchors:  # the match names an anchor (SPEC.md §10.4)
                 self.do(Prefetch(len(self.h.ops) - 1))
         else:
-            self.do(Prefetch(data.draw(st.sampled_from(earlier), label="deferred match")))
+            self.do(Prefetch(data.choice(earlier, "deferred match")))
 
     def draw_request(self, data: Draws) -> tuple[Optional[str], list[int]]:
         """A request's key: often one a peer published (a warm L3 hit), else as `draw_key` draws.
@@ -456,9 +457,9 @@ class CacheMachine:
         Without this most prefetches find storage empty: the engine's own pages reach it only
         after a write ack and a store copy both complete, and leave the memory tiers rarely.
         """
-        if self.published and data.draw(st.booleans(), label="warm"):
-            ns, codes = data.draw(st.sampled_from(self.published), label="published key")
-            return ns, codes + data.draw(st.lists(st.integers(0, 3), max_size=1), label="extension")
+        if self.published and data.boolean("warm"):
+            ns, codes = data.choice(self.published, "published key")
+            return ns, codes + data.codes(0, 1, "extension")
         return self.draw_key(data, remember=True)
 
     @precondition(lambda self: self.storage())
@@ -476,7 +477,7 @@ class CacheMachine:
             while k in self.h.fetchable():
                 self.do(Fetch(k))
             self.do(CheckPrefetch(k))
-        if data.draw(st.booleans(), label="then insert"):
+        if data.boolean("then insert"):
             self.do(Insert(ns, tokens))
 
     @precondition(lambda self: self.storage() and self.on("publish"))
@@ -500,30 +501,30 @@ class CacheMachine:
         self.do(EvictHost(self.config.host_capacity))
         high = self.h.high_sessions()
         if self.priority() and high and self.h.any_demoted():
-            if data.draw(st.booleans(), label="a high session ends"):
-                self.do(ReleaseRef(data.draw(st.sampled_from(high), label="session")))
+            if data.boolean("a high session ends"):
+                self.do(ReleaseRef(data.choice(high, "session")))
 
     @precondition(lambda self: self.storage() and bool(self.h.fetchable()))
-    @rule(data=draws(), pages=st.integers(1, 3))
+    @rule(data=draws(), pages=integers(1, 3))
     def fetch(self, data: Draws, pages: int) -> None:
         """Storage delivers one or a few pages of one prefetch."""
-        k = data.draw(st.sampled_from(self.h.fetchable()), label="prefetch")
+        k = data.choice(self.h.fetchable(), "prefetch")
         for _ in range(pages):
             if k in self.h.fetchable():
                 self.do(Fetch(k))
 
     @precondition(lambda self: self.storage() and bool(self.h.open_prefetches()))
-    @rule(data=draws(), abort=st.booleans())
+    @rule(data=draws(), abort=booleans())
     def end_prefetch(self, data: Draws, abort: bool) -> None:
         """check_prefetch_progress, or the request is aborted."""
-        k = data.draw(st.sampled_from(self.h.open_prefetches()), label="prefetch")
+        k = data.choice(self.h.open_prefetches(), "prefetch")
         self.do(AbortPrefetch(k) if abort else CheckPrefetch(k))
 
     @precondition(lambda self: self.storage() and bool(self.faults))
     @rule(data=draws())
     def storage_fault(self, data: Draws) -> None:
-        kind = data.draw(st.sampled_from(self.faults), label="fault")
-        self.do(StorageFault(kind, data.draw(st.integers(0, 7), label="at")))
+        kind = data.choice(self.faults, "fault")
+        self.do(StorageFault(kind, data.integer(0, 7, "at")))
 
     # ----------------------------------------------------------------- bad input (strict backends)
 
@@ -531,26 +532,22 @@ class CacheMachine:
         return self.bad_input
 
     @precondition(lambda self: self.strict() and self.on("malformed"))
-    @rule(data=draws(), kind=st.sampled_from(["insert", "match", "handle", "evict", "host", "session"]))
+    @rule(data=draws(), kind=sampled_from(["insert", "match", "handle", "evict", "host", "session"]))
     def malformed(self, data: Draws, kind: str) -> None:
         """One rule for every kind of bad input, so valid traffic keeps most of the steps."""
         ps = self.config.page_size
         if kind == "session" and self.priority():
-            bad = data.draw(
-                st.sampled_from(["id", "unknown", "priority", "scope", "handle", "plan"]), label="session defect"
-            )
+            bad = data.choice(["id", "unknown", "priority", "scope", "handle", "plan"], "session defect")
             if bad == "plan":
-                self.do(Admit(data.draw(st.sampled_from([-1, 2.5]), label="bad tokens"), 1, (), None))
+                self.do(Admit(data.choice([-1, 2.5], "bad tokens"), 1, (), None))
             elif bad == "id":
                 self.do(RegisterRef(7, 10_000, 1))
             elif bad == "unknown":
-                self.do(ReleaseRef("nobody") if data.draw(st.booleans(), label="release?") else UpdateRef("nobody", 1))
+                self.do(ReleaseRef("nobody") if data.boolean("release?") else UpdateRef("nobody", 1))
             elif bad == "priority":
-                self.do(UpdateRef(data.draw(st.sampled_from(SESSIONS), label="session"), 1.5))
+                self.do(UpdateRef(data.choice(SESSIONS, "session"), 1.5))
             elif bad == "scope":
-                self.do(
-                    Evict(ps, *data.draw(st.sampled_from([(False, True), (1, False), (True, None)]), label="scope"))
-                )
+                self.do(Evict(ps, *data.choice([(False, True), (1, False), (True, None)], "scope")))
             else:
                 self.do(RegisterRef("a", 10_000, 1))
             return
@@ -558,11 +555,11 @@ class CacheMachine:
             defects = ["copy", "evict_host", "load_back"] + (["prefetch"] if self.storage() else [])
             defects += ["fault"] if self.storage() and self.capabilities.faults else []
             defects += ["retraction"] if self.retraction() else []
-            bad = data.draw(st.sampled_from(defects), label="host defect")
+            bad = data.choice(defects, "host defect")
             if bad == "retraction":
                 used = [k for k in range(len(self.h.retractions)) if k not in self.h.open_retractions()]
-                k = data.draw(st.sampled_from([10_000, -1, *used]), label="retraction")
-                which = data.draw(st.sampled_from(["restore", "discard", "empty"]), label="retraction defect")
+                k = data.choice([10_000, -1, *used], "retraction")
+                which = data.choice(["restore", "discard", "empty"], "retraction defect")
                 if which == "empty":  # nothing to back up: no device prefix, no decoded tail
                     self.do(Retract(10_000, 0))
                 else:
@@ -570,36 +567,36 @@ class CacheMachine:
             elif bad == "fault":
                 self.do(InjectFault("disk_full"))
             elif bad == "prefetch":
-                self.do(Fetch(10_000) if data.draw(st.booleans(), label="fetch?") else CheckPrefetch(-1))
+                self.do(Fetch(10_000) if data.boolean("fetch?") else CheckPrefetch(-1))
             elif bad == "copy":
-                self.do(Complete(data.draw(st.sampled_from([10_000, -1, *self.h.finished_copies()]), label="copy")))
+                self.do(Complete(data.choice([10_000, -1, *self.h.finished_copies()], "copy")))
             elif bad == "evict_host":
-                self.do(EvictHost(data.draw(st.sampled_from([-1, 2.5]), label="bad count")))
+                self.do(EvictHost(data.choice([-1, 2.5], "bad count")))
             else:
                 self.do(LoadBack(10_000))
             return
         if kind == "insert":
-            tokens = tokens_of(data.draw(st.lists(st.integers(0, 3), min_size=1, max_size=3), label="pages"), ps)
-            defect = data.draw(st.sampled_from(["unaligned", "mismatch", "token"]), label="defect")
+            tokens = tokens_of(data.codes(1, 3, "pages"), ps)
+            defect = data.choice(["unaligned", "mismatch", "token"], "defect")
             if defect == "unaligned" and ps > 1:
                 self.do(Insert(None, tokens + (0,), value_len=len(tokens)))
             elif defect in ("unaligned", "mismatch"):
-                delta = data.draw(st.sampled_from([-ps, ps]), label="value_len delta")
+                delta = data.choice([-ps, ps], "value_len delta")
                 self.do(Insert(None, tokens, value_len=max(0, len(tokens) + delta)))
             else:
-                bad = data.draw(st.sampled_from([-1, 1.5, "7", True]), label="bad token")
+                bad = data.choice([-1, 1.5, "7", True], "bad token")
                 self.do(Insert(None, tokens[:-1] + (bad,)))
         elif kind == "match":
-            self.do(Match(None, (0, data.draw(st.sampled_from([-3, 2.5, "x"]), label="bad token"))))
+            self.do(Match(None, (0, data.choice([-3, 2.5, "x"], "bad token"))))
         elif kind == "handle":
             live = self.h.live_handles()
             stale = [k for k in self.h.handles if k not in live]
             unlocked = [k for k in live if self.h.own_locks(k) == 0]
-            k = data.draw(st.sampled_from([10_000, *stale, *unlocked]), label="handle")
-            lock = k in stale and data.draw(st.booleans(), label="lock?")
+            k = data.choice([10_000, *stale, *unlocked], "handle")
+            lock = k in stale and data.boolean("lock?")
             self.do(Lock(k) if lock else Unlock(k))
         else:  # "evict", and "host" on a device-only cache
-            self.do(Evict(data.draw(st.sampled_from([-1, -8, 1.5, "4"]), label="bad count")))
+            self.do(Evict(data.choice([-1, -8, 1.5, "4"], "bad count")))
 
     def teardown(self) -> None:
         try:

@@ -23,8 +23,9 @@ from typing import Any, Optional, TypeVar
 
 from hypothesis import given, seed, settings
 from hypothesis.internal.conjecture.utils import calc_label_from_name
+from hypothesis.strategies import SearchStrategy
 
-from kvcert.conformance.draws import Draws, draws
+from kvcert.conformance.draws import EXAMPLE, Draws
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 _RULE, _INIT, _PRE = "_kvcert_rule", "_kvcert_initialize", "_kvcert_preconditions"
@@ -37,7 +38,8 @@ SWARM_LEVELS = 255
 
 
 def rule(**arguments: Any) -> Callable[[_F], _F]:
-    """Mark a method as a rule; each keyword is drawn from its strategy for every call."""
+    """Mark a method as a rule; each keyword is drawn for every call, from a Hypothesis strategy or a
+    `conformance.draws` argument (one primitive choice, or the step's `Draws`)."""
 
     def mark(f: _F) -> _F:
         setattr(f, _RULE, arguments)
@@ -77,7 +79,9 @@ class Rule:
         return all(check(machine) for check in self.preconditions)
 
     def run(self, machine: Any, cd: Any) -> None:
-        self.function(machine, **{k: cd.draw(s) for k, s in self.arguments})
+        self.function(
+            machine, **{k: cd.draw(s) if isinstance(s, SearchStrategy) else s.draw(cd) for k, s in self.arguments}
+        )
 
 
 def rules_of(machine: type) -> tuple[Optional[Rule], list[Rule]]:
@@ -119,7 +123,7 @@ def run_machine(machine: Callable[[], Any], conf: settings, seed_value: int) -> 
 
     @seed(seed_value)
     @conf
-    @given(draws())
+    @given(EXAMPLE)
     def example(d: Draws) -> None:
         cd = d._data
         m = machine()

@@ -37,6 +37,9 @@ class Mutant:
     """Host-tier cells to run; () runs the device-only cells."""
     prefetch_policies: tuple[str, ...] = ()
     """Storage cells to run (with `write_policies`) instead of the plain host-tier cells."""
+    budget: int = 1
+    """Examples per cell, as a multiple of the selftest's: for a bug class whose window generation enters
+    rarely (the unmodified model's control run gets the same budget on the same cells)."""
 
 
 MUTANTS: tuple[Mutant, ...] = (
@@ -624,6 +627,10 @@ MUTANTS: tuple[Mutant, ...] = (
         page_sizes=(1,),
         write_policies=("write_back",),
         prefetch_policies=("best_effort", "timeout"),
+        # Seen only when a deferred prefetch ends after other requests touched the tree and an eviction then
+        # ranks its anchor (at quiescence, write-back's backups in eviction order): at 600 examples per cell,
+        # each generator this suite has had killed it at half to two thirds of seeds (0-7: 5 of 8 now); at 4x, 8 of 8.
+        budget=4,
     ),
 )
 
@@ -741,7 +748,7 @@ def run_mutant(mutant: Mutant, *, examples: int, steps: int, seed: int, out_dir:
     return certify(
         f"kvcert.conformance.zoo:{mutant.name}",
         factory=build(mutant),
-        examples=examples,
+        examples=examples * mutant.budget,
         steps=steps,
         seed=seed,
         page_sizes=mutant.page_sizes,
@@ -759,6 +766,7 @@ def run_control(*, examples: int, steps: int, seed: int, out_dir: Optional[Path]
     """The unmodified model on every cell some mutant runs: it must pass them all."""
     caps = refcache.RefCache.capabilities
     configs: list[CacheConfig] = []
+    budget: dict[CacheConfig, int] = {}
     for m in MUTANTS:
         cells, _ = cells_for(
             caps,
@@ -770,6 +778,8 @@ def run_control(*, examples: int, steps: int, seed: int, out_dir: Optional[Path]
             host_cells=not m.prefetch_policies,
         )
         configs += [c for c in cells if c not in configs]
+        for c in cells:
+            budget[c] = max(budget.get(c, 1), m.budget)
     cert = Certificate("kvcert.refimpl:factory", caps.name, seed, examples, steps, caps.strict_input)
     for config in configs:
         cert.cells.append(
@@ -777,7 +787,7 @@ def run_control(*, examples: int, steps: int, seed: int, out_dir: Optional[Path]
                 refcache.factory,
                 caps,
                 config,
-                examples=examples,
+                examples=examples * budget[config],
                 steps=steps,
                 seed=seed,
                 target="kvcert.refimpl:factory",

@@ -27,6 +27,7 @@ with `kvcert.refimpl`, so it must share none of the model's code.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any, Optional
 
 import torch
@@ -59,6 +60,7 @@ CAPABILITIES = Capabilities(
     retraction=True,
     kv_reads=True,
     priority_refs=True,
+    still_between_calls=True,
 )
 
 
@@ -79,7 +81,8 @@ def make_factory(
         return GpuCache(config, layout=layout, host_layout=host_layout, geometry=geometry, engine=engine, device=device)
 
     f: Any = build
-    f.capabilities = CAPABILITIES
+    # A worker thread moves copies between calls: the harness reads every snapshot afresh.
+    f.capabilities = CAPABILITIES if engine == "deferred" else replace(CAPABILITIES, still_between_calls=False)
     return build
 
 

@@ -269,6 +269,7 @@ class RefCache:
         retraction=True,
         kv_reads=True,
         priority_refs=True,
+        still_between_calls=True,
     )
 
     def __init__(self, config: CacheConfig = _DEFAULT_CONFIG) -> None:

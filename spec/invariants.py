@@ -9,7 +9,7 @@ SGLang's included. Relations that need a second snapshot or the oracle live in
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvcert.spec import pages
@@ -38,25 +38,31 @@ def _build_non_root(s: Snapshot) -> list[NodeView]:
 def tree_links(s: Snapshot) -> list[str]:
     """INV-TREE-1: one root, unique ids, every parent exists, every node reaches the root."""
     out: list[str] = []
-    ids = Counter(n.id for n in s.nodes)
-    out += [f"node id {i} appears {c} times" for i, c in ids.items() if c > 1]
     nodes = s.by_id()
+    if len(nodes) != len(s.nodes):
+        ids = Counter(n.id for n in s.nodes)
+        out += [f"node id {i} appears {c} times" for i, c in ids.items() if c > 1]
     root = nodes.get(s.root)
     if root is None:
         return out + [f"root {s.root} is not among the nodes"]
     if root.parent is not None or root.key:
         out.append("root has a parent or a non-empty key")
+    reached = {s.root}  # ids known to reach the root: each path is walked once, not once per node below it
     for n in _non_root(s):
         if n.parent is None or n.parent not in nodes:
             out.append(f"node {n.id} has missing parent {n.parent}")
             continue
-        cur, hops = n.id, 0
-        while cur != s.root and hops <= len(nodes):
+        walked: list[int] = []
+        cur = n.id
+        while cur not in reached and len(walked) <= len(nodes):
+            walked.append(cur)
             parent = nodes[cur].parent
             if parent is None or parent not in nodes:
                 break
-            cur, hops = parent, hops + 1
-        if cur != s.root:
+            cur = parent
+        if cur in reached:
+            reached.update(walked)
+        else:
             out.append(f"node {n.id} does not reach the root")
     return out
 
@@ -124,34 +130,77 @@ def protected_exact(s: Snapshot) -> list[str]:
     return [] if s.protected_size == want else [f"protected_size {s.protected_size}, tree says {want}"]
 
 
+def _device_held(s: Snapshot) -> list[int]:
+    """Every device slot the tree's nodes hold, node by node (a slot held twice appears twice)."""
+    return s.derived("device_held", _build_device_held)
+
+
+def _build_device_held(s: Snapshot) -> list[int]:
+    out: list[int] = []
+    for n in _non_root(s):
+        if n.slots is not None:
+            out.extend(n.slots)
+    return out
+
+
+def _all_distinct(*groups: Sequence[int]) -> bool:
+    seen: set[int] = set()
+    total = 0
+    for g in groups:
+        seen.update(g)
+        total += len(g)
+    return len(seen) == total
+
+
+def _all_within(limit: int, *groups: Sequence[int]) -> bool:
+    present = [g for g in groups if g]
+    return not present or (min(min(g) for g in present) >= 0 and max(max(g) for g in present) < limit)
+
+
 def pool_closes(s: Snapshot) -> list[str]:
     """INV-ACCT-3: free slots + slots held by the tree == capacity (between operations)."""
-    held = sum(len(n.slots or ()) for n in _non_root(s))
+    held = len(_device_held(s))
     total = held + len(s.free_slots)
     return [] if total == s.capacity else [f"free {len(s.free_slots)} + tree {held} = {total} != capacity {s.capacity}"]
 
 
 def slots_unique(s: Snapshot) -> list[str]:
     """INV-SLOT-1: no slot is owned twice (by two nodes, twice by one, or by a node and the free list)."""
+    if _all_distinct(s.free_slots, _device_held(s)):
+        return []
     owners: Counter[int] = Counter(s.free_slots)
-    for n in _non_root(s):
-        owners.update(n.slots or ())
+    owners.update(_device_held(s))
     return [f"slot {slot} owned {c} times" for slot, c in sorted(owners.items()) if c > 1]
 
 
 def slots_in_range(s: Snapshot) -> list[str]:
     """INV-SLOT-2: every slot id lies in [0, slot_limit)."""
-    bad = sorted({x for n in _non_root(s) for x in n.slots or ()} | set(s.free_slots))
+    if _all_within(s.slot_limit, s.free_slots, _device_held(s)):
+        return []
+    bad = sorted(set(_device_held(s)) | set(s.free_slots))
     return [f"slot {x} outside [0, {s.slot_limit})" for x in bad if not 0 <= x < s.slot_limit]
+
+
+def _whole_pages(ps: int, slots: Sequence[int]) -> bool:
+    """Every full page of `slots` is one aligned, contiguous page (the common case, checked in one pass)."""
+    full = len(slots) - len(slots) % ps
+    starts = slots[0:full:ps]
+    return all(x % ps == 0 for x in starts) and tuple(slots[:full]) == tuple(
+        x for first in starts for x in range(first, first + ps)
+    )
 
 
 def _paged(ps: int, owned: list[tuple[int, tuple[int, ...]]], free: tuple[int, ...]) -> list[str]:
     out = []
     for node_id, slots in owned:
+        if _whole_pages(ps, slots):
+            continue
         for i in range(0, len(slots) - ps + 1, ps):
             page = slots[i : i + ps]
             if page[0] % ps or list(page) != list(range(page[0], page[0] + ps)):
                 out.append(f"node {node_id} page {i // ps} has slots {page}")
+    if len(set(free)) == len(free) == ps * len({x // ps for x in free}):
+        return out  # distinct slots, at most ps to a page, ps per page on average: every page whole
     per_page = Counter(x // ps for x in free)
     out += [f"free list holds {c}/{ps} slots of page {p}" for p, c in sorted(per_page.items()) if c != ps]
     return out
@@ -212,15 +261,17 @@ def host_pool_closes(s: Snapshot) -> list[str]:
 
 def host_slots_owned_once(s: Snapshot) -> list[str]:
     """INV-HOST-5: host slots are owned once, lie in [0, host_capacity), and come in whole pages."""
-    owners: Counter[int] = Counter(s.host_free_slots)
-    for n in _non_root(s):
-        owners.update(n.host_slots or ())
-    for p in s.prefetches:
-        owners.update(p.host_slots)
-    for r in s.retractions:
-        owners.update(r.host_slots)
-    out = [f"host slot {x} owned {c} times" for x, c in sorted(owners.items()) if c > 1]
-    out += [f"host slot {x} outside [0, {s.host_capacity})" for x in sorted(owners) if not 0 <= x < s.host_capacity]
+    groups: list[Sequence[int]] = [s.host_free_slots]
+    groups += [n.host_slots for n in _non_root(s) if n.host_slots is not None]
+    groups += [p.host_slots for p in s.prefetches]
+    groups += [r.host_slots for r in s.retractions]
+    out: list[str] = []
+    if not (_all_distinct(*groups) and _all_within(s.host_capacity, *groups)):
+        owners: Counter[int] = Counter()
+        for g in groups:
+            owners.update(g)
+        out += [f"host slot {x} owned {c} times" for x, c in sorted(owners.items()) if c > 1]
+        out += [f"host slot {x} outside [0, {s.host_capacity})" for x in sorted(owners) if not 0 <= x < s.host_capacity]
     if s.page_size > 1:
         owned = [(n.id, n.host_slots) for n in _non_root(s) if n.host_slots is not None]
         owned += [(-1 - p.id, p.host_slots) for p in s.prefetches]

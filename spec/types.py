@@ -460,4 +460,9 @@ class Capabilities:
     """True: the harness writes each request's KV and reads every slot back (`KVBackend`, SPEC.md §9.12)."""
     priority_refs: bool = False
     """True: sessions, tiered and scoped eviction, adaptive demotion, admission plans (SPEC.md §11)."""
+    still_between_calls: bool = False
+    """True: the state changes only inside the backend's operations (never in `set_clock`, a read, or a
+    background thread), so the harness reads its snapshot once per step and takes the one after a step as
+    the next step's before. A backend that declares it and changes between calls is checked against a
+    stale before; its afters are still read fresh."""
     notes: tuple[str, ...] = field(default_factory=tuple)

@@ -202,6 +202,36 @@ def test_a_certificate_says_what_it_did_not_check(tmp_path: Path) -> None:
     )
     assert all("not declared" not in g for g in full.not_checked)  # the model declares everything
     assert any("host tier" in g and "no step of this run" in g for g in full.not_checked)  # but --device-only ran none
+    assert any(g.startswith("state between steps: not re-read") for g in full.not_checked)
+
+
+def test_a_backend_still_between_calls_is_read_once_a_step() -> None:
+    """Declared `still_between_calls`: the snapshot after a step is the next step's before (one read a step,
+    two otherwise), and a step's findings are the same either way."""
+    from dataclasses import replace
+
+    config = CacheConfig(page_size=1, capacity=8)
+    ops = [Insert(None, (1, 2, 3)), Match(None, (1, 2)), Lock(1), Evict(8), Unlock(1), Evict(8)]
+    reads = {}
+    for still in (False, True):
+        backend = RefCache(config)
+        count = [0]
+        real = backend.snapshot
+
+        def counting(real=real, count=count):  # type: ignore[no-untyped-def]
+            count[0] += 1
+            return real()
+
+        backend.snapshot = counting  # type: ignore[method-assign]
+        run_trace(backend, config, replace(RefCache.capabilities, still_between_calls=still), ops, quiesce=False)
+        reads[still] = count[0]
+    assert reads == {False: 1 + 2 * len(ops), True: 1 + len(ops)}
+    for still in (False, True):
+        caps = replace(RefCache.capabilities, still_between_calls=still)
+        with pytest.raises(ConformanceFailure) as failure:
+            run_trace(zoo.build(MUTANT)(config), config, caps, ops)
+        assert failure.value.step == 3, still  # the mutant evicts the locked node, at the same step either way
+        assert "INV-EVICT-3" in {v.inv for v in failure.value.violations}
 
 
 def test_cli_prints_the_scope_next_to_the_verdict(tmp_path: Path) -> None:
