@@ -629,7 +629,8 @@ MUTANTS: tuple[Mutant, ...] = (
         prefetch_policies=("best_effort", "timeout"),
         # Seen only when a deferred prefetch ends after other requests touched the tree and an eviction then
         # ranks its anchor (at quiescence, write-back's backups in eviction order): at 600 examples per cell,
-        # each generator this suite has had killed it at half to two thirds of seeds (0-7: 5 of 8 now); at 4x, 8 of 8.
+        # each generator this suite has had killed it at about half to two thirds of seeds; at 4x, at all 8 tried
+        # (docs/speed.md: scripts/kill_rate.py).
         budget=4,
     ),
 )

@@ -3,6 +3,7 @@
     python scripts/cert_table.py kvcert-long/*.json            # one row per certificate
     python scripts/cert_table.py --cells kvcert-long/x.json    # one row per cell
     python scripts/cert_table.py --cells kvcert-long/x.log     # the cells a run printed before it was stopped
+    python scripts/cert_table.py --ops gpu.json                # what the run exercised: op counters, summed
 
 Figures in docs come from this output, pasted with the command beside them, never typed.
 """
@@ -63,7 +64,19 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("certificates", nargs="+", type=Path)
     ap.add_argument("--cells", action="store_true", help="one row per cell instead of one per certificate")
+    ap.add_argument("--ops", action="store_true", help="the cells' op counters, summed, per certificate")
     args = ap.parse_args()
+    if args.ops:
+        for path in args.certificates:
+            cert = json.loads(path.read_text())
+            total: dict[str, int] = {}
+            for c in cert["cells"]:
+                for k, v in c.get("ops", {}).items():
+                    total[k] = total.get(k, 0) + v
+            print(f"{cert['target']}: {cert['total_steps']:,} steps")
+            for k in sorted(total):
+                print(f"  {k:32s} {total[k]:>10,}")
+        return
     if args.cells:
         print("| target | page size | policy | tier | verdict | examples | steps | steps/s | digest |")
         print("|---|---|---|---|---|---|---|---|---|")
