@@ -5,8 +5,13 @@ boolean), taken straight from its choice sequence. Drawing through strategies (`
 made the same kind of choices but cost three to seven times as much per value (validation,
 timing, a span and a recorded value per draw, a fresh `sampled_from` strategy per call), about a
 seventh of a certification; the suite needs none of it, since it shrinks its failures as traces of
-ops (`conformance.shrink`) and never prints Hypothesis's report. Each step stays one span
-(`conformance.runner`), so Hypothesis's engine still mutates and splices examples step by step.
+ops (`conformance.shrink`) and never prints Hypothesis's report.
+
+What it does need are the spans Hypothesis's engine mutates: it copies one span's choices over
+another span of the same label, which is how a key drawn in one step comes back in a later one.
+Each step is one span (`conformance.runner`), and so is each key (`codes`) and each choice among
+options (`choice`), labelled by what it means: without them, generation made half as many
+load-backs that landed (host hits need a key to come back).
 
 Token ids are drawn from a few *page patterns* so sequences share prefixes often, and one
 pattern differs from another only in its last token, so matches diverge inside a page as well as
@@ -21,6 +26,7 @@ from typing import Any, Generic, Optional, TypeVar
 
 from hypothesis import strategies as st
 from hypothesis.internal.conjecture.data import ConjectureData
+from hypothesis.internal.conjecture.utils import calc_label_from_name
 from hypothesis.strategies import SearchStrategy
 from hypothesis.strategies._internal.lazy import unwrap_strategies
 
@@ -52,25 +58,45 @@ class Draws:
         return self._data.draw_boolean(p)
 
     def choice(self, options: Sequence[_T], label: str = "") -> _T:
-        """One of `options` (uniformly); the simplest choice is the first. There must be one."""
+        """One of `options` (uniformly), one span; the simplest choice is the first. There must be one."""
         if not options:
             raise ValueError(f"nothing to choose from for {label or 'a choice'}")
-        return options[self.integer(0, len(options) - 1)]
+        if len(options) == 1:
+            return options[0]
+        data = self._data
+        data.start_span(_label(label))
+        i = data.draw_integer(0, len(options) - 1)
+        data.stop_span()
+        return options[i]
 
     def subset(self, options: Sequence[_T], label: str = "") -> list[_T]:
         """Each of `options` in or out with even odds (in their order)."""
         return [x for x in options if self._data.draw_boolean(0.5)]
 
     def codes(self, min_size: int, max_size: int, label: str = "") -> list[int]:
-        """A list of page codes (0..3), `min_size` to `max_size` long, shorter lengths likelier."""
+        """A list of page codes (0..3), `min_size` to `max_size` long, shorter lengths likelier; one span."""
+        data = self._data
+        data.start_span(_label(label))
         n = min_size
-        while n < max_size and self._data.draw_boolean(MORE):
+        while n < max_size and data.draw_boolean(MORE):
             n += 1
-        return [self._data.draw_integer(0, 3) for _ in range(n)]
+        out = [data.draw_integer(0, 3) for _ in range(n)]
+        data.stop_span()
+        return out
 
     def cut(self, n: int, label: str = "") -> int:
         """The whole of an n-page key half the time, else any cut of it (0..n)."""
         return n if not self._data.draw_boolean(0.5) else self.integer(0, n)
+
+
+_LABELS: dict[str, int] = {}
+
+
+def _label(name: str) -> int:
+    got = _LABELS.get(name)
+    if got is None:
+        got = _LABELS[name] = calc_label_from_name(f"kvcert {name}")
+    return got
 
 
 @dataclass(frozen=True)
