@@ -505,13 +505,16 @@ class CacheMachine:
                 self.do(ReleaseRef(data.choice(high, "session")))
 
     @precondition(lambda self: self.storage() and bool(self.h.fetchable()))
-    @rule(data=draws(), pages=integers(1, 3))
-    def fetch(self, data: Draws, pages: int) -> None:
-        """Storage delivers one or a few pages of one prefetch."""
+    @rule(data=draws(), pages=integers(1, 3), stop=booleans())
+    def fetch(self, data: Draws, pages: int, stop: bool) -> None:
+        """Storage delivers one or a few pages of one prefetch; with `stop` the scheduler checks it right
+        after, so a best-effort or timed-out prefetch often ends with pages still on their way."""
         k = data.choice(self.h.fetchable(), "prefetch")
         for _ in range(pages):
             if k in self.h.fetchable():
                 self.do(Fetch(k))
+        if stop:
+            self.do(CheckPrefetch(k))
 
     @precondition(lambda self: self.storage() and bool(self.h.open_prefetches()))
     @rule(data=draws(), abort=booleans())

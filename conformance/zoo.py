@@ -629,7 +629,7 @@ MUTANTS: tuple[Mutant, ...] = (
         prefetch_policies=("best_effort", "timeout"),
         # Seen only when a deferred prefetch ends after other requests touched the tree and an eviction then
         # ranks its anchor (at quiescence, write-back's backups in eviction order): at 600 examples per cell,
-        # each generator this suite has had killed it at about half to two thirds of seeds; at 4x, at all 8 tried
+        # each generator this suite has had killed it at about half to two thirds of seeds; at 4x, at 7 or 8 of 8
         # (docs/speed.md: scripts/kill_rate.py).
         budget=4,
     ),

@@ -4,6 +4,7 @@
     python scripts/cert_table.py --cells kvcert-long/x.json    # one row per cell
     python scripts/cert_table.py --cells kvcert-long/x.log     # the cells a run printed before it was stopped
     python scripts/cert_table.py --ops gpu.json                # what the run exercised: op counters, summed
+    python scripts/cert_table.py --mix old.json new.json       # two runs' op mixes per 1,000 steps, by cell kind
 
 Figures in docs come from this output, pasted with the command beside them, never typed.
 """
@@ -60,12 +61,44 @@ def _gap(line: str) -> str:
     return what
 
 
+def _kind(cell: dict) -> str:
+    wp = cell["write_policy"]
+    return "device-only" if not wp else ("storage" if "+" in wp else "host")
+
+
+def _mix(old: dict, new: dict) -> None:
+    """Ops per 1,000 steps of each cell kind, old beside new, for the ops either run does 2 times in 1,000."""
+    rates: list[dict[str, dict[str, float]]] = []
+    for cert in (old, new):
+        per: dict[str, dict[str, float]] = {}
+        for c in cert["cells"]:
+            kind = per.setdefault(_kind(c), {"": 0.0})
+            kind[""] += c["steps"]
+            for k, v in c.get("ops", {}).items():
+                kind[k] = kind.get(k, 0.0) + v
+        rates.append({kk: {k: v * 1000 / d[""] for k, v in d.items() if k} for kk, d in per.items()})
+    print("| cells | op | old /1k steps | new /1k steps | new/old |")
+    print("|---|---|---|---|---|")
+    for kind in ("device-only", "host", "storage"):
+        a, b = rates[0].get(kind, {}), rates[1].get(kind, {})
+        for op in sorted(set(a) | set(b)):
+            x, y = a.get(op, 0.0), b.get(op, 0.0)
+            if ":error" in op or max(x, y) < 2:
+                continue
+            ratio = f"{y / x:.2f}" if x else "new"
+            print(f"| {kind} | {op} | {x:.1f} | {y:.1f} | {ratio} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("certificates", nargs="+", type=Path)
     ap.add_argument("--cells", action="store_true", help="one row per cell instead of one per certificate")
     ap.add_argument("--ops", action="store_true", help="the cells' op counters, summed, per certificate")
+    ap.add_argument("--mix", action="store_true", help="two certificates' op mixes side by side, by cell kind")
     args = ap.parse_args()
+    if args.mix:
+        _mix(*[json.loads(p.read_text()) for p in args.certificates])
+        return
     if args.ops:
         for path in args.certificates:
             cert = json.loads(path.read_text())

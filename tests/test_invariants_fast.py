@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import random
 from collections import Counter
-from pathlib import Path
 
 import pytest
 
