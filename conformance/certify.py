@@ -24,7 +24,9 @@ from kvcert.conformance.determinism import fixed_generation
 from kvcert.conformance.driver import ConformanceFailure, run_trace
 from kvcert.conformance.machine import CacheMachine
 from kvcert.conformance.runner import run_machine
+from kvcert.conformance.running import TraceInvalid
 from kvcert.conformance.shrink import shrink
+from kvcert.conformance.windows import WINDOWS
 from kvcert.spec.ops import Op, Trace
 from kvcert.spec.types import FAULTS, POLICIES, PREFETCH_POLICIES, WRITE_POLICIES, CacheConfig, Capabilities
 
@@ -191,6 +193,8 @@ def replay_failure(
         run_trace(factory(config), config, capabilities, ops)
     except ConformanceFailure as failure:
         return failure
+    except TraceInvalid:  # a shrink candidate no caller could play: not a failure of the backend
+        return None
     return None
 
 
@@ -277,6 +281,13 @@ def cells_for(
     return configs, skipped
 
 
+WINDOW_TIERS = {
+    name: (what, "device" if name == "split-locked" else "storage" if name == "write-back-host-full" else "host")
+    for name, what in WINDOWS.items()
+}
+"""Race window -> (what it is, the cells that can enter it): a run of those cells that never did says so."""
+
+
 def scope_gaps(capabilities: Capabilities, cells: list[CellResult], bad_input: Optional[bool] = None) -> list[str]:
     """What a certificate over `cells` does not cover, one line each: every part of the spec the backend
     does not declare, and every part it declares that no step of these cells exercised."""
@@ -326,6 +337,10 @@ def scope_gaps(capabilities: Capabilities, cells: list[CellResult], bad_input: O
             out.append(f"{what}: not declared by the backend")
         elif kind not in faults_fired:
             out.append(f"{what}: declared, but none was injected in this run")
+    for window, (what, tier) in WINDOW_TIERS.items():
+        in_tier = {"device": bool(cells), "host": bool(host_cells), "storage": bool(storage_cells)}[tier]
+        if in_tier and not ops.get(f"window:{window}"):
+            out.append(f"race window {window} ({what}): no step of this run entered it")
     missing = [p for p in POLICIES if p not in capabilities.policies]
     if missing:
         out.append(f"eviction policies {', '.join(missing)}: not declared by the backend")

@@ -25,9 +25,12 @@ from kvcert.spec import contracts
 from kvcert.spec.invariants import Violation, check_snapshot
 from kvcert.spec.ops import (
     Admit,
+    Checkpoint,
     CheckPrefetch,
     Evict,
     EvictHost,
+    Extend,
+    Finish,
     Insert,
     LoadBack,
     Match,
@@ -36,6 +39,7 @@ from kvcert.spec.ops import (
     Prefetch,
     Restore,
     Retract,
+    Start,
 )
 from kvcert.spec.types import (
     AdmissionPlan,
@@ -68,8 +72,11 @@ class Checks:
         want: Outcome,
         out: list[Violation],
         planned: Optional[Snapshot] = None,
+        inserted: Optional[tuple[Any, tuple[Any, ...]]] = None,
     ) -> None:
-        """The operation's contract, and the backend's answer against the oracle's."""
+        """The operation's contract, and the backend's answer against the oracle's. A running request's
+        `Start` is held to the match contract, its checkpoint to the insert contract on the key it
+        `inserted` (SPEC.md §4.8)."""
         if isinstance(want, KVCertError) or isinstance(got, KVCertError):
             if not isinstance(got, KVCertError):
                 out.append(Violation("INV-ERR-1", f"succeeded; the spec raises {type(want).__name__}: {want}"))
@@ -77,7 +84,8 @@ class Checks:
                 out.append(Violation("INV-ERR-2", f"rejected a valid call with {type(got).__name__}: {got}"))
             elif type(got) is not type(want):
                 out.append(Violation("INV-ERR-1", f"raised {type(got).__name__}, the spec says {type(want).__name__}"))
-            if isinstance(got, KVCertError) and not same_state(before, after):
+            composite = isinstance(op, (Start, Extend, Checkpoint, Finish))  # calls before the rejected one stand
+            if isinstance(got, KVCertError) and not composite and not same_state(before, after):
                 out.append(Violation("INV-ERR-1", f"{type(got).__name__} was raised but the state changed"))
             return
         out += [Violation("INV-SLOT-3", m) for m in contracts.slot_changes(before, after)]
@@ -85,6 +93,10 @@ class Checks:
             self.match(op, before, after, got, out)
         if isinstance(op, Insert) and isinstance(got, InsertOut) and isinstance(want, InsertOut):
             self.insert(op, before, after, got, out)
+        if isinstance(op, Start) and isinstance(got, MatchOut):
+            self.match(Match(op.namespace, op.tokens), before, after, got, out)
+        if isinstance(op, (Checkpoint, Finish)) and isinstance(got, InsertOut) and inserted is not None:
+            self.insert(Insert(*inserted), before, after, got, out)
         if isinstance(op, Evict) and got != want:
             out.append(Violation("INV-EVICT-5", f"freed {got}, the oracle (same victims) freed {want}"))
         if self.capabilities.priority_refs and isinstance(op, Evict):
@@ -169,10 +181,13 @@ class Checks:
         if got.prefix_len != expect:
             out.append(Violation("INV-INS-1", f"insert reported prefix {got.prefix_len}, {expect} was cached"))
             return
-        if contracts.cached_prefix_len(after, op.namespace, op.tokens) != len(op.tokens):
+        key = tuple(op.tokens)
+        if self.capabilities.aligns_keys:  # a key that ends mid-page: its page-aligned head is cached (§4.2)
+            key = key[: len(key) - len(key) % self.config.page_size]
+        if contracts.cached_prefix_len(after, op.namespace, key) != len(key):
             out.append(Violation("INV-INS-2", "the inserted key is not fully cached afterwards"))
             return
-        self.handle(after, got.node, op.namespace, tuple(op.tokens), out)
+        self.handle(after, got.node, op.namespace, key, out)
 
     def state(
         self, snap: Snapshot, oracle: RefCache, spec: Snapshot, storages: tuple[FaultyStorage, ...]

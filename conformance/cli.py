@@ -15,6 +15,7 @@ from rich.table import Table
 
 from kvcert.conformance.certify import CellResult, Certificate, certify, load_factory
 from kvcert.conformance.driver import ConformanceFailure, Outcome, run_trace
+from kvcert.conformance.windows import SHORT, WINDOWS
 from kvcert.spec.ops import Evict, Match, Op, RegisterRef, ReleaseRef, Trace, UpdateRef, op_to_json
 from kvcert.spec.types import MatchOut
 
@@ -38,6 +39,23 @@ def _cell_line(cell: CellResult) -> str:
     return line
 
 
+def print_windows(cert: Certificate) -> None:
+    """Per cell, the steps that entered each race window (`conformance.windows`): where the races were tried."""
+    seen = [w for w in WINDOWS if any(c.ops.get(f"window:{w}") for c in cert.cells)]
+    if not seen:
+        return
+    table = Table(title="race windows entered (steps per cell)")
+    for col in ("page size", "policy", "tiers"):
+        table.add_column(col, no_wrap=col == "tiers")
+    for w in seen:
+        table.add_column(SHORT[w], justify="right")
+    for c in cert.cells:
+        counts = [str(c.ops.get(f"window:{w}", 0)) for w in seen]
+        table.add_row(str(c.page_size), c.policy, c.write_policy or "device", *counts)
+    console.print(table)
+    console.print("  " + "; ".join(f"{SHORT[w]}: {WINDOWS[w]}" for w in seen))
+
+
 def print_certificate(cert: Certificate) -> None:
     table = Table(title=f"kvcert certificate: {cert.backend} ({cert.target})")
     for col in ("page size", "policy", "tiers", "verdict", "examples", "steps", "steps/s", "counterexample"):
@@ -56,6 +74,7 @@ def print_certificate(cert: Certificate) -> None:
             "" if c.passed else f"{c.trace_len} ops: {c.trace_path}",
         )
     console.print(table)
+    print_windows(cert)
     for note in cert.skipped:
         console.print(f"  skipped: {note}")
     rate = cert.total_steps / max(cert.seconds, 1e-9)

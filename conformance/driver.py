@@ -21,16 +21,18 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
 from kvcert.conformance.backend import Backend
 from kvcert.conformance.checks import Checks
 from kvcert.conformance.ledger import UNKNOWN_NODE, Ledger, Numbered, Pairs
 from kvcert.conformance.queries import Queries
+from kvcert.conformance.running import lent
 from kvcert.conformance.scheduler import KVModel, Outcome, Side, StepNotes, run_op
 from kvcert.conformance.steering import Steering, agrees
 from kvcert.conformance.storage import FaultyStorage, MemoryStorage, damage, publish
+from kvcert.conformance.windows import entered
 from kvcert.refimpl import RefCache
 from kvcert.spec.invariants import Violation
 from kvcert.spec.ops import (
@@ -41,6 +43,8 @@ from kvcert.spec.ops import (
     Evict,
     EvictHost,
     Fetch,
+    Finish,
+    Lock,
     Match,
     Op,
     Poll,
@@ -48,6 +52,7 @@ from kvcert.spec.ops import (
     Publish,
     Restore,
     Retract,
+    Start,
     StorageFault,
     Unlock,
 )
@@ -83,6 +88,9 @@ class Harness(Queries):
     admitted: list[bool] = field(default_factory=list)
     """Per admission that fit, whether the backend could then allocate the planned slots."""
     closed: bool = False
+    count_windows: bool = False
+    """Whether each step works out the race windows it entered (`conformance.windows`), into `windows`."""
+    windows: list[str] = field(default_factory=list)
     _spec_snap: Optional[Snapshot] = None
     """The oracle's snapshot since it last changed: taken once per step, reused as the next step's before."""
     _last_after: Optional[Snapshot] = None
@@ -155,11 +163,14 @@ class Harness(Queries):
         """The backend's snapshot; an exception reading it (the backend's or its adapter's) fails the step with
         the trace so far, as a crash in an operation does, instead of ending the run with no trace."""
         try:
-            return self.backend.snapshot()
+            snap = self.backend.snapshot()
         except Exception as err:
             raise ConformanceFailure(
                 index, op, [Violation("INV-ERR-3", f"snapshot raised untyped {type(err).__name__}: {err}")]
             ) from err
+        if self.ledger.running:  # what running requests own is the caller's: the backend cannot report it
+            snap = replace(snap, lent_slots=lent(self.ledger.running, 0))
+        return snap
 
     def _remember(self, snap: Snapshot) -> Snapshot:
         if self.capabilities.still_between_calls:
@@ -181,6 +192,7 @@ class Harness(Queries):
         self.backend.set_clock(self.clock)
         self.oracle.set_clock(self.clock)
         before = self._before(index, op)
+        self.windows = []
         if isinstance(op, (StorageFault, Publish)):  # storage-side events: no cache call
             if self.storages:
                 damage(self.storages, op) if isinstance(op, StorageFault) else publish(self.storages, op, self.config)
@@ -188,7 +200,18 @@ class Harness(Queries):
             return None
         notes = StepNotes()
         kv = self.model if self.capabilities.kv_reads else None
-        mine = Side(self.backend, 0, self.ledger, self.config, kv=kv, notes=notes, admitted=self.admitted)
+        lenient = self.capabilities.aligns_keys
+        mine = Side(
+            self.backend,
+            0,
+            self.ledger,
+            self.config,
+            kv=kv,
+            notes=notes,
+            admitted=self.admitted,
+            unaligned=lenient,
+            native_checkpoint=self.capabilities.checkpoints,
+        )
         try:
             got = run_op(mine, op, self.ops)
         except Exception as err:  # a crash is a finding, not a harness error
@@ -196,9 +219,14 @@ class Harness(Queries):
                 index, op, [Violation("INV-ERR-3", f"raised untyped {type(err).__name__}: {err}")]
             ) from err
         after = self._remember(self._snapshot(index, op))
+        if self.count_windows:
+            locked = self.ledger.handles.id(op.handle, 0) if isinstance(op, Lock) else None
+            if isinstance(op, Start) and isinstance(got, MatchOut):
+                locked = got.node
+            self.windows = entered(op, before, after, locked)
         want, found = self._follow(op, before, after, got)
         violations = found
-        self.checks.contract(op, before, after, got, want, violations, notes.planned)
+        self.checks.contract(op, before, after, got, want, violations, notes.planned, notes.inserted)
         self._record(index, op, before, after, got, want, notes, violations)
         violations += notes.violations
         if self.trace_hook is not None:
@@ -214,16 +242,24 @@ class Harness(Queries):
         write-back eviction tried a node it then skipped before the victims it evicted.
         """
         steering = Steering(self.config, before, after)
+        lenient = self.capabilities.aligns_keys
         attempts = [(order, False) for order in steering.reclaim_orders()]
         if steering.skippable(op):
             attempts += [(order, True) for order, _ in attempts]
         saved = copy.deepcopy(self.oracle) if len(attempts) > 1 else None
+        requests = dict(self.ledger.running)  # the oracle's half is put back with the oracle
         want: Outcome = None
         found: list[Violation] = []
         for attempt, (order, skipped_first) in enumerate(attempts):
             if attempt:  # the last choice disagreed with the backend: put the oracle back and try the next
                 self.oracle = copy.deepcopy(saved)  # type: ignore[assignment]
                 self._spec_snap = None
+                now = self.ledger.running
+                self.ledger.running = {
+                    k: (now.get(k, (None, None))[0], requests.get(k, (None, None))[1])
+                    for k in {*now, *requests}
+                    if now.get(k, (None, None))[0] is not None or requests.get(k, (None, None))[1] is not None
+                }
                 if self.storages:
                     self.storages = (self.storages[0], self.oracle.storage)  # type: ignore[assignment]
             found = []
@@ -232,7 +268,7 @@ class Harness(Queries):
                 choose, replayed = steering.witness(self.oracle, self.spec_snapshot(), op, got, found, skipped_first)
             self.oracle.steer = steering.follow(self.oracle)
             self.oracle.reclaim = steering.reclaimed(self.oracle, order)
-            theirs = Side(self.oracle, 1, self.ledger, self.config, choose=choose)
+            theirs = Side(self.oracle, 1, self.ledger, self.config, choose=choose, unaligned=lenient)
             try:
                 want = run_op(theirs, op, self.ops)
             finally:
@@ -354,8 +390,10 @@ class Harness(Queries):
         self.drain()
         for k in self.open_retractions():
             self.step(Discard(k))
+        for k in self.running_requests():
+            self.step(Finish(k, cache=False))
         for k in self.locked_handles():
-            for _ in range(self.own_locks(k)):
+            for _ in range(self.releasable_locks(k)):
                 self.step(Unlock(k))
         self.step(Evict(self.config.capacity))
         if self.config.host_capacity:

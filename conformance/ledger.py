@@ -103,6 +103,9 @@ class Ledger:
     """Prefetches in issue order; `Fetch(k)` names the k-th."""
     retractions: Numbered = field(default_factory=Numbered)
     """Retraction backups in creation order; `Restore(k)` names the k-th."""
+    running: dict[int, tuple[Any, Any]] = field(default_factory=dict)
+    """Start op index -> (backend's, oracle's) `conformance.running.Request` while it runs (None on a side
+    where it ended or never started)."""
     owners: dict[tuple[str, int], int] = field(default_factory=dict)
     """("prefetch" | "retraction", k) -> the handle of the request that started it (for aborts)."""
     retraction_kv: dict[int, tuple[bytes, ...]] = field(default_factory=dict)

@@ -20,7 +20,9 @@ from kvcert.conformance.backend import Factory
 from kvcert.conformance.determinism import StepDigest
 from kvcert.conformance.draws import MAX_PAGES, Draws, booleans, draws, integers, sampled_from, tokens_of
 from kvcert.conformance.driver import Harness
+from kvcert.conformance.race_rules import RaceRules
 from kvcert.conformance.runner import initialize, precondition, rule
+from kvcert.conformance.running_rules import RunningRules
 from kvcert.spec.ops import (
     AbortPrefetch,
     Admit,
@@ -51,6 +53,10 @@ from kvcert.spec.pages import page_ceil
 from kvcert.spec.types import CacheConfig, Capabilities, KVCertError
 
 NAMESPACES: tuple[Optional[str], ...] = (None, "lora-a")
+"""A fresh key's namespace, usually: the default one and a LoRA id."""
+ODD_NAMESPACES: tuple[Optional[str], ...] = ("None", "", "lora-a\x00")
+"""And one fresh key in four: names a cache that folds a namespace into a string or a truthiness test
+confuses with the default (`str(None)`, `""`), or that a C string cuts short (SPEC.md §1)."""
 STORAGE_FAULTS = ("error", "partial_write", "torn_write", "corrupt", "drop")
 """Storage fault kinds; each run switches a random subset on (swarm testing)."""
 SWARM_RULES = (
@@ -65,6 +71,8 @@ SWARM_RULES = (
     "copy_fault",
     "retract",
     "abort",
+    "requests",
+    "race",
 )
 """Rules a storage run may switch off (swarm testing): with fewer kinds of step, each run goes
 deeper into the ones it keeps (Groce et al., "Swarm Testing", ISSTA 2012)."""
@@ -87,8 +95,9 @@ class RunStats:
     """Every op the run's rules executed, in order: equal digests, same run (SPEC.md §3, INV-DET-1)."""
 
 
-class CacheMachine:
-    """Drives one backend per example; configured by `bind`."""
+class CacheMachine(RunningRules, RaceRules):
+    """Drives one backend per example; configured by `bind`. The running-request rule is `RunningRules`', the
+    race-window rule `RaceRules`'."""
 
     factory: Factory
     config: CacheConfig
@@ -99,6 +108,7 @@ class CacheMachine:
     def __init__(self) -> None:
         # A Harness whose first check fails closes its backend: teardown never runs for this machine then.
         self.h = Harness(type(self).factory(type(self).config), type(self).config, type(self).capabilities)
+        self.h.count_windows = True  # the certificate reports, per cell, the race windows its steps entered
         type(self).last = self.h
         type(self).stats.examples += 1
         type(self).stats.digest.example()
@@ -142,6 +152,8 @@ class CacheMachine:
         except BaseException:
             self.failed = True
             raise
+        for window in self.h.windows:
+            stats.ops[f"window:{window}"] += 1
         if isinstance(op, InjectFault):
             stats.ops[f"{name}:{op.kind}"] += 1  # which faults fired: the certificate's scope says
         if isinstance(got, KVCertError):
@@ -185,6 +197,8 @@ class CacheMachine:
                 codes += data.codes(1, 2, "extension") if data.boolean("extension?") else []
         else:
             ns = data.choice(self.namespaces, "namespace")
+            if len(self.namespaces) > 1 and data.integer(0, 3, "odd namespace unless >0") == 0:
+                ns = data.choice(ODD_NAMESPACES, "odd namespace")
             codes = data.codes(0, MAX_PAGES, "pages")
         codes = codes[: self.config.capacity // self.config.page_size]  # longer never fits: a wasted step
         if remember and codes and (ns, codes) not in self.seen:
@@ -202,7 +216,10 @@ class CacheMachine:
         """
         priority = data.integer(0, 2, "priority")
         ns, codes = self.draw_key(data, remember=True)
-        tokens = tokens_of(codes, self.config.page_size)
+        tail = 0
+        if self.capabilities.aligns_keys and self.config.page_size > 1:  # SGLang's callers' keys end anywhere
+            tail = data.integer(0, self.config.page_size - 1, "partial page")
+        tokens = tokens_of(codes, self.config.page_size, tail)
         if self.host() and len(tokens) > self.h.free_tokens():
             if data.boolean("make room"):
                 self.make_room(len(tokens))
@@ -353,6 +370,14 @@ class CacheMachine:
             return
         issued = len(self.h.copies)
         self.do(LoadBack(at))
+        if not land and len(self.h.copies) > issued:  # while the load is in flight, the request runs on it
+            race = data.integer(0, 2, "then")
+            if race == 1:  # it matches again (the loading nodes are its device prefix now) and locks that
+                again = len(self.h.ops)
+                self.do(Match(ns, tokens_of(codes, self.config.page_size)))
+                self.do(Lock(again))
+            elif race == 2:
+                self.split_moving(data, ("load",))
         if land and len(self.h.copies) > issued:
             for k in range(issued, len(self.h.copies)):
                 if k in self.h.open_copies():
@@ -519,9 +544,12 @@ class CacheMachine:
     @precondition(lambda self: self.storage() and bool(self.h.open_prefetches()))
     @rule(data=draws(), abort=booleans())
     def end_prefetch(self, data: Draws, abort: bool) -> None:
-        """check_prefetch_progress, or the request is aborted."""
+        """check_prefetch_progress, or the request is aborted; often the scheduler then evicts for the pages
+        it admits, so eviction ranks the nodes the prefetch's end touched against the rest."""
         k = data.choice(self.h.open_prefetches(), "prefetch")
         self.do(AbortPrefetch(k) if abort else CheckPrefetch(k))
+        if data.boolean("then evict"):
+            self.do(Evict(data.integer(1, 2 * self.config.page_size, "tokens")))
 
     @precondition(lambda self: self.storage() and bool(self.faults))
     @rule(data=draws())

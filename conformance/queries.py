@@ -10,6 +10,7 @@ choice, so each answer is computed once per step (`Harness` clears the memo when
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -57,8 +58,9 @@ class Queries:
         def build() -> list[int]:
             seen: set[int] = set()
             out = []
+            held = self.request_locks()
             for k, (_, o) in self.ledger.handles.items():
-                if o in self.oracle.nodes and self.oracle.nodes[o].own_locks > 0 and o not in seen:
+                if o in self.oracle.nodes and self.oracle.nodes[o].own_locks > held[o] and o not in seen:
                     seen.add(o)
                     out.append(k)
             return out
@@ -73,6 +75,24 @@ class Queries:
             return [k for k, (_, o) in enumerate(self.ledger.copies) if o in unfinished]
 
         return self._memo("open copies", build)
+
+    def moving_edges(self) -> list[tuple[str, Any, tuple[int, ...], int]]:
+        """(kind, namespace, path, edge length) of every node an unfinished copy moves, in issue order: what a
+        split under a copy cuts (SPEC.md §9.8)."""
+
+        def build() -> list[tuple[str, Any, tuple[int, ...], int]]:
+            snap = self.spec_snapshot()
+            nodes = snap.by_id()
+            out = []
+            for c in snap.pending:
+                if not c.finished:
+                    for nid in c.nodes:
+                        if nid in nodes:
+                            ns, path = snap.path_of(nid)
+                            out.append((c.kind, ns, path, len(nodes[nid].key)))
+            return out
+
+        return self._memo("moving edges", build)
 
     def finished_copies(self) -> list[int]:
         """Trace indices of copies already finished (completing one again is bad input)."""
@@ -135,7 +155,7 @@ class Queries:
         owners = self.ledger.owners
         prefetches = [k for k in self.open_prefetches() if owners.get(("prefetch", k)) == handle]
         backups = [k for k in self.open_retractions() if owners.get(("retraction", k)) == handle]
-        return prefetches, backups, self.own_locks(handle)
+        return prefetches, backups, self.releasable_locks(handle)
 
     # ------------------------------------------------------------------ counts and sessions
 
@@ -144,6 +164,19 @@ class Queries:
         pairs = self.ledger.handles
         node = self.oracle.nodes.get(pairs[handle][1]) if handle in pairs else None
         return node.own_locks if node is not None else 0
+
+    def releasable_locks(self, handle: int) -> int:
+        """`own_locks` but those running requests hold there (theirs to drop when they finish)."""
+        pairs = self.ledger.handles
+        return self.own_locks(handle) - (self.request_locks()[pairs[handle][1]] if handle in pairs else 0)
+
+    def running_requests(self) -> list[int]:
+        """Requests started and not finished (SPEC.md §4.8), by their `Start` position."""
+        return [k for k, (_, o) in self.ledger.running.items() if o is not None]
+
+    def request_locks(self) -> Counter[int]:
+        """Oracle node id -> locks running requests hold on it: theirs to drop, not the `unlock` rule's."""
+        return self._memo("request locks", lambda: Counter(o.node for _, o in self.ledger.running.values() if o))
 
     def free_tokens(self) -> int:
         """Free device slots."""

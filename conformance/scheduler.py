@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
+from kvcert.conformance import running
 from kvcert.conformance.ledger import Ledger
 from kvcert.refimpl.cache import Chooser
 from kvcert.spec import pages
@@ -24,12 +25,15 @@ from kvcert.spec.invariants import Violation
 from kvcert.spec.ops import (
     AbortPrefetch,
     Admit,
+    Checkpoint,
     CheckPrefetch,
     Complete,
     Discard,
     Evict,
     EvictHost,
+    Extend,
     Fetch,
+    Finish,
     InjectFault,
     Insert,
     LoadBack,
@@ -42,6 +46,7 @@ from kvcert.spec.ops import (
     ReleaseRef,
     Restore,
     Retract,
+    Start,
     Unlock,
     UpdateRef,
 )
@@ -106,7 +111,9 @@ class StepNotes:
     planned: Optional[Snapshot] = None
     """The backend's state when it made an admission plan (after the running requests' allocations)."""
     violations: list[Violation] = field(default_factory=list)
-    """Broken rules the caller saw mid-op (restored KV read back)."""
+    """Broken rules the caller saw mid-op (restored KV read back, a running request's row)."""
+    inserted: Optional[tuple[Any, tuple[Any, ...]]] = None
+    """(namespace, key) a running request's checkpoint inserted: its insert's contract is checked on it."""
 
 
 @dataclass
@@ -126,16 +133,28 @@ class Side:
     """Per admission that fit, whether the backend could then allocate the planned slots (backend side)."""
     choose: Optional[Chooser] = None
     """The oracle's eviction tie-break, steered to the backend's choice (oracle side)."""
+    native_checkpoint: bool = False
+    """The backend runs a running request's checkpoint itself (`Capabilities.checkpoints`; backend side only)."""
+    unaligned: bool = False
+    """The backend page-aligns insert keys itself (`Capabilities.aligns_keys`): the backend gets a key that
+    ends mid-page whole, the oracle its page-aligned head; the caller keeps the tail's slots (SPEC.md §4.2)."""
 
     def node(self, k: Any) -> int:
         return self.ledger.handles.id(k, self.column)
 
-    def write_kv(self, slots: tuple[int, ...], namespace: Any, tokens: tuple[Any, ...]) -> None:
-        """Play the model: fill the caller's fresh slots with the content of `tokens` (valid ones only)."""
-        if self.kv is None or not slots or not has_content(namespace, tokens):
+    def content(self, namespace: Any, tokens: tuple[Any, ...]) -> Optional[tuple[bytes, ...]]:
+        """The model's entries for a path, where this side plays the model and the path has content."""
+        if self.kv is None or not has_content(namespace, tokens):
+            return None
+        return self.kv.entries(namespace, tuple(tokens))
+
+    def write_kv(self, slots: tuple[int, ...], namespace: Any, tokens: tuple[Any, ...], start: int = 0) -> None:
+        """Play the model: fill the caller's fresh slots with the content of `tokens[start:]` (valid ones only)."""
+        entries = self.content(namespace, tokens) if slots else None
+        if entries is None:
             return
-        entries = self.kv.entries(namespace, tuple(tokens))
-        self.cache.write_kv(slots[: len(entries)], entries[: len(slots)])
+        entries = entries[start : start + len(slots)]
+        self.cache.write_kv(slots[: len(entries)], entries)
 
 
 def insert_request(
@@ -145,17 +164,33 @@ def insert_request(
     priority: Any = 0,
     value_len: Optional[int] = None,
     write: Optional[Callable[[tuple[int, ...]], None]] = None,
+    page_size: int = 0,
+    aligns: bool = True,
 ) -> InsertOut:
-    """The caller's side of SGLang's insert: allocate, run the model (`write` its KV), insert, free the duplicates."""
-    slots = cache.alloc(len(tokens) if value_len is None else value_len)
+    """The caller's side of SGLang's insert: allocate, run the model (`write` its KV), insert, free the duplicates.
+
+    With `page_size`, a key that ends mid-page is a lenient cache's input (SPEC.md §4.2): whole pages are
+    allocated, the cache gets the whole key (`aligns`) or its page-aligned head, and the caller frees the
+    duplicates and then the tail's slots, which stay its own.
+    """
+    cut = len(tokens) - len(tokens) % page_size if page_size and value_len is None else len(tokens)
+    if cut == len(tokens):
+        slots = cache.alloc(len(tokens) if value_len is None else value_len)
+    else:
+        slots = cache.alloc(pages.page_ceil(len(tokens), page_size))
     if write is not None:
         write(slots)
+    key, given = tokens, slots
+    if cut < len(tokens):
+        key, given = (tokens, slots[: len(tokens)]) if aligns else (tokens[:cut], slots[:cut])
     try:
-        out: InsertOut = cache.insert(namespace, tokens, slots, priority)
+        out: InsertOut = cache.insert(namespace, key, given, priority)
     except KVCertError:
         cache.free(slots)
         raise
     cache.free(slots[: out.prefix_len])
+    if cut < len(tokens):  # the tail's slots, and the last page's spare ones: the caller's
+        cache.free(slots[cut:])
     return out
 
 
@@ -187,6 +222,8 @@ def _insert(side: Side, op: Insert) -> InsertOut:
         op.priority,
         op.value_len,
         (lambda slots: side.write_kv(slots, op.namespace, op.tokens)) if side.kv is not None else None,
+        side.config.page_size if side.unaligned else 0,
+        side.column == 0,
     )
 
 
@@ -321,6 +358,10 @@ HANDLERS: dict[type[Op], Handler] = {
     RegisterRef: lambda s, op, _: s.cache.register_ref(op.session, s.node(op.handle), op.priority),
     UpdateRef: lambda s, op, _: s.cache.update_ref(op.session, op.priority),
     ReleaseRef: lambda s, op, _: s.cache.release_ref(op.session),
+    Start: running.start,
+    Extend: running.extend,
+    Checkpoint: running.checkpoint,
+    Finish: running.finish,
 }
 """Op type -> what the caller does on one side. Storage-side events (Publish, StorageFault) make no
 cache call: the harness applies them to both stores (`conformance.storage`)."""

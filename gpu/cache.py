@@ -226,7 +226,7 @@ class GpuCache(RadixTree):
         key = ints_run(check_tokens(tokens))
         size = len(key)
         run = slots_of(slots) if len(slots) == size else None
-        pages = self._check_insert(size, len(slots), run, priority)
+        pages = self._check_insert(size, len(slots), run, priority, namespace, key)
         assert run is not None
         prefix_len, node = self._insert(namespace, key, size, run, priority, pages)
         return InsertOut(prefix_len, node.id)
@@ -259,7 +259,7 @@ class GpuCache(RadixTree):
         key_r = key_run(key)
         size = len(key_r)
         count, run = slot_run(slots)
-        pages = self._check_insert(size, count, run, priority)
+        pages = self._check_insert(size, count, run, priority, namespace, key_r)
         assert run is not None
         prefix_len, node = self._insert(namespace, key_r, size, run, priority, pages)
         return _tuple_new(Inserted, (prefix_len, node.id))

@@ -369,10 +369,14 @@ class RadixTree:
         self.index.compact(self.nodes)
         return device, length, node, host_length, host_node
 
-    def _check_insert(self, tokens: int, count: int, slots: Optional[Run], priority: object) -> Optional[Sequence[int]]:
+    def _check_insert(
+        self, tokens: int, count: int, slots: Optional[Run], priority: object, ns: Namespace = None, key: Optional[Run] = None
+    ) -> Optional[Sequence[int]]:
         """The insert preconditions after the tokens', in the protocol's order (SPEC.md §4.2), for a key of `tokens`.
 
         Returns the slots' page ids when they are whole lent pages (`PageAllocator.lent_pages`), for the adoption.
+        A head of the slots may be the tree's own for that head of the key (a running request re-inserting the
+        prefix it holds, §4.8): only the rest must be lent.
         """
         if tokens % self.page_size:
             raise UnalignedKey(f"key of {tokens} tokens is not whole pages of {self.page_size}")
@@ -384,8 +388,31 @@ class RadixTree:
             raise SlotNotOwned("cannot insert these slots: not slot ids")
         pages = self.alloc_dev.lent_pages(slots.raw)
         if pages is None and not self.alloc_dev.are_lent_raw(slots.raw):
-            raise SlotNotOwned("cannot insert these slots: not all lent to the caller")
+            held = self._held_prefix(ns, key, tokens) if key is not None else b""
+            k = len(held)
+            if slots.raw[:k] != held:  # the longest whole-token head that is the tree's
+                k = next(i for i in range(0, k, 8) if slots.raw[i : i + 8] != held[i : i + 8])
+            if not k or (k < len(slots.raw) and not self.alloc_dev.are_lent_raw(slots.raw[k:])):
+                raise SlotNotOwned("cannot insert these slots: not all lent to the caller")
         return pages
+
+    def _held_prefix(self, ns: Namespace, key: Run, size: int) -> bytes:
+        """The device slots the tree holds for the longest cached prefix of `key`, as int64 bytes: a pure
+        walk (no stamps, no splits), for the insert check only."""
+        raw, pb, out = key.raw, self._pb, bytearray()
+        at_b, end_b = 0, size << 3
+        child = self.root.children.get((ns, raw[:pb])) if size else None
+        while child is not None and child.slots is not None:
+            edge = child.key.raw
+            if not raw.startswith(edge, at_b):  # the key ends or diverges inside this edge
+                out += child.slots.raw[: key.common(child.key, at_b >> 3, size, self.page_size) << 3]
+                break
+            out += child.slots.raw
+            at_b += len(edge)
+            if at_b == end_b:
+                break
+            child = child.children.get(raw[at_b : at_b + pb])
+        return bytes(out)
 
     def _insert(
         self, ns: Namespace, key: Run, size: int, slots: Run, priority: int, pages: Optional[Sequence[int]] = None

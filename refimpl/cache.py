@@ -404,6 +404,22 @@ class RefCache:
             node = child
         return matched, path
 
+    def _held_prefix(self, namespace: Namespace, key: Tokens) -> tuple[int, ...]:
+        """The device slots the tree holds for the longest cached prefix of `key` (no stamps, no splits)."""
+        out: list[int] = []
+        node, matched = self.root, 0
+        while matched < len(key):
+            child = node.children.get(self._selector(namespace, key[matched:]))
+            if child is None or child.slots is None:
+                break
+            same = pages.match_len(child.key, key[matched:], self.page_size)
+            out.extend(child.slots[:same])
+            if same < len(child.key):
+                break
+            matched += same
+            node = child
+        return tuple(out)
+
     def _path_to_root(self, node: Node) -> list[Node]:
         out = []
         cur: Optional[Node] = node
@@ -480,7 +496,9 @@ class RefCache:
             raise LengthMismatch(f"{len(key)} tokens but {len(slots)} slots")
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise InvalidCount(f"priority must be an int, got {priority!r}")
-        self.pool.require_lent(slots, "insert")
+        held = self._held_prefix(namespace, key)
+        k = next((i for i, (a, b) in enumerate(zip(slots, held)) if a != b), min(len(slots), len(held)))
+        self.pool.require_lent(slots[k:], "insert")  # a head that is the tree's own is a running request's (§4.8)
 
         def hit(node: Node) -> None:
             node.hit_count += 1

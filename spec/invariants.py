@@ -158,26 +158,32 @@ def _all_within(limit: int, *groups: Sequence[int]) -> bool:
 
 
 def pool_closes(s: Snapshot) -> list[str]:
-    """INV-ACCT-3: free slots + slots held by the tree == capacity (between operations)."""
+    """INV-ACCT-3: free slots + slots held by the tree + slots lent to running requests == capacity
+    (between operations)."""
     held = len(_device_held(s))
-    total = held + len(s.free_slots)
-    return [] if total == s.capacity else [f"free {len(s.free_slots)} + tree {held} = {total} != capacity {s.capacity}"]
+    total = held + len(s.free_slots) + len(s.lent_slots)
+    if total == s.capacity:
+        return []
+    lent = f" + lent {len(s.lent_slots)}" if s.lent_slots else ""
+    return [f"free {len(s.free_slots)} + tree {held}{lent} = {total} != capacity {s.capacity}"]
 
 
 def slots_unique(s: Snapshot) -> list[str]:
-    """INV-SLOT-1: no slot is owned twice (by two nodes, twice by one, or by a node and the free list)."""
-    if _all_distinct(s.free_slots, _device_held(s)):
+    """INV-SLOT-1: no slot is owned twice (by two nodes, twice by one, by a node and the free list, or by a
+    running request and any other owner)."""
+    if _all_distinct(s.free_slots, _device_held(s), s.lent_slots):
         return []
     owners: Counter[int] = Counter(s.free_slots)
     owners.update(_device_held(s))
+    owners.update(s.lent_slots)
     return [f"slot {slot} owned {c} times" for slot, c in sorted(owners.items()) if c > 1]
 
 
 def slots_in_range(s: Snapshot) -> list[str]:
-    """INV-SLOT-2: every slot id lies in [0, slot_limit)."""
-    if _all_within(s.slot_limit, s.free_slots, _device_held(s)):
+    """INV-SLOT-2: every slot id (in the tree, free, or lent to a running request) lies in [0, slot_limit)."""
+    if _all_within(s.slot_limit, s.free_slots, _device_held(s), s.lent_slots):
         return []
-    bad = sorted(set(_device_held(s)) | set(s.free_slots))
+    bad = sorted(set(_device_held(s)) | set(s.free_slots) | set(s.lent_slots))
     return [f"slot {x} outside [0, {s.slot_limit})" for x in bad if not 0 <= x < s.slot_limit]
 
 

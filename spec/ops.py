@@ -209,6 +209,41 @@ class Admit:
     profile: Any = None
 
 
+@dataclass(frozen=True)
+class Start:
+    """A request is admitted and runs (SPEC.md §4.8): it matches `tokens`, locks the match and computes
+    the rest into slots of its own, which it keeps across operations. Its position is its handle."""
+
+    namespace: Optional[str]
+    tokens: tuple[Any, ...]
+    priority: int = 0
+
+
+@dataclass(frozen=True)
+class Extend:
+    """The running request `handle` decodes `tokens` more (fresh slots when its last page fills)."""
+
+    handle: int
+    tokens: tuple[Any, ...]
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """The running request `handle` caches what it has computed so far and keeps running
+    (SGLang's `checkpoint`, once `cache_unfinished_req`): §4.8."""
+
+    handle: int
+
+
+@dataclass(frozen=True)
+class Finish:
+    """The running request `handle` ends: with `cache`, its KV is checkpointed first; then it frees what
+    it still owns and drops its lock (SGLang's `release_kv_cache`)."""
+
+    handle: int
+    cache: bool = True
+
+
 Op = Union[
     Insert,
     Match,
@@ -233,11 +268,17 @@ Op = Union[
     UpdateRef,
     ReleaseRef,
     Admit,
+    Start,
+    Extend,
+    Checkpoint,
+    Finish,
 ]
 OP_TYPES: dict[str, type] = {t.__name__: t for t in get_args(Op)}
 """Op name -> class, for JSON traces: derived from `Op`, so a new op cannot be left out."""
-HANDLE_PRODUCERS = (Insert, Match, Restore)
-"""Ops whose result names a node a later op may use: a restore returns the resumed request's last node."""
+HANDLE_PRODUCERS = (Insert, Match, Restore, Start)
+"""Ops whose result names a node a later op may use: a restore returns the resumed request's last node, a
+start its match's (the node the running request locks; `Extend`, `Checkpoint` and `Finish` name the
+request by the same position)."""
 
 
 def op_to_json(op: Op) -> dict[str, Any]:

@@ -217,6 +217,9 @@ class Snapshot:
     None for a backend without priority refs (SPEC.md §11.2)."""
     high_priority_threshold: int = 1
     """Priorities at or above this are high (SPEC.md §11.1)."""
+    lent_slots: tuple[int, ...] = ()
+    """Device slots the caller holds between operations (running requests' own KV, SPEC.md §4.8), sorted:
+    only the caller knows them, so the harness fills this in; a backend leaves it empty."""
 
     def derived(self, name: str, build: Callable[[Snapshot], _T]) -> _T:
         """`build(self)`, computed once per snapshot and kept with it.
@@ -460,6 +463,14 @@ class Capabilities:
     """True: the harness writes each request's KV and reads every slot back (`KVBackend`, SPEC.md §9.12)."""
     priority_refs: bool = False
     """True: sessions, tiered and scoped eviction, adaptive demotion, admission plans (SPEC.md §11)."""
+    aligns_keys: bool = False
+    """True: an insert key that ends mid-page caches its page-aligned head and leaves the tail's slots to
+    the caller (SGLang's `RadixCache.insert`), instead of raising `UnalignedKey` (SPEC.md §4.2)."""
+    checkpoints: bool = False
+    """True: the backend runs a running request's checkpoint itself, as its engine does
+    (`checkpoint(ns, tokens, row, protected, node, priority) -> (InsertOut, row head, node)`: insert the
+    page-aligned prefix, free the duplicates past `protected`, repoint the row, move the lock); else the
+    harness composes it from insert, free, match and the two lock calls (SPEC.md §4.8)."""
     still_between_calls: bool = False
     """True: the state changes only inside the backend's operations (never in `set_clock`, a read, or a
     background thread), so the harness reads its snapshot once per step and takes the one after a step as

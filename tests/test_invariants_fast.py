@@ -64,20 +64,24 @@ def plain_paged(ps: int, owned: list[tuple[int, tuple[int, ...]]], free: tuple[i
 
 def plain_slots_unique(s: Snapshot) -> list[str]:
     owners: Counter[int] = Counter(s.free_slots)
+    owners.update(s.lent_slots)
     for n in _non_root(s):
         owners.update(n.slots or ())
     return [f"slot {slot} owned {c} times" for slot, c in sorted(owners.items()) if c > 1]
 
 
 def plain_slots_in_range(s: Snapshot) -> list[str]:
-    bad = sorted({x for n in _non_root(s) for x in n.slots or ()} | set(s.free_slots))
+    bad = sorted({x for n in _non_root(s) for x in n.slots or ()} | set(s.free_slots) | set(s.lent_slots))
     return [f"slot {x} outside [0, {s.slot_limit})" for x in bad if not 0 <= x < s.slot_limit]
 
 
 def plain_pool_closes(s: Snapshot) -> list[str]:
     held = sum(len(n.slots or ()) for n in _non_root(s))
-    total = held + len(s.free_slots)
-    return [] if total == s.capacity else [f"free {len(s.free_slots)} + tree {held} = {total} != capacity {s.capacity}"]
+    total = held + len(s.free_slots) + len(s.lent_slots)
+    lent = f" + lent {len(s.lent_slots)}" if s.lent_slots else ""
+    if total == s.capacity:
+        return []
+    return [f"free {len(s.free_slots)} + tree {held}{lent} = {total} != capacity {s.capacity}"]
 
 
 def plain_slots_paged(s: Snapshot) -> list[str]:
@@ -116,10 +120,17 @@ PLAIN = {
 
 def _corrupt(s: Snapshot, rng: random.Random) -> Snapshot:
     """One random defect of the kinds these invariants judge: a slot moved, doubled, dropped or out of
-    range, two slots of a page swapped, a parent pointer bent (cycles included), a node doubled."""
+    range, two slots of a page swapped, a parent pointer bent (cycles included), a node doubled, a running
+    request's slot also free or out of range."""
     nodes = list(s.nodes)
     inner = [i for i, n in enumerate(nodes) if n.id != s.root]
-    kind = rng.randrange(9)
+    kind = rng.randrange(11)
+    if kind == 9 and s.lent_slots:  # a running request's slot also free
+        return dataclasses.replace(s, free_slots=tuple(sorted(s.free_slots + (rng.choice(s.lent_slots),))))
+    if kind == 10 and s.lent_slots:
+        lent = list(s.lent_slots)
+        lent[rng.randrange(len(lent))] = rng.randrange(-3, s.slot_limit + 3)
+        return dataclasses.replace(s, lent_slots=tuple(lent))
     if kind == 1 and s.free_slots:
         return dataclasses.replace(s, free_slots=s.free_slots + (rng.choice(s.free_slots),))
     if kind == 2 and s.free_slots:
@@ -183,6 +194,7 @@ def test_one_pass_checks_write_the_plain_definitions_messages(reached: list[Snap
     rng = random.Random(0)
     broken = 0
     assert len(reached) > 500
+    assert any(s.lent_slots for s in reached), "running requests' slots are among what the checks judge"
     for s in reached:
         for t in [s] + [_corrupt(_corrupt(s, rng) if rng.random() < 0.3 else s, rng) for _ in range(4)]:
             fresh = dataclasses.replace(t)  # no derived tables carried over

@@ -57,6 +57,43 @@ def insert_ignores_namespace(orig: Callable[..., Any]) -> Callable[..., Any]:
     return patched
 
 
+def checkpoint_frees_protected(orig: Callable[..., Any]) -> Callable[..., Any]:
+    """A running request's checkpoint forgets its protected prefix: the duplicate free starts at 0 and takes
+    the slots the tree already held for it."""
+
+    def patched(self: Any, req: Any, *, up_to: int) -> Any:
+        req.kv.cache_protected_len = 0
+        return orig(self, req, up_to=up_to)
+
+    return patched
+
+
+def checkpoint_keeps_old_lock(orig: Callable[..., Any]) -> Callable[..., Any]:
+    """The lock is taken on the new node but never dropped from the old one."""
+
+    def patched(self: Any, req: Any, *, up_to: int) -> Any:
+        self.unlock = lambda lock: None
+        try:
+            return orig(self, req, up_to=up_to)
+        finally:
+            del self.unlock
+
+    return patched
+
+
+def checkpoint_frees_partial_page(orig: Callable[..., Any]) -> Callable[..., Any]:
+    """After the insert, the partial last page (still the request's, still in its row) is freed too."""
+
+    def patched(self: Any, req: Any, *, up_to: int) -> Any:
+        out = orig(self, req, up_to=up_to)
+        tail = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx, req.kv.cache_protected_len : up_to]
+        if len(tail):
+            self.token_to_kv_pool_allocator.free(tail.to(dtype=__import__("torch").int64))
+        return out
+
+    return patched
+
+
 def _assert_caught(cert: Any, name: str, expected: str) -> None:
     """The patched engine failed a cell, broke the expected rule, and the saved trace replays."""
     failing = [c for c in cert.cells if not c.passed]
@@ -70,6 +107,10 @@ CASES: dict[str, tuple[list[str], Callable[[Callable[..., Any]], Callable[..., A
     "lock_skips_self": (["inc_lock_ref", "dec_lock_ref"], lock_skips_self, 1, "INV-LOCK-2"),
     "evict_never_stops": (["evict"], evict_never_stops, 4, "INV-EVICT-2"),
     "insert_ignores_namespace": (["insert"], insert_ignores_namespace, 1, "INV-"),
+    # a running request's checkpoint (SPEC.md §4.8), SGLang's own `RadixCache.checkpoint`
+    "checkpoint_frees_protected": (["checkpoint"], checkpoint_frees_protected, 1, "INV-"),
+    "checkpoint_keeps_old_lock": (["checkpoint"], checkpoint_keeps_old_lock, 1, "INV-LOCK"),
+    "checkpoint_frees_partial_page": (["checkpoint"], checkpoint_frees_partial_page, 4, "INV-"),
 }
 
 

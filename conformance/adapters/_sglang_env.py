@@ -183,9 +183,9 @@ def import_sglang() -> types.SimpleNamespace:
             warnings.filterwarnings("ignore", message="Only CUDA.*", category=UserWarning)
             from sglang.srt.mem_cache import radix_cache
             from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
-            from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams
+            from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams, TreeLock
             from sglang.srt.mem_cache.cache_init_params import CacheInitParams
-            from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+            from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
             from sglang.version import __version__
     except ImportError as exc:
         raise ImportError(f"cannot import sglang's mem_cache ({exc}); {INSTALL_HINT}") from exc
@@ -201,7 +201,9 @@ def import_sglang() -> types.SimpleNamespace:
         MatchPrefixParams=MatchPrefixParams,
         InsertParams=InsertParams,
         EvictParams=EvictParams,
+        TreeLock=TreeLock,
         MHATokenToKVPool=MHATokenToKVPool,
+        ReqToTokenPool=ReqToTokenPool,
         TokenToKVPoolAllocator=TokenToKVPoolAllocator,
         PagedTokenToKVPoolAllocator=PagedTokenToKVPoolAllocator,
     )

@@ -523,12 +523,15 @@ class SGLangHiCache:
 
     # ------------------------------------------------------------------ cache ops
 
-    def insert(self, ns: Optional[str], tokens: Sequence[int], slots: Sequence[int]) -> tuple[int, int]:
+    def insert(
+        self, ns: Optional[str], tokens: Sequence[int], slots: Sequence[int], protected: int = 0
+    ) -> tuple[int, int]:
         """Insert tokens -> device slots; returns (prefix_len, last_device_node).
 
-        The unified cache frees the duplicate slots of the matched prefix itself (unlike RadixCache).
+        The unified cache frees the duplicate slots of the matched prefix itself (unlike RadixCache), past the
+        first `protected` (a running request's prefix, the tree's own slots: `prev_prefix_len`).
         """
-        params = SG.InsertParams(key=self._key(ns, tokens), value=self._tensor(slots))
+        params = SG.InsertParams(key=self._key(ns, tokens), value=self._tensor(slots), prev_prefix_len=protected)
         with self._in_sglang():
             res = self.cache.insert(params)
             if self.config.auto_submit:

@@ -224,12 +224,16 @@ class SGLangHiCacheBackend:
         if self.storage:  # the harness wrote the request's KV (write_kv); the bridge learns its pages' paths
             assert self.h.l3 is not None and self.h.l3.bridge is not None
             self.h.l3.bridge.learn(namespace, tokens)
-        matched, node = self.h.insert(namespace, list(tokens), list(slots))
+        # A head of slots the tree already holds is a running request's protected prefix (SPEC.md §4.8):
+        # SGLang's checkpoint passes it as `prev_prefix_len`, so the insert does not free it as duplicates.
+        held = {x for view in self._tree().values() for x in view["device"] or ()}
+        protected = next((i for i, x in enumerate(slots) if x not in held), len(slots))
+        matched, node = self.h.insert(namespace, list(tokens), list(slots), protected)
         # SGLang's prefix_len is every token the walk matched, host-only ones included: those it restores
         # with the request's slots (`_unevict_node_on_insert`, UTC:1300-1308, `record_adopted_range`). The
         # duplicates (the device part, spec's prefix_len) it frees itself (FreeDeviceKV, URC:1402-1405).
         owned = {x for view in self._tree().values() for x in view["device"] or ()}
-        adopted = sum(1 for x in slots[:matched] if x in owned)
+        adopted = sum(1 for x in slots[protected:matched] if x in owned)
         # Every request slot is SGLang's now (adopted, or freed by the insert): the caller's free is a no-op.
         self._returned |= set(slots)
         return InsertOut(prefix_len=matched - adopted, node=node)
@@ -528,6 +532,7 @@ def make_factory(core: str = "python", layout: str = "layer_first", storage: boo
         prefetch_policies=PREFETCH_POLICIES if storage else (),
         retraction=True,
         kv_reads=True,
+        aligns_keys=True,
         notes=(
             f"{core} tree core, {layout} host layout, direct io via torch shims on CPU; copies held until complete()",
             "host pool sized exactly to host_capacity through hicache_ratio; load_back_threshold set on the cache",

@@ -55,6 +55,13 @@ SG = import_sglang()
 """SGLang's classes; importing this module fails here, with an install hint, when sglang is missing."""
 
 
+class _Namespace:
+    """Attributes only: the parts of SGLang's `Req` (and its `kv` record) that `RadixCache.checkpoint` reads."""
+
+    def __init__(self, **fields: Any) -> None:
+        self.__dict__.update(fields)
+
+
 class _LogicalTime:
     """Stands in for the `time` module inside radix_cache: clocks read the logical time."""
 
@@ -207,6 +214,58 @@ class SGLangRadixBackend:
             res = self.cache.evict(self.sg.EvictParams(num_tokens=n))
         return int(res.num_tokens_evicted)
 
+    def checkpoint(
+        self, namespace: Optional[str], tokens: Sequence[int], row: Sequence[int], protected: int, node: int, priority: int
+    ) -> tuple[InsertOut, tuple[int, ...], int]:
+        """A running request's checkpoint (SPEC.md §4.8) through SGLang's own `RadixCache.checkpoint`.
+
+        The request is the fields `checkpoint` / `_insert_cache` read: its row in a real `ReqToTokenPool`,
+        `cache_protected_len`, the lock on `node`. The whole row is its prompt (no second insert at a prompt
+        boundary) and `cache_inserted_len` is 0 (every checkpoint counts its hits), as the composed
+        protocol does. Returns the insert's outcome, the row's repointed head and the node now locked.
+        """
+        target = self._node(node)
+        pool = self._req_pool(len(row))
+        pool.req_to_token[1, : len(row)] = torch.tensor(list(row), dtype=torch.int32)
+        kv = _Namespace(req_pool_idx=1, cache_protected_len=protected, cache_inserted_len=0, swa_evict_floor=0)
+        toks = array("q", [int(t) for t in tokens])
+        req = _Namespace(
+            kv=kv,
+            extra_key=namespace,
+            cache_salt=None,
+            priority=priority,
+            origin_input_ids=toks,
+            full_untruncated_fill_ids=toks,
+            lock=self.sg.TreeLock(target, None),
+            last_node=target,
+        )
+        seen: list[int] = []
+        insert = self.cache.insert
+
+        def spy(params: Any) -> Any:  # the insert's own outcome, for the insert contract
+            res = insert(params)
+            seen.append(int(res.prefix_len))
+            return res
+
+        self.cache.insert = spy  # type: ignore[method-assign]
+        try:
+            with self._in_sglang():
+                self.cache.checkpoint(req, up_to=len(toks))
+        finally:
+            del self.cache.insert
+        head = tuple(int(x) for x in pool.req_to_token[1, : kv.cache_protected_len].tolist())
+        last = self._remember(req.last_node)
+        return InsertOut(prefix_len=seen[0] if seen else 0, node=last), head, last
+
+    def _req_pool(self, length: int) -> Any:
+        pool = getattr(self, "_pool", None)
+        if pool is None or pool.max_context_len < length:
+            pool = self._pool = self.sg.ReqToTokenPool(
+                size=1, max_context_len=max(length, self.config.capacity), device="cpu", enable_memory_saver=False
+            )
+            self.cache.req_to_token_pool = pool
+        return pool
+
     # ------------------------------------------------------------------ KVBackend (SPEC.md §9.12)
 
     def write_kv(self, slots: Sequence[int], entries: Sequence[bytes]) -> None:
@@ -277,6 +336,8 @@ factory.capabilities = Capabilities(  # type: ignore[attr-defined]
     namespaces=True,
     strict_input=False,
     kv_reads=True,
+    aligns_keys=True,
+    checkpoints=True,
     notes=(
         "real MHATokenToKVPool + (Paged)TokenToKVPoolAllocator on CPU; slot 0 / page 0 is reserved padding",
         "KV bytes: the harness writes the spec's entries into the pool's K/V buffers and reads them back",

@@ -1,0 +1,186 @@
+"""Running requests: the caller's side of a request that holds KV across operations (SPEC.md §4.8).
+
+A serving engine does not insert a request once, at its end. It matches the prompt and locks the
+match, computes the rest into slots of its own, decodes into more, and publishes what it has so far
+while it keeps running (SGLang's `checkpoint`, which was `cache_unfinished_req`): an insert of the
+page-aligned prefix over a path it still locks, a free of the duplicates that insert exposed, the
+row repointed at the tree's slots, and the lock moved to the node the insert ended on. At its end
+it checkpoints once more (or not), frees what it still owns and drops its lock. Bugs live in those
+seams: a duplicate range off by a page, a lock moved in the wrong order, a partial page freed that
+the request still reads.
+
+The request's state is the caller's, so it lives here, one `Request` per side in the ledger
+(`Ledger.running`), keyed by the `Start` op's position. The backend's side reads the request's
+row back after each checkpoint (INV-REQ-1/2); the slots a request owns are the snapshot's
+`lent_slots`, so nothing it holds counts as leaked and nothing it holds may be free or in the tree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, Optional
+
+from kvcert.spec import pages
+from kvcert.spec.invariants import Violation
+from kvcert.spec.ops import Checkpoint, Extend, Finish, Start
+from kvcert.spec.types import InsertOut, KVCertError, LockUnderflow, MatchOut
+
+if TYPE_CHECKING:
+    from kvcert.conformance.scheduler import Side
+
+
+class TraceInvalid(Exception):
+    """A trace no caller could play: a running request's lock was dropped by an `Unlock` it did not take.
+
+    Only shrinking makes such a trace (deleting a `Lock` keeps the `Unlock` after it); the oracle, which
+    never rejects a valid call, tells it apart, and a shrink candidate that raises this is not kept."""
+
+
+def _unlock(side: Side, r: Request, k: int) -> None:
+    try:
+        side.cache.dec_lock_ref(r.node)
+    except LockUnderflow:
+        if side.notes is None:  # the oracle's side: the request's lock is gone, so the trace took it
+            raise TraceInvalid(f"request {k}'s lock was dropped by an Unlock the trace did not take") from None
+        raise
+
+
+@dataclass(frozen=True)
+class Request:
+    """One running request as one side's caller sees it: immutable, replaced at each step."""
+
+    namespace: Any
+    tokens: tuple[Any, ...]
+    priority: int
+    row: tuple[int, ...]
+    """A slot per token: `row[:protected]` the tree's (locked through `node`), the rest its own."""
+    own: tuple[int, ...]
+    """Slots it allocated and still holds, in row order: `row[protected:]`, then its last page's spare slots."""
+    protected: int
+    node: int
+    """The node it locks (the end of its cached prefix)."""
+
+
+def _get(side: Side, k: Any) -> Optional[Request]:
+    pair = side.ledger.running.get(k) if isinstance(k, int) and not isinstance(k, bool) else None
+    return pair[side.column] if pair is not None else None
+
+
+def _put(side: Side, k: int, request: Optional[Request]) -> None:
+    pair = list(side.ledger.running.get(k, (None, None)))
+    pair[side.column] = request
+    if pair == [None, None]:
+        side.ledger.running.pop(k, None)
+    else:
+        side.ledger.running[k] = (pair[0], pair[1])
+
+
+def start(side: Side, op: Start, ops: list[Any]) -> MatchOut:
+    """Match the prompt, lock the match, allocate whole pages for the rest and compute it."""
+    cache = side.cache
+    got: MatchOut = cache.match_prefix(op.namespace, op.tokens)
+    cache.inc_lock_ref(got.node)
+    try:
+        own = tuple(cache.alloc(pages.page_ceil(len(op.tokens), side.config.page_size) - got.length))
+    except KVCertError:
+        cache.dec_lock_ref(got.node)
+        raise
+    fresh = own[: len(op.tokens) - got.length]
+    side.write_kv(fresh, op.namespace, op.tokens, got.length)
+    row = tuple(got.slots) + fresh
+    _put(side, len(ops) - 1, Request(op.namespace, tuple(op.tokens), op.priority, row, own, got.length, got.node))
+    return got
+
+
+def extend(side: Side, op: Extend, _ops: list[Any]) -> None:
+    """Decode `op.tokens` more: fresh whole pages once the last one is full; a request not running is a no-op."""
+    r = _get(side, op.handle)
+    if r is None:
+        return None
+    tokens = r.tokens + tuple(op.tokens)
+    need = pages.page_ceil(len(tokens), side.config.page_size) - r.protected - len(r.own)
+    own = r.own + (tuple(side.cache.alloc(need)) if need > 0 else ())
+    fresh = own[len(r.tokens) - r.protected : len(tokens) - r.protected]
+    side.write_kv(fresh, r.namespace, tokens, len(r.tokens))
+    _put(side, op.handle, replace(r, tokens=tokens, row=r.row + fresh, own=own))
+    return None
+
+
+def _checkpoint(side: Side, r: Request, k: int) -> tuple[Optional[InsertOut], Request]:
+    """Insert the page-aligned prefix computed so far, free the duplicates, repoint the row, move the lock."""
+    cache = side.cache
+    aligned = pages.page_floor(len(r.tokens), side.config.page_size)
+    if aligned == 0:
+        return None, r
+    key = r.tokens[:aligned]
+    if side.notes is not None:
+        side.notes.inserted = (r.namespace, key)
+    if side.native_checkpoint:  # the engine's own checkpoint, on the backend side
+        out, head, node = cache.checkpoint(r.namespace, r.tokens, r.row, r.protected, r.node, r.priority)
+        moved = replace(
+            r, row=tuple(head) + r.row[len(head) :], own=r.own[aligned - r.protected :], protected=aligned, node=node
+        )
+        if side.notes is not None:
+            side.notes.violations += _read_back(side, moved, len(head), k)
+        return out, moved
+    out: InsertOut = cache.insert(r.namespace, key, r.row[:aligned], r.priority)
+    cache.free(r.row[r.protected : out.prefix_len])  # the tree held these already: the request's copies go
+    got: MatchOut = cache.match_prefix(r.namespace, key)
+    _unlock(side, r, k)  # the lock moves: SGLang unlocks the old node, then locks the new one
+    cache.inc_lock_ref(got.node)
+    row = tuple(got.slots) + r.row[len(got.slots) :]
+    moved = replace(r, row=row, own=r.own[aligned - r.protected :], protected=aligned, node=got.node)
+    if side.notes is not None:
+        side.notes.violations += _read_back(side, moved, got.length, k)
+    return out, moved
+
+
+def _read_back(side: Side, r: Request, cached: int, k: int) -> list[Violation]:
+    """INV-REQ-1: after a checkpoint its whole page-aligned prefix is cached (the row is repointed at those
+    slots); then the row's KV."""
+    if cached != r.protected:
+        return [Violation("INV-REQ-1", f"request {k}: {cached} of its {r.protected} checkpointed tokens are cached")]
+    return _row_kv(side, r, k)
+
+
+def _row_kv(side: Side, r: Request, k: int) -> list[Violation]:
+    """INV-REQ-2: every slot of a running request's row holds its KV, the tree's part and its own (kv_reads)."""
+    want = side.content(r.namespace, r.tokens)
+    if want is None or side.notes is None:
+        return []
+    have = list(side.cache.read_kv(r.row))
+    bad = next((i for i, (a, b) in enumerate(zip(have, want)) if a != b), None)
+    if bad is None:
+        return []
+    where = "the tree's" if bad < r.protected else "its own"
+    return [Violation("INV-REQ-2", f"request {k}: slot {r.row[bad]} (token {bad}, {where}) holds other KV")]
+
+
+def checkpoint(side: Side, op: Checkpoint, _ops: list[Any]) -> Optional[InsertOut]:
+    r = _get(side, op.handle)
+    if r is None:
+        return None
+    out, moved = _checkpoint(side, r, op.handle)
+    _put(side, op.handle, moved)
+    return out
+
+
+def finish(side: Side, op: Finish, _ops: list[Any]) -> Optional[InsertOut]:
+    """Checkpoint (with `cache`), then free what the request still owns and drop its lock."""
+    r = _get(side, op.handle)
+    if r is None:
+        return None
+    out = None
+    if op.cache:
+        out, r = _checkpoint(side, r, op.handle)
+    elif side.notes is not None:
+        side.notes.violations += _row_kv(side, r, op.handle)
+    _put(side, op.handle, None)
+    side.cache.free(r.own)
+    _unlock(side, r, op.handle)
+    return out
+
+
+def lent(requests: dict[int, tuple[Optional[Request], Optional[Request]]], column: int) -> tuple[int, ...]:
+    """Every slot one side's running requests own, sorted (the snapshot's `lent_slots`)."""
+    return tuple(sorted(x for pair in requests.values() if pair[column] is not None for x in pair[column].own))

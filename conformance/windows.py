@@ -1,0 +1,77 @@
+"""Race windows: the in-flight states real cache races live in, and whether a step entered one.
+
+A bug that needs a copy to overlap a split, or a lock to land before a load's ack, is found only by
+a run that puts the cache there; an op mix cannot say whether it did. Each window here is a
+predicate on one step's backend snapshots (what anyone can observe, no oracle), and the machine
+counts the steps that entered each one per cell, into the certificate (`RunStats.ops`,
+"window:<name>"): a cell that never entered a window did not test the races that live in it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from kvcert.spec.ops import Checkpoint, Evict, EvictHost, Finish, Insert, Lock, Op, Start
+from kvcert.spec.types import Snapshot
+
+WINDOWS = {
+    "split-under-write": "a node a device-to-host copy is still moving is split",
+    "split-under-load": "a node a host-to-device load is still moving is split",
+    "split-under-store": "a node a host-to-storage copy is still moving is split",
+    "split-locked": "a node a lock protects is split (a running request's path, another's insert)",
+    "host-evict-in-flight": "host eviction while a copy is in flight",
+    "lock-before-load-ack": "a lock taken on a path whose load has not been acknowledged",
+    "write-back-host-full": "write-back device eviction drops a node without a backup (the host was full)",
+    "insert-over-host": "an insert puts device KV back under a host-only node",
+}
+"""Window name -> what it is (SPEC.md §9, §10; the names are the certificate's)."""
+SHORT = {
+    "split-under-write": "split/write",
+    "split-under-load": "split/load",
+    "split-under-store": "split/store",
+    "split-locked": "split/lock",
+    "host-evict-in-flight": "hevict/copy",
+    "lock-before-load-ack": "lock/load",
+    "write-back-host-full": "wb/full",
+    "insert-over-host": "ins/host",
+}
+"""Column headers for the certificate's window table."""
+
+
+def entered(op: Op, before: Snapshot, after: Snapshot, locked: Optional[int] = None) -> list[str]:
+    """The windows `op` entered, from the backend's snapshots around it. `locked`: the node a Lock or Start
+    locked (the backend's id), when known."""
+    out: list[str] = []
+    mine = before.by_id()
+    now = after.by_id()
+    moving = [c for c in before.pending if not c.finished]
+    if moving or any(n.lock_ref > 0 for n in before.nodes):
+        shorter = {nid for nid, n in mine.items() if nid in now and len(now[nid].key) < len(n.key)}
+        if shorter:
+            for c in moving:
+                if shorter.intersection(c.nodes):
+                    out.append(f"split-under-{c.kind}")
+            if any(mine[nid].lock_ref > 0 for nid in shorter):
+                out.append("split-locked")
+    if moving and isinstance(op, (EvictHost, Evict)) and len(after.host_free_slots) > len(before.host_free_slots):
+        out.append("host-evict-in-flight")
+    if locked is not None and isinstance(op, (Lock, Start)):
+        loading = {nid for c in moving if c.kind == "load" for nid in c.nodes}
+        if loading and _path_meets(mine, locked, loading):
+            out.append("lock-before-load-ack")
+    if isinstance(op, Evict) and before.write_policy == "write_back":
+        if any(n.slots is not None and n.host_slots is None and nid not in now for nid, n in mine.items()):
+            out.append("write-back-host-full")
+    if isinstance(op, (Insert, Checkpoint, Finish)):
+        if any(n.slots is None and nid in now and now[nid].slots is not None for nid, n in mine.items()):
+            out.append("insert-over-host")
+    return sorted(set(out))
+
+
+def _path_meets(nodes: dict[int, Any], node: int, targets: set[int]) -> bool:
+    cur: Optional[int] = node
+    while cur is not None and cur in nodes:
+        if cur in targets:
+            return True
+        cur = nodes[cur].parent
+    return False
