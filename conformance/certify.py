@@ -281,8 +281,10 @@ def cells_for(
     return configs, skipped
 
 
+STORAGE_WINDOWS = ("split-under-store", "write-back-host-full")
+"""Windows only a storage cell can enter: store copies, and a host small and pinned enough to fill."""
 WINDOW_TIERS = {
-    name: (what, "device" if name == "split-locked" else "storage" if name == "write-back-host-full" else "host")
+    name: (what, "device" if name == "split-locked" else "storage" if name in STORAGE_WINDOWS else "host")
     for name, what in WINDOWS.items()
 }
 """Race window -> (what it is, the cells that can enter it): a run of those cells that never did says so."""

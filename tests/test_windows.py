@@ -82,3 +82,5 @@ def test_a_certificate_reports_windows_per_cell_and_names_those_never_entered(tm
     # A device-only run cannot enter a host window, and is not told it missed one.
     device = scope_gaps(CAPS, [c for c in cert.cells if not c.write_policy])
     assert not any("split-under-write" in g for g in device)
+    host_only = scope_gaps(CAPS, [c for c in cert.cells if c.write_policy and "+" not in c.write_policy])
+    assert not any("split-under-store" in g or "write-back-host-full" in g for g in host_only)
