@@ -17,6 +17,7 @@ from typing import Any, Optional
 
 from kvcert.conformance.backend import Backend
 from kvcert.conformance.ledger import Ledger
+from kvcert.conformance.running import row_checks
 from kvcert.conformance.scheduler import KVModel, Outcome, has_content, running_of
 from kvcert.conformance.steering import path_order
 from kvcert.conformance.storage import FaultyStorage
@@ -243,7 +244,32 @@ class Checks:
                 )
             violations += self.storage(storages)
             violations += self.kv(snap)
+            violations += self.rows()
         return violations
+
+    def rows(self) -> list[Violation]:
+        """INV-REQ-2: the slots each running request still owns hold its KV (SPEC.md §4.8), one read a step."""
+        if not self.capabilities.kv_reads or not self.ledger.running:
+            return []
+        checks = []
+        for k, r in row_checks(self.ledger.running):
+            want = (
+                self.model.entries(r.namespace, r.tokens)[r.protected :] if has_content(r.namespace, r.tokens) else ()
+            )
+            if want:
+                checks.append((k, r, want))
+        got = _read_batched(self.backend.read_kv, [r.row[r.protected :] for _, r, _ in checks])  # type: ignore[attr-defined]
+        out = []
+        for (k, r, want), have in zip(checks, got):
+            bad = next((i for i, (a, b) in enumerate(zip(have, want)) if a != b), None)
+            if bad is not None:
+                out.append(
+                    Violation(
+                        "INV-REQ-2",
+                        f"request {k}: its own slot {r.row[r.protected + bad]} (token {r.protected + bad}) holds other KV",
+                    )
+                )
+        return out
 
     def copy_contents(self, snap: Snapshot, oracle: RefCache, spec_snap: Snapshot) -> list[Violation]:
         """INV-COPY-1: each pending copy moves the spec's nodes (by path), splits included."""

@@ -11,7 +11,7 @@ the request still reads.
 
 The request's state is the caller's, so it lives here, one `Request` per side in the ledger
 (`Ledger.running`), keyed by the `Start` op's position. The backend's side reads the request's
-row back after each checkpoint (INV-REQ-1/2); the slots a request owns are the snapshot's
+state back after each checkpoint (INV-REQ-1) and its own KV after every step (INV-REQ-2); the slots a request owns are the snapshot's
 `lent_slots`, so nothing it holds counts as leaked and nothing it holds may be free or in the tree.
 """
 
@@ -137,23 +137,17 @@ def _checkpoint(side: Side, r: Request, k: int) -> tuple[Optional[InsertOut], Re
 
 def _read_back(side: Side, r: Request, cached: int, k: int) -> list[Violation]:
     """INV-REQ-1: after a checkpoint its whole page-aligned prefix is cached (the row is repointed at those
-    slots); then the row's KV."""
+    slots). The row's KV is judged with the state (`row_checks`)."""
     if cached != r.protected:
         return [Violation("INV-REQ-1", f"request {k}: {cached} of its {r.protected} checkpointed tokens are cached")]
-    return _row_kv(side, r, k)
+    return []
 
 
-def _row_kv(side: Side, r: Request, k: int) -> list[Violation]:
-    """INV-REQ-2: every slot of a running request's row holds its KV, the tree's part and its own (kv_reads)."""
-    want = side.content(r.namespace, r.tokens)
-    if want is None or side.notes is None:
-        return []
-    have = list(side.cache.read_kv(r.row))
-    bad = next((i for i, (a, b) in enumerate(zip(have, want)) if a != b), None)
-    if bad is None:
-        return []
-    where = "the tree's" if bad < r.protected else "its own"
-    return [Violation("INV-REQ-2", f"request {k}: slot {r.row[bad]} (token {bad}, {where}) holds other KV")]
+def row_checks(requests: dict[int, tuple[Optional[Request], Optional[Request]]]) -> list[tuple[int, Request]]:
+    """(k, request) for every request the backend side runs: whose own part of the row `Checks.rows` reads
+    back every step (INV-REQ-2). The tree's part is the tree's slots, read as the tree's (INV-KV-1), once
+    any load into them has landed."""
+    return [(k, pair[0]) for k, pair in sorted(requests.items()) if pair[0] is not None]
 
 
 def checkpoint(side: Side, op: Checkpoint, _ops: list[Any]) -> Optional[InsertOut]:
@@ -173,8 +167,6 @@ def finish(side: Side, op: Finish, _ops: list[Any]) -> Optional[InsertOut]:
     out = None
     if op.cache:
         out, r = _checkpoint(side, r, op.handle)
-    elif side.notes is not None:
-        side.notes.violations += _row_kv(side, r, op.handle)
     _put(side, op.handle, None)
     side.cache.free(r.own)
     _unlock(side, r, op.handle)

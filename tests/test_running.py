@@ -198,3 +198,16 @@ def test_the_default_namespace_and_one_named_none_are_kept_apart() -> None:
     run_trace(RefCache(config), config, CAPS, ops)
     with pytest.raises(ConformanceFailure):
         run_trace(FoldsNamespace(config), config, CAPS, ops)
+
+
+def test_a_request_on_kv_still_loading_is_not_read_before_the_load_lands() -> None:
+    """Found by certifying kvcert.gpu (its copies land only when completed): a request matched a node whose
+    load was in flight and checkpointed; reading its row then read KV not yet there. The tree's part of a
+    row is judged as the tree's (INV-KV-1, which waits for the load), the request's own part every step."""
+    from pathlib import Path
+
+    from kvcert.spec.ops import Trace
+
+    trace = Trace.from_json((Path(__file__).parent / "running" / "request-matches-a-loading-node.json").read_text())
+    for factory in (ref_factory, gpu.factory):
+        run_trace(factory(trace.config), trace.config, factory.capabilities, list(trace.ops))
