@@ -247,19 +247,14 @@ class Harness(Queries):
         if steering.skippable(op):
             attempts += [(order, True) for order, _ in attempts]
         saved = copy.deepcopy(self.oracle) if len(attempts) > 1 else None
-        requests = dict(self.ledger.running)  # the oracle's half is put back with the oracle
+        requests = dict(self.ledger.running) if saved is not None else {}  # the oracle's half goes back with it
         want: Outcome = None
         found: list[Violation] = []
         for attempt, (order, skipped_first) in enumerate(attempts):
             if attempt:  # the last choice disagreed with the backend: put the oracle back and try the next
                 self.oracle = copy.deepcopy(saved)  # type: ignore[assignment]
                 self._spec_snap = None
-                now = self.ledger.running
-                self.ledger.running = {
-                    k: (now.get(k, (None, None))[0], requests.get(k, (None, None))[1])
-                    for k in {*now, *requests}
-                    if now.get(k, (None, None))[0] is not None or requests.get(k, (None, None))[1] is not None
-                }
+                self.ledger.running = _oracle_half_back(self.ledger.running, requests)
                 if self.storages:
                     self.storages = (self.storages[0], self.oracle.storage)  # type: ignore[assignment]
             found = []
@@ -421,6 +416,13 @@ class Harness(Queries):
                     )
                 ],
             )
+
+
+def _oracle_half_back(now: dict[int, tuple[Any, Any]], saved: dict[int, tuple[Any, Any]]) -> dict[int, tuple[Any, Any]]:
+    """Running requests with the backend's half as it is `now` and the oracle's as `saved` before the op."""
+    none = (None, None)
+    pairs = {k: (now.get(k, none)[0], saved.get(k, none)[1]) for k in {*now, *saved}}
+    return {k: pair for k, pair in pairs.items() if pair != none}
 
 
 def run_trace(

@@ -107,47 +107,36 @@ def extend(side: Side, op: Extend, _ops: list[Any]) -> None:
 
 
 def _checkpoint(side: Side, r: Request, k: int) -> tuple[Optional[InsertOut], Request]:
-    """Insert the page-aligned prefix computed so far, free the duplicates, repoint the row, move the lock."""
-    cache = side.cache
+    """Insert the page-aligned prefix computed so far, free the duplicates, repoint the row, move the lock:
+    the engine's own checkpoint where the backend runs one, else composed here."""
     aligned = pages.page_floor(len(r.tokens), side.config.page_size)
     if aligned == 0:
         return None, r
-    key = r.tokens[:aligned]
     if side.notes is not None:
-        side.notes.inserted = (r.namespace, key)
-    if side.native_checkpoint:  # the engine's own checkpoint, on the backend side
-        out, head, node = cache.checkpoint(r.namespace, r.tokens, r.row, r.protected, r.node, r.priority)
-        moved = replace(
-            r, row=tuple(head) + r.row[len(head) :], own=r.own[aligned - r.protected :], protected=aligned, node=node
+        side.notes.inserted = (r.namespace, r.tokens[:aligned])
+    if side.native_checkpoint:
+        out, head, node = side.cache.checkpoint(r.namespace, r.tokens, r.row, r.protected, r.node, r.priority)
+    else:
+        out, head, node = _composed_checkpoint(side, r, aligned, k)
+    moved = replace(
+        r, row=tuple(head) + r.row[len(head) :], own=r.own[aligned - r.protected :], protected=aligned, node=node
+    )
+    if side.notes is not None and len(head) != aligned:  # INV-REQ-1; the row's KV is judged with the state
+        side.notes.violations.append(
+            Violation("INV-REQ-1", f"request {k}: {len(head)} of its {aligned} checkpointed tokens are cached")
         )
-        if side.notes is not None:
-            side.notes.violations += _read_back(side, moved, len(head), k)
-        return out, moved
+    return out, moved
+
+
+def _composed_checkpoint(side: Side, r: Request, aligned: int, k: int) -> tuple[InsertOut, tuple[int, ...], int]:
+    """The checkpoint from protocol calls: (the insert's outcome, the tree's slots for the prefix, the node)."""
+    cache, key = side.cache, r.tokens[:aligned]
     out: InsertOut = cache.insert(r.namespace, key, r.row[:aligned], r.priority)
     cache.free(r.row[r.protected : out.prefix_len])  # the tree held these already: the request's copies go
     got: MatchOut = cache.match_prefix(r.namespace, key)
     _unlock(side, r, k)  # the lock moves: SGLang unlocks the old node, then locks the new one
     cache.inc_lock_ref(got.node)
-    row = tuple(got.slots) + r.row[len(got.slots) :]
-    moved = replace(r, row=row, own=r.own[aligned - r.protected :], protected=aligned, node=got.node)
-    if side.notes is not None:
-        side.notes.violations += _read_back(side, moved, got.length, k)
-    return out, moved
-
-
-def _read_back(side: Side, r: Request, cached: int, k: int) -> list[Violation]:
-    """INV-REQ-1: after a checkpoint its whole page-aligned prefix is cached (the row is repointed at those
-    slots). The row's KV is judged with the state (`row_checks`)."""
-    if cached != r.protected:
-        return [Violation("INV-REQ-1", f"request {k}: {cached} of its {r.protected} checkpointed tokens are cached")]
-    return []
-
-
-def row_checks(requests: dict[int, tuple[Optional[Request], Optional[Request]]]) -> list[tuple[int, Request]]:
-    """(k, request) for every request the backend side runs: whose own part of the row `Checks.rows` reads
-    back every step (INV-REQ-2). The tree's part is the tree's slots, read as the tree's (INV-KV-1), once
-    any load into them has landed."""
-    return [(k, pair[0]) for k, pair in sorted(requests.items()) if pair[0] is not None]
+    return out, tuple(got.slots), got.node
 
 
 def checkpoint(side: Side, op: Checkpoint, _ops: list[Any]) -> Optional[InsertOut]:
