@@ -12,7 +12,7 @@ import json
 import re
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Optional
 
@@ -27,6 +27,7 @@ from kvcert.conformance.runner import run_machine
 from kvcert.conformance.running import TraceInvalid
 from kvcert.conformance.shrink import shrink
 from kvcert.conformance.windows import WINDOWS
+from kvcert.spec import profiles
 from kvcert.spec.ops import Op, Trace
 from kvcert.spec.types import FAULTS, POLICIES, PREFETCH_POLICIES, WRITE_POLICIES, CacheConfig, Capabilities
 
@@ -88,6 +89,8 @@ class Certificate:
     examples: int
     steps: int
     strict_input: bool
+    profile: str = "core"
+    """The profile the backend was held to (SPEC.md §6): the one it declares, or the one `--profile` named."""
     cells: list[CellResult] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
     """Cells or rules asked for but not run."""
@@ -163,7 +166,8 @@ def run_cell(
             )
         else:
             report = str(failure)
-        trace = Trace(config=config, ops=tuple(ops), target=target, note=report.splitlines()[-1].strip())
+        note = report.splitlines()[-1].strip()
+        trace = Trace(config=config, ops=tuple(ops), target=target, note=note, profile=capabilities.profile)
         out_dir.mkdir(parents=True, exist_ok=True)
         tier = f"-{_tier(config)}" if config.host_capacity else ""
         path = out_dir / f"{_slug(target)}-ps{config.page_size}-{config.policy}{tier}-seed{seed}.json"
@@ -206,7 +210,12 @@ def failure_ids(
 
 
 def replay_fails(factory: Factory, capabilities: Capabilities, trace: Trace) -> bool:
-    return replay_failure(factory, capabilities, trace.config, list(trace.ops)) is not None
+    return replay_failure(factory, judged_as(capabilities, trace), trace.config, list(trace.ops)) is not None
+
+
+def judged_as(capabilities: Capabilities, trace: Trace) -> Capabilities:
+    """The capabilities to replay `trace` with: the backend's, under the profile the trace was judged by."""
+    return replace(capabilities, profile=trace.profile) if trace.profile else capabilities
 
 
 def _tiered(page_size: int, policy: str, write_policy: str, prefetch_policy: str = "") -> CacheConfig:
@@ -354,6 +363,21 @@ def scope_gaps(capabilities: Capabilities, cells: list[CellResult], bad_input: O
         missing = [w for w in PREFETCH_POLICIES if w not in capabilities.prefetch_policies]
         if missing:
             out.append(f"prefetch stop policies {', '.join(missing)}: not declared by the backend")
+    held = profiles.profile(capabilities.profile)
+    has = {
+        "": True,
+        "write_back": "write_back" in capabilities.write_policies,
+        "copy": "copy" in capabilities.faults,
+        "host": bool(capabilities.write_policies),
+        "retraction": capabilities.retraction,
+        "storage": bool(capabilities.prefetch_policies),
+    }
+    for choice in profiles.CHOICES:
+        if has[choice.needs] and not held.pinned(choice):
+            out.append(f"choice {choice.id} ({choice.pinned}): left to the backend under profile {held.name}")
+    for part, pin in profiles.STILL_PINNED:
+        if has[part]:
+            out.append(f"pinned under every profile (a correct cache that chooses otherwise fails): {pin}")
     if capabilities.still_between_calls:
         out.append(
             "state between steps: not re-read (the backend declares still_between_calls, so each step's "
@@ -379,14 +403,18 @@ def certify(
     device_cells: bool = True,
     prefetch_policies: Optional[Iterable[str]] = None,
     host_cells: bool = True,
+    profile: Optional[str] = None,
 ) -> Certificate:
-    """Run every cell; the certificate passes only if every cell does. `fail_fast` stops at the first failing cell."""
+    """Run every cell; the certificate passes only if every cell does. `fail_fast` stops at the first failing cell.
+    `profile` holds the backend to that profile instead of the one it declares (SPEC.md §6)."""
     factory = factory or load_factory(target)
     caps = capabilities_of(factory)
+    if profile is not None:
+        caps = replace(caps, profile=profiles.profile(profile).name)
     configs, skipped = cells_for(
         caps, page_sizes, policies, bad_input, write_policies, device_cells, prefetch_policies, host_cells
     )
-    cert = Certificate(target, caps.name, seed, examples, steps, caps.strict_input, skipped=skipped)
+    cert = Certificate(target, caps.name, seed, examples, steps, caps.strict_input, caps.profile, skipped=skipped)
     for config in configs:
         cell = run_cell(
             factory,

@@ -13,7 +13,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from kvcert.conformance.certify import CellResult, Certificate, certify, load_factory
+from kvcert.conformance.certify import CellResult, Certificate, certify, judged_as, load_factory
 from kvcert.conformance.driver import ConformanceFailure, Outcome, run_trace
 from kvcert.conformance.windows import SHORT, WINDOWS
 from kvcert.spec.ops import Evict, Match, Op, RegisterRef, ReleaseRef, Trace, UpdateRef, op_to_json
@@ -57,7 +57,7 @@ def print_windows(cert: Certificate) -> None:
 
 
 def print_certificate(cert: Certificate) -> None:
-    table = Table(title=f"kvcert certificate: {cert.backend} ({cert.target})")
+    table = Table(title=f"kvcert certificate: {cert.backend} ({cert.target}), profile {cert.profile}")
     for col in ("page size", "policy", "tiers", "verdict", "examples", "steps", "steps/s", "counterexample"):
         table.add_column(col)
     for c in cert.cells:
@@ -111,6 +111,9 @@ def certify_cmd(
         "--bad-input/--no-bad-input",
         help="force the bad-input rules on or off (default: as the backend declares strict_input)",
     ),
+    profile: Optional[str] = typer.Option(
+        None, "--profile", help="hold the backend to this profile (core, sglang-0.5.23) instead of the one it declares"
+    ),
 ) -> None:
     """Run the conformance suite against a backend and print its certificate."""
     cert = certify(
@@ -127,6 +130,7 @@ def certify_cmd(
         prefetch_policies=[] if device_only or no_storage else prefetch_policy,
         device_cells=not storage_only,
         host_cells=not storage_only,
+        profile=profile,
     )
     print_certificate(cert)
     if json_path is not None:
@@ -170,7 +174,8 @@ def replay_cmd(
                 matched[i] = outcome.length
 
         try:
-            run_trace(factory(trace.config), trace.config, factory.capabilities, ops, hook=hook)  # type: ignore[attr-defined]
+            caps = judged_as(factory.capabilities, trace)  # type: ignore[attr-defined]
+            run_trace(factory(trace.config), trace.config, caps, ops, hook=hook)
         except ConformanceFailure as failure:
             console.print(f"[red]FAIL[/] {failure}")
             raise typer.Exit(1) from None

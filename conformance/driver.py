@@ -56,6 +56,7 @@ from kvcert.spec.ops import (
     StorageFault,
     Unlock,
 )
+from kvcert.spec.profiles import RANK, RECLAIM, RETRY, Profile, profile
 from kvcert.spec.types import CacheConfig, Capabilities, InsertOut, MatchOut, Snapshot
 
 __all__ = ["UNKNOWN_NODE", "ConformanceFailure", "Harness", "Outcome", "run_trace"]
@@ -91,6 +92,9 @@ class Harness(Queries):
     count_windows: bool = False
     """Whether each step works out the race windows it entered (`conformance.windows`), into `windows`."""
     windows: list[str] = field(default_factory=list)
+    ignore: frozenset[str] = frozenset()
+    """Rules whose violations this harness drops: the checker ablation that shows a rule alone kills a
+    mutant (tests/test_profiles.py). Never set by `certify`."""
     _spec_snap: Optional[Snapshot] = None
     """The oracle's snapshot since it last changed: taken once per step, reused as the next step's before."""
     _last_after: Optional[Snapshot] = None
@@ -100,7 +104,12 @@ class Harness(Queries):
 
     def __post_init__(self) -> None:
         try:
+            self.profile: Profile = profile(self.capabilities.profile)
             self.oracle = RefCache(self.config)
+            # Under a profile that leaves a choice open the oracle takes whichever legal one the backend
+            # reported (SPEC.md §6): every eviction candidate is open to its chooser, host eviction one order.
+            self.oracle.rank_free = not self.profile.pinned(RANK)
+            self.oracle.host_order = "reclaim_first" if self.profile.pinned(RECLAIM) else "rank"
             self.model = KVModel(self.config.kv_layers)
             self.checks = Checks(self.backend, self.config, self.capabilities, self.ledger, self.model)
             if self.config.prefetch_policy:
@@ -241,16 +250,21 @@ class Harness(Queries):
         candidate choice until it reaches the backend's state: write-back's reclaim order, and whether a
         write-back eviction tried a node it then skipped before the victims it evicted.
         """
-        steering = Steering(self.config, before, after)
+        pinned = self.profile.pinned
+        follows = self.capabilities.reports_choices and not (pinned(RANK) or pinned(RECLAIM))
+        steering = Steering(self.config, before, after, follows_reports=follows)
         lenient = self.capabilities.aligns_keys
-        attempts = [(order, False) for order in steering.reclaim_orders()]
+        orders = steering.reclaim_orders() if pinned(RECLAIM) else steering.host_orders()
+        attempts = [(order, False, False) for order in orders]
         if steering.skippable(op):
-            attempts += [(order, True) for order, _ in attempts]
+            attempts += [(order, True, False) for order, _, _ in attempts]
+        if not pinned(RANK) and steering.moved():  # the backend's victims in rank order, else the largest last
+            attempts += [(order, skip, True) for order, skip, _ in attempts]
         saved = copy.deepcopy(self.oracle) if len(attempts) > 1 else None
         requests = dict(self.ledger.running) if saved is not None else {}  # the oracle's half goes back with it
         want: Outcome = None
         found: list[Violation] = []
-        for attempt, (order, skipped_first) in enumerate(attempts):
+        for attempt, (order, skipped_first, tail) in enumerate(attempts):
             if attempt:  # the last choice disagreed with the backend: put the oracle back and try the next
                 self.oracle = copy.deepcopy(saved)  # type: ignore[assignment]
                 self._spec_snap = None
@@ -260,20 +274,35 @@ class Harness(Queries):
             found = []
             choose, replayed = None, None
             if isinstance(op, (Evict, EvictHost)) and isinstance(got, int):
-                choose, replayed = steering.witness(self.oracle, self.spec_snapshot(), op, got, found, skipped_first)
-            self.oracle.steer = steering.follow(self.oracle)
+                if pinned(RANK):
+                    choose, replayed = steering.witness(self.oracle, self.spec_snapshot(), op, got, found, skipped_first)
+                else:
+                    choose, replayed = steering.seat(self.oracle, op, got, found, skipped_first, tail, order)
+            self.oracle.steer = steering.follow(self.oracle, tail=tail)
             self.oracle.reclaim = steering.reclaimed(self.oracle, order)
+            self.oracle.host_steer = None if pinned(RECLAIM) else steering.follow_host(self.oracle, tail, order)
+            if not pinned(RETRY):
+                self.oracle.copy_failure = "invalidate" if self._gave_up(op, after) else "retry"
             theirs = Side(self.oracle, 1, self.ledger, self.config, choose=choose, unaligned=lenient)
             try:
                 want = run_op(theirs, op, self.ops)
             finally:
-                self.oracle.steer = self.oracle.reclaim = None
+                self.oracle.steer = self.oracle.reclaim = self.oracle.host_steer = None
+                self.oracle.copy_failure = "retry"
                 self._spec_snap = None
             if replayed is not None:
                 found += replayed(self.spec_snapshot())
             if attempt == len(attempts) - 1 or agrees(self.spec_snapshot(), after):
                 break
         return want, found
+
+    def _gave_up(self, op: Op, after: Snapshot) -> bool:
+        """Whether the copy `op` completes ended on the backend (the core lets a failed write copy be invalidated
+        instead of retried: SPEC.md §6, RETRY); the oracle follows only when its own copy fails."""
+        if not isinstance(op, Complete):
+            return False
+        mine = self.ledger.copies.id(op.copy, 0)
+        return not any(c.id == mine and not c.finished for c in after.pending)
 
     def _record(
         self,
@@ -355,6 +384,8 @@ class Harness(Queries):
     def check(self, index: int, op: Optional[Op], snap: Snapshot, found: list[Violation]) -> None:
         """The step's findings, then the backend's state against the spec and the oracle; raise on any."""
         violations = found + self.checks.state(snap, self.oracle, self.spec_snapshot(), self.storages)
+        if self.ignore:
+            violations = [v for v in violations if v.inv not in self.ignore]
         if violations:
             raise ConformanceFailure(index, op, violations)
 
@@ -403,7 +434,7 @@ class Harness(Queries):
             "prefetches": len(snap.prefetches),
             "retraction backups": len(snap.retractions),
         }
-        if any(left.values()):
+        if any(left.values()) and "INV-LIVE-1" not in self.ignore:
             raise ConformanceFailure(
                 len(self.ops) - 1,
                 self.ops[-1],

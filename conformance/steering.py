@@ -6,6 +6,12 @@ what the backend chose; the choosers here make the oracle choose the same, so th
 follows judges everything else. A choice no legal order explains is reported (INV-EVICT-4,
 INV-HOST-9) instead of steered around.
 
+Under a profile that pins the eviction rank (SPEC.md §6, RANK) the backend's victims must be a
+greedy order over the oracle's ranks, ties free (`witness`). Under the core the oracle sees every
+candidate and takes the backend's victims first (`follow`, `follow_host`): whatever order the
+backend used is seated, and the replay judges only that each victim was a legal candidate when it
+went and that the eviction stopped where the core says.
+
 `Steering` is built once per step attempt from the backend's two snapshots; the oracle may be
 replaced between attempts (a deep copy put back), so it is passed in, never kept.
 """
@@ -62,8 +68,11 @@ class Steering:
     config: CacheConfig
     before: Snapshot
     after: Snapshot
+    follows_reports: bool = False
+    """The core, on a backend that reports its choices: follow `Snapshot.choices` instead of searching."""
     _dropped: Optional[set[contracts.Path]] = field(default=None, init=False)
     _gone: Optional[set[contracts.Path]] = field(default=None, init=False)
+    _reported: Optional[tuple[list[contracts.Path], list[contracts.Path]]] = field(default=None, init=False)
 
     def dropped(self) -> set[contracts.Path]:
         if self._dropped is None:
@@ -82,41 +91,161 @@ class Steering:
         return list(itertools.islice(itertools.permutations(dropped), 24))
 
     def skippable(self, op: Op) -> bool:
-        """A write-back eviction that left a node it may have tried and skipped (SPEC.md §9.3)."""
+        """A write-back eviction that left a node it may have tried and skipped (SPEC.md §9.3), from a backend
+        that does not report what it skipped."""
         return (
-            isinstance(op, Evict)
+            self.reported() is None
+            and isinstance(op, Evict)
             and self.config.write_policy == "write_back"
             and bool(self.config.host_capacity)
             and bool(contracts.pinned_nodes(self.after))
         )
 
-    def follow(self, oracle: RefCache) -> Chooser:
-        """A tie-break for the oracle's internal evictions: prefer what the backend evicted.
+    def reported(self) -> Optional[tuple[list[contracts.Path], list[contracts.Path]]]:
+        """The backend's device choices (victims and skipped nodes) and host choices (dropped backups, removed
+        host-only nodes) in the order it made them, as paths; None without reports (or one naming no node)."""
+        if not self.follows_reports:
+            return None
+        if self._reported is None:
+            before, after = contracts.node_paths(self.before), contracts.node_paths(self.after)
+            device: list[contracts.Path] = []
+            host: list[contracts.Path] = []
+            for kind, node in self.after.choices:
+                path = before.get(node, after.get(node))
+                if path is None or kind not in ("evict", "skip", "reclaim", "host_evict"):
+                    self.follows_reports = False
+                    return None
+                (device if kind in ("evict", "skip") else host).append(path)
+            self._reported = (device, host)
+        return self._reported
 
-        The evicted paths are computed on the first tie only: most operations evict nothing.
-        """
+    @staticmethod
+    def _in_turn(oracle: RefCache, paths: list[contracts.Path]) -> Chooser:
+        """Pick the backend's next reported choice when it is a candidate now; else leave the pick to the oracle
+        (which then differs from the backend, and the comparison says where)."""
+        queue = list(paths)
 
-        def choose(tied: list[int]) -> int:
-            if self._gone is None:
-                b, a = self.before, self.after
-                lost_device = set(contracts.device_paths(b).values()) - set(contracts.device_paths(a).values())
-                left_tree = set(contracts.node_paths(b).values()) - set(contracts.node_paths(a).values())
-                self._gone = lost_device | left_tree
-            gone = self._gone
-            return next((i for i in sorted(tied) if oracle_path(oracle, i) in gone), min(tied))
+        def choose(tied: list[int]) -> Optional[int]:
+            if not queue:
+                return None
+            pick = next((i for i in tied if oracle_path(oracle, i) == queue[0]), None)
+            if pick is not None:
+                queue.pop(0)
+            return pick
 
         return choose
+
+    def gone(self) -> set[contracts.Path]:
+        """Paths whose device KV left, or that left the tree, during the step (computed once, on first use:
+        most operations evict nothing)."""
+        if self._gone is None:
+            b, a = self.before, self.after
+            lost_device = set(contracts.device_paths(b).values()) - set(contracts.device_paths(a).values())
+            left_tree = set(contracts.node_paths(b).values()) - set(contracts.node_paths(a).values())
+            self._gone = lost_device | left_tree
+        return self._gone
+
+    def left_tree(self) -> set[contracts.Path]:
+        return set(contracts.node_paths(self.before).values()) - set(contracts.node_paths(self.after).values())
+
+    def last(self, gone: set[contracts.Path], leaving: set[contracts.Path]) -> Optional[contracts.Path]:
+        """The victim to take last: the largest of those whose parent is not `leaving` with it. An eviction
+        stops once it has freed enough, so the order decides where it stops; if any order of `gone` ends where
+        the backend's did, one that ends on the largest such victim does."""
+        nodes, paths = self.before.by_id(), contracts.node_paths(self.before)
+        tops = [
+            (len(n.key), p)
+            for i, p in paths.items()
+            if p in gone
+            for n in (nodes[i],)
+            if n.parent is None or paths.get(n.parent) not in leaving
+        ]
+        return max(tops, key=lambda t: (t[0], path_order(t[1])))[1] if tops else None
+
+    def _chooser(
+        self,
+        oracle: RefCache,
+        gone: set[contracts.Path],
+        leaving: Optional[set[contracts.Path]],
+        first: Optional[list[int]] = None,
+    ) -> Chooser:
+        """Take the backend's victims (`gone`) first, in the order the candidates come (the oracle's rank order
+        under the core, by id among tied ones under a profile); None: the oracle's own pick. With `leaving`
+        (the core's second try) the largest victim whose parent is not `leaving` goes last (`last`). With
+        `first` (write-back nodes the backend tried and skipped) those are tried before anything else."""
+        end: list[Optional[contracts.Path]] = []
+        ordered = oracle.rank_free
+
+        def choose(tied: list[int]) -> Optional[int]:
+            if first:
+                pick = next((i for i in first if i in tied), None)
+                if pick is not None:
+                    first.remove(pick)
+                    return pick
+            if not end:
+                end.append(self.last(gone, leaving) if leaving is not None else None)
+            mine = [i for i in (tied if ordered else sorted(tied)) if oracle_path(oracle, i) in gone]
+            early = [i for i in mine if oracle_path(oracle, i) != end[0]]
+            return early[0] if early else mine[0] if mine else None
+
+        return choose
+
+    def follow(self, oracle: RefCache, first: Optional[list[int]] = None, tail: bool = False) -> Chooser:
+        """A tie-break for the oracle's evictions: prefer what the backend evicted (None: the oracle's own pick).
+        `tail`: the largest victim last (`_chooser`)."""
+        reports = self.reported()
+        if reports is not None:
+            return self._in_turn(oracle, reports[0])
+        gone = self.gone()
+        return self._chooser(oracle, gone, gone if tail else None, first)
+
+    def host_victims(self) -> set[contracts.Path]:
+        """What the backend's host evictions took during the step: host-only nodes removed, backups dropped."""
+        return self.left_tree() | self.dropped()
+
+    def host_orders(self) -> list[Optional[tuple[contracts.Path, ...]]]:
+        """The core's orders of host victims to try (the order decides which backups a write-back eviction
+        can still make): the oracle's rank order first, then each order of them, at most 24."""
+        if not self.config.host_capacity or self.reported() is not None:
+            return [None]
+        victims = sorted(self.host_victims(), key=path_order)
+        if len(victims) < 2:
+            return [None]
+        return [None, *itertools.islice(itertools.permutations(victims), 24)]
+
+    def follow_host(
+        self, oracle: RefCache, tail: bool = False, order: Optional[tuple[contracts.Path, ...]] = None
+    ) -> Chooser:
+        """The core's host-eviction chooser: the backend's host victims first, its dropped backups and the
+        host-only nodes it removed alike (SPEC.md §6, RECLAIM); in `order` when given."""
+        reports = self.reported()
+        if reports is not None:
+            return self._in_turn(oracle, reports[1])
+        if order is not None:
+
+            def in_order(tied: list[int]) -> Optional[int]:
+                by_path = {oracle_path(oracle, i): i for i in tied}
+                return next((by_path[p] for p in order if p in by_path), None)
+
+            return in_order
+        left = self.left_tree()
+        return self._chooser(oracle, left | self.dropped(), left if tail else None)
+
+    def moved(self) -> bool:
+        """Whether the backend evicted anything on either tier during the step and did not say in which order
+        (the core's second try applies)."""
+        return self.reported() is None and bool(self.gone() or self.dropped())
 
     def reclaimed(self, oracle: RefCache, order: Optional[tuple[contracts.Path, ...]] = None) -> Chooser:
         """Write-back host eviction drops duplicate backups in any order: prefer those the backend dropped
         (in `order` when given)."""
         paths: list[tuple[contracts.Path, ...]] = []
 
-        def choose(tied: list[int]) -> int:
+        def choose(tied: list[int]) -> Optional[int]:
             if not paths:
                 paths.append(order if order is not None else tuple(sorted(self.dropped(), key=path_order)))
             by_path = {oracle_path(oracle, i): i for i in tied}
-            return next((by_path[p] for p in paths[0] if p in by_path), min(tied))
+            return next((by_path[p] for p in paths[0] if p in by_path), None)
 
         return choose
 
@@ -202,7 +331,7 @@ class Steering:
         remaining = list(witness)
         skippable = sorted(i for i in oracle.nodes if oracle_path(oracle, i) in stuck_after)
 
-        def choose(tied: list[int]) -> int:
+        def choose(tied: list[int]) -> Optional[int]:
             """The first victim of the witness among the oracle's tied candidates. A write-back victim the
             backend tried and skipped (its backup failed) is no witness element, so the oracle's attempt
             on it must not consume one; with `skipped_first` such a node is tried before the witness's
@@ -214,12 +343,60 @@ class Steering:
                     skippable.remove(first)
                     return first
             pick = next((i for i in remaining if i in tied), None)
-            if pick is None:
-                return min(tied)
-            remaining.remove(pick)
+            if pick is not None:
+                remaining.remove(pick)
             return pick
 
         return choose, None
+
+
+    def seat(
+        self,
+        oracle: RefCache,
+        op: Op,
+        got: Any,
+        out: list[Violation],
+        skipped_first: bool = False,
+        tail: bool = False,
+        order: Optional[tuple[contracts.Path, ...]] = None,
+    ) -> tuple[Optional[Chooser], Optional[Callable[[Snapshot], list[Violation]]]]:
+        """The core's Evict / EvictHost: the bounds every correct cache keeps, a chooser that seats the backend's
+        victims in the oracle (whatever their rank), and the judge that the oracle, taking them first among its
+        candidates, removed exactly them: each was an unlocked leaf when it went (SPEC.md §6, RANK, RECLAIM)."""
+        if not isinstance(op, (Evict, EvictHost)) or not isinstance(got, int):
+            return None, None
+        before, after = self.before, self.after
+        asked = op.n if isinstance(op.n, int) else 0
+        if isinstance(op, EvictHost):
+            out += [Violation(i, m) for i, m in contracts.host_eviction_bounds(before, after, asked, got, False)]
+
+            def view(s: Snapshot) -> set[tuple[contracts.Path, bool]]:
+                nodes = s.by_id()
+                return {(p, nodes[i].host_slots is not None) for i, p in contracts.node_paths(s).items()}
+
+            inv, choose = "INV-HOST-9", self.follow_host(oracle, tail, order)
+        else:
+            scoped = (op.allow_low, op.allow_high) != (True, True)
+            tiers = contracts.scope_tiers(op.allow_low, op.allow_high) if scoped else None
+            out += [Violation(i, m) for i, m in contracts.eviction_bounds(before, after, asked, got, tiers)]
+
+            def view(s: Snapshot) -> set[tuple[contracts.Path, bool]]:
+                return {(p, True) for p in contracts.device_paths(s).values()}
+
+            first: Optional[list[int]] = None
+            if skipped_first and self.config.write_policy == "write_back":
+                paths = contracts.node_paths(after)
+                stuck = {paths[i] for i in contracts.pinned_nodes(after) if i in paths}
+                first = sorted(i for i in oracle.nodes if oracle_path(oracle, i) in stuck)
+            inv, choose = "INV-EVICT-4", self.follow(oracle, first, tail)
+
+        def replayed(spec_after: Snapshot) -> list[Violation]:
+            if view(spec_after) == view(after):
+                return []
+            gone = sorted(p[1] for p in (self.left_tree() | self.dropped() if inv == "INV-HOST-9" else self.gone()))
+            return [Violation(inv, f"no greedy eviction of unlocked leaves removes exactly {gone}")]
+
+        return choose, replayed
 
 
 def agrees(spec: Snapshot, after: Snapshot) -> bool:

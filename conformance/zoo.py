@@ -296,6 +296,42 @@ MUTANTS: tuple[Mutant, ...] = (
         write_policies=("write_through",),
     ),
     Mutant(
+        "match_slots_out_of_order",
+        "the matched slots are joined leaf first: a two-node prefix hands the request its KV pages in the wrong order",
+        (
+            (
+                "            slots=tuple(x for n in device for x in n.slots or ()),\n",
+                "            slots=tuple(x for n in reversed(device) for x in n.slots or ()),\n",
+            ),
+        ),
+    ),
+    Mutant(
+        "host_hit_counts_device_part",
+        "the host hit length counts the device-resident head again: the scheduler loads back tokens it already has",
+        (
+            (
+                "            host_length=sum(len(n.key) for n in on_host),\n",
+                "            host_length=sum(len(n.key) for n in path),\n",
+            ),
+        ),
+        page_sizes=(1,),
+        write_policies=("write_through",),
+    ),
+    Mutant(
+        "load_back_counts_last_node",
+        "load_back reports the tokens of the node asked for, not of the whole host-only chain it loaded",
+        (
+            (
+                '        self.copies.append(Copy(self._next_copy, "load", chain, anchors=[node], host_locked=[node]))\n'
+                "        self._next_copy += 1\n        return size\n",
+                '        self.copies.append(Copy(self._next_copy, "load", chain, anchors=[node], host_locked=[node]))\n'
+                "        self._next_copy += 1\n        return len(node.key)\n",
+            ),
+        ),
+        page_sizes=(1,),
+        write_policies=("write_through",),
+    ),
+    Mutant(
         "restore_leaks_host_value",
         "restoring an evicted node drops its host copy without freeing the host pages (seed 003)",
         (

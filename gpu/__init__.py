@@ -61,6 +61,7 @@ CAPABILITIES = Capabilities(
     kv_reads=True,
     priority_refs=True,
     still_between_calls=True,
+    profile="sglang-0.5.23",
 )
 
 

@@ -17,7 +17,7 @@ bytes move (`_move_kv`). As the oracle it is never written to, so its dicts stay
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
 from kvcert.spec import pages
@@ -155,6 +155,8 @@ class Copy:
     host_locked: list[Node] = field(default_factory=list)
     """A load's host-lock segment: its node, and every head split off it while pending."""
     finished: bool = False
+    given_up: bool = False
+    """A failed write copy invalidated instead of retried (`copy_failure`): its ack stores nothing."""
 
 
 @dataclass(eq=False)
@@ -251,7 +253,8 @@ def _cut(slots: Optional[tuple[int, ...]], at: int) -> tuple[Optional[tuple[int,
     return (None, None) if slots is None else (slots[:at], slots[at:])
 
 
-Chooser = Callable[[list[int]], int]
+Chooser = Callable[[list[int]], Optional[int]]
+"""Picks an eviction victim among candidate ids; None leaves the pick to the model's own order."""
 
 
 class RefCache:
@@ -270,6 +273,8 @@ class RefCache:
         kv_reads=True,
         priority_refs=True,
         still_between_calls=True,
+        profile="sglang-0.5.23",
+        reports_choices=True,
     )
 
     def __init__(self, config: CacheConfig = _DEFAULT_CONFIG) -> None:
@@ -327,6 +332,19 @@ class RefCache:
         """Device tokens of unlocked nodes per tier (SPEC.md §11.2)."""
         self.scope = (True, True)
         """The running eviction's scope (allow_low, allow_high); the full scope between calls."""
+        # Where SPEC.md §6's core leaves a choice (kvcert.spec.profiles), SGLang's is the default; the
+        # alternative reference behaviour and the harness's core steering change these.
+        self.rank_free = False
+        """Choosers see every eviction candidate, not only the minimal-rank ones (profile choice RANK)."""
+        self.host_order = "reclaim_first"
+        """Write-back host eviction: "reclaim_first" drops duplicate backups before host-only leaves;
+        "rank" takes both in one rank order (RECLAIM)."""
+        self.copy_failure = "retry"
+        """A failed write copy: "retry" keeps it pending; "invalidate" gives its backups up when it can (RETRY)."""
+        self.host_steer: Optional[Chooser] = None
+        """The chooser for host evictions made inside other operations, when it differs from `steer`."""
+        self.chosen: list[tuple[str, int]] = []
+        """The current operation's eviction choices, in order (`Snapshot.choices`); cleared by `set_clock`."""
 
     # ------------------------------------------------------------------ helpers
 
@@ -458,13 +476,19 @@ class RefCache:
         return (self.tier(node), node.high_ref, node.low_ref, *policy)
 
     def _pick(self, candidates: list[Node], choose: Optional[Chooser]) -> Node:
+        if self.rank_free and choose is not None:
+            ranked = [n.id for n in sorted(candidates, key=lambda n: (self.rank(n), n.id))]
+            pick = choose(ranked)
+            return self.nodes[ranked[0] if pick is None else pick]
         tied = pages.min_rank_ids([(self.rank(n), n.id) for n in candidates])
-        return self.nodes[choose(tied) if choose else min(tied)]
+        pick = choose(tied) if choose else None
+        return self.nodes[min(tied) if pick is None else pick]
 
     # ------------------------------------------------------------------ protocol
 
     def set_clock(self, now: int) -> None:
         self.now = now
+        self.chosen = []
 
     def alloc(self, n: int) -> tuple[int, ...]:
         return self.pool.alloc(n)
@@ -620,7 +644,9 @@ class RefCache:
                     self._store([victim])  # D8: the eviction backup is stored
                 elif self.drops_protected(victim):
                     skipped.add(victim.id)  # D14: "subtree drop declined"; it stays on the device
+                    self.chosen.append(("skip", victim.id))
                     continue
+            self.chosen.append(("evict", victim.id))
             if victim.host_slots is not None:
                 self._demote(victim)
             else:
@@ -696,7 +722,7 @@ class RefCache:
         """
         assert self.host is not None
         if len(self.host.free_list) < n:
-            self.evict_host(n if reclaim_all else n - len(self.host.free_list), choose=self.steer)
+            self.evict_host(n if reclaim_all else n - len(self.host.free_list), choose=self.host_steer or self.steer)
         if self.armed_faults.get("host_alloc"):
             self.armed_faults["host_alloc"] -= 1
             return None
@@ -744,12 +770,16 @@ class RefCache:
         """Free `n` host tokens: write-back's duplicate backups (any order), then host-only leaves by rank."""
         check_count(n)
         freed = 0
+        if self.host_order == "rank" and self.write_policy == "write_back":
+            return self._evict_host_by_rank(n, choose)
         while freed < n and self.host is not None and self.write_policy == "write_back":
             duplicates = self.host_duplicates()
             if not duplicates:
                 break
             ids = sorted(d.id for d in duplicates)
-            victim = self.nodes[self.reclaim(ids) if self.reclaim else ids[0]]
+            pick = self.reclaim(ids) if self.reclaim else None
+            victim = self.nodes[ids[0] if pick is None else pick]
+            self.chosen.append(("reclaim", victim.id))
             self.host.release(victim.host_slots or ())
             victim.host_slots = None
             freed += len(victim.key)
@@ -760,7 +790,28 @@ class RefCache:
                     continue  # its host copies may be LOW_REF now (SPEC.md §11.4)
                 break
             victim = self._pick(leaves, choose)
+            self.chosen.append(("host_evict", victim.id))
             self._delete_host_leaf(victim)
+            freed += len(victim.key)
+        return freed
+
+    def _evict_host_by_rank(self, n: int, choose: Optional[Chooser]) -> int:
+        """The alternative write-back host eviction: duplicate backups and host-only leaves in one rank order."""
+        assert self.host is not None
+        freed = 0
+        while freed < n:
+            candidates = self.host_duplicates() + self.host_leaves()
+            if not candidates:
+                if self._demote_idle_session():
+                    continue
+                break
+            victim = self._pick(candidates, choose)
+            self.chosen.append(("reclaim" if victim.slots is not None else "host_evict", victim.id))
+            if victim.slots is not None:
+                self.host.release(victim.host_slots or ())
+                victim.host_slots = None
+            else:
+                self._delete_host_leaf(victim)
             freed += len(victim.key)
         return freed
 
@@ -810,6 +861,8 @@ class RefCache:
         if self.armed_faults.get("copy"):
             self.armed_faults["copy"] -= 1
             if copy.kind != "store":
+                if copy.kind == "write" and self.copy_failure == "invalidate" and self._give_up(copy):
+                    return  # the backups are invalidated, the ack still releases the copy's locks
                 return  # a failed device<->host copy is retried: both ends stay pinned, the copy unfinished
             copy.finished = True
             return  # a failed store copy ends without writing: its pages are simply not in storage
@@ -820,6 +873,34 @@ class RefCache:
                 self.storage.batch_set(keys, values)
             except l3.StorageError:
                 pass  # a failed write is simply not stored: later lookups miss
+
+    def _give_up(self, copy: Copy) -> bool:
+        """Invalidate a failed write copy: its nodes and every host copy below them lose their backups, host-only
+        nodes leaving the tree. False (retry instead) when one of those is moving, host-locked, locked or held by
+        a high-priority session: dropping it would lose KV someone still reads."""
+        assert self.host is not None
+        moving = {id(n) for c in self.copies if c is not copy for n in c.nodes}
+        below: list[Node] = []
+        todo = list(copy.nodes)
+        while todo:
+            n = todo.pop()
+            if n.host_slots is not None and n not in below:
+                below.append(n)
+            todo += n.children.values()
+        for n in below:
+            if id(n) in moving or n.host_lock_ref or (n.slots is None and (n.lock_ref or self.tier(n) == HIGH_REF)):
+                return False
+        copy.finished = copy.given_up = True
+        copy.nodes = []  # it moves nothing now; its ack still releases its locks
+        for n in sorted(below, key=lambda n: -len(self._full_path(n))):  # deepest first: leaves before parents
+            if n.id not in self.nodes:
+                continue
+            if n.slots is None:
+                self._delete_host_leaf(n)
+            else:
+                self.host.release(n.host_slots or ())
+                n.host_slots = None
+        return True
 
     def poll(self) -> int:
         """Consume finished acks in issue order, per kind, stopping at the first unfinished one."""
@@ -834,7 +915,7 @@ class RefCache:
                 for n in copy.host_locked:
                     n.host_lock_ref -= 1
                 consumed += 1
-                if kind == "write":
+                if kind == "write" and not copy.given_up:
                     for node in sorted(copy.nodes, key=lambda n: len(self._full_path(n))):
                         self._store([node])  # D7: one store copy per node
         return consumed
@@ -1113,7 +1194,7 @@ class RefCache:
         """D9: if `size` does not fit, host-evict `size` tokens; reserve the longest whole-page part that fits."""
         assert self.host is not None
         if len(self.host.free_list) < size:
-            self.evict_host(size, choose=self.steer)
+            self.evict_host(size, choose=self.host_steer or self.steer)
         if self.armed_faults.get("host_alloc"):  # an injected failure declines the prefetch (SPEC.md §10.5)
             self.armed_faults["host_alloc"] -= 1
             return None
@@ -1293,6 +1374,7 @@ class RefCache:
             ),
             tier_evictable=(self.tier_evictable[0], self.tier_evictable[1], self.tier_evictable[2]),
             high_priority_threshold=self.threshold,
+            choices=tuple(self.chosen),
         )
 
 
@@ -1302,3 +1384,18 @@ def factory(config: CacheConfig) -> RefCache:
 
 
 factory.capabilities = RefCache.capabilities  # type: ignore[attr-defined]
+
+
+def alternative(config: CacheConfig) -> RefCache:
+    """`kvcert.refimpl:alternative`: the reference model built another correct way (SPEC.md §6). Write-back host
+    eviction takes duplicate backups and host-only leaves in one rank order, and a failed write copy is
+    invalidated rather than retried. It passes the core and fails the sglang-0.5.23 profile."""
+    cache = RefCache(config)
+    cache.host_order = "rank"
+    cache.copy_failure = "invalidate"
+    return cache
+
+
+alternative.capabilities = replace(  # type: ignore[attr-defined]
+    RefCache.capabilities, name="kvcert.refimpl:alternative", profile="core"
+)

@@ -22,6 +22,11 @@ CELL_LINE = re.compile(
 )
 
 
+def _profile_line(line: str) -> bool:
+    """The certificate's lines about its profile: the profile column says it."""
+    return line.startswith(("choice ", "pinned under every profile", "not relaxed under any profile"))
+
+
 def _cells_of_log(path: Path) -> dict:
     """A certificate's cells as far as a (possibly interrupted) run's printed lines say: no digests."""
     cells = []
@@ -114,8 +119,8 @@ def main() -> None:
         print("| target | page size | policy | tier | verdict | examples | steps | steps/s | digest |")
         print("|---|---|---|---|---|---|---|---|---|")
     else:
-        print("| target | cells | verdict | examples/cell | steps | time | steps/s | not checked |")
-        print("|---|---|---|---|---|---|---|---|")
+        print("| target | profile | cells | verdict | examples/cell | steps | time | steps/s | not checked |")
+        print("|---|---|---|---|---|---|---|---|---|")
     for path in args.certificates:
         cert = _cells_of_log(path) if path.suffix == ".log" else json.loads(path.read_text())
         if path.suffix == ".log" and not args.cells:
@@ -134,9 +139,10 @@ def main() -> None:
         passed = sum(c["passed"] for c in cells)
         seconds = sum(c["seconds"] for c in cells)
         verdict = "CERTIFIED" if cert["passed"] else f"**{len(cells) - passed} FAIL**"
-        gaps = "; ".join(_gap(line) for line in cert.get("not_checked", [])) or "—"
+        gaps = "; ".join(_gap(line) for line in cert.get("not_checked", []) if not _profile_line(line)) or "—"
+        profile = cert.get("profile", "—")  # certificates before profiles (issue 13) were judged as sglang-0.5.23
         print(
-            f"| `{target}` | {len(cells)} | {verdict} | {cert['examples']:,} | {cert['total_steps']:,} "
+            f"| `{target}` | {profile} | {len(cells)} | {verdict} | {cert['examples']:,} | {cert['total_steps']:,} "
             f"| {seconds / 60:,.0f} min | {cert['steps_per_second']:,.0f} | {gaps} |"
         )
 

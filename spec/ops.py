@@ -309,6 +309,8 @@ class Trace:
     ops: tuple[Op, ...]
     target: str = "kvcert.refimpl:RefCache"
     note: str = ""
+    profile: str = ""
+    """The profile it was judged under (SPEC.md §6); "" for the one the target declares."""
 
     def to_json(self) -> str:
         return json.dumps(
@@ -317,6 +319,7 @@ class Trace:
                 "target": self.target,
                 "config": asdict(self.config),
                 "note": self.note,
+                **({"profile": self.profile} if self.profile else {}),
                 "ops": [op_to_json(op) for op in self.ops],
             },
             indent=1,
@@ -332,4 +335,5 @@ class Trace:
             ops=tuple(op_from_json(o) for o in obj["ops"]),
             target=obj.get("target", "kvcert.refimpl:RefCache"),
             note=obj.get("note", ""),
+            profile=obj.get("profile", ""),
         )

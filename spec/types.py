@@ -220,6 +220,11 @@ class Snapshot:
     lent_slots: tuple[int, ...] = ()
     """Device slots the caller holds between operations (running requests' own KV, SPEC.md §4.8), sorted:
     only the caller knows them, so the harness fills this in; a backend leaves it empty."""
+    choices: tuple[tuple[str, int], ...] = ()
+    """What the last operation chose where the core leaves a choice (SPEC.md §6.1), in order, from a backend
+    that declares `reports_choices`: ("evict", node) a device victim, ("skip", node) a write-back victim
+    tried and kept, ("reclaim", node) a duplicate backup dropped, ("host_evict", node) a host-only node
+    removed. Node ids as before the operation (or after it, for a node the operation made)."""
 
     def derived(self, name: str, build: Callable[[Snapshot], _T]) -> _T:
         """`build(self)`, computed once per snapshot and kept with it.
@@ -471,6 +476,13 @@ class Capabilities:
     (`checkpoint(ns, tokens, row, protected, node, priority) -> (InsertOut, row head, node)`: insert the
     page-aligned prefix, free the duplicates past `protected`, repoint the row, move the lock); else the
     harness composes it from insert, free, match and the two lock calls (SPEC.md §4.8)."""
+    profile: str = "core"
+    """The engine profile the backend claims (`kvcert.spec.profiles`): "core" holds it to what every correct
+    cache must do; "sglang-0.5.23" also pins SGLang's choices (eviction rank, reclaim order, retry) for
+    differential depth (SPEC.md §6)."""
+    reports_choices: bool = False
+    """True: every snapshot lists the last operation's eviction choices in order (`Snapshot.choices`), and
+    under a profile that leaves them open the oracle follows them instead of searching for an order."""
     still_between_calls: bool = False
     """True: the state changes only inside the backend's operations (never in `set_clock`, a read, or a
     background thread), so the harness reads its snapshot once per step and takes the one after a step as

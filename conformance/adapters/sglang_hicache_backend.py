@@ -533,6 +533,7 @@ def make_factory(core: str = "python", layout: str = "layer_first", storage: boo
         retraction=True,
         kv_reads=True,
         aligns_keys=True,
+        profile="sglang-0.5.23",
         notes=(
             f"{core} tree core, {layout} host layout, direct io via torch shims on CPU; copies held until complete()",
             "host pool sized exactly to host_capacity through hicache_ratio; load_back_threshold set on the cache",

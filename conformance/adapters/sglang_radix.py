@@ -338,6 +338,7 @@ factory.capabilities = Capabilities(  # type: ignore[attr-defined]
     kv_reads=True,
     aligns_keys=True,
     checkpoints=True,
+    profile="sglang-0.5.23",
     notes=(
         "real MHATokenToKVPool + (Paged)TokenToKVPoolAllocator on CPU; slot 0 / page 0 is reserved padding",
         "KV bytes: the harness writes the spec's entries into the pool's K/V buffers and reads them back",

@@ -1,0 +1,80 @@
+"""Core relations and engine profiles (SPEC.md §6).
+
+The core is what every correct cache must satisfy; a profile pins, on top of it, the choices one
+engine makes where the core allows several. A backend declares the profile it claims
+(`Capabilities.profile`); `kvcert certify --profile core` holds any backend to the core alone. Each
+`Choice` names one place where the core is looser than SGLang: under a profile that pins it the
+oracle makes SGLang's choice and the backend must match; under one that does not, the harness
+checks the core relation and then seats the oracle on whatever legal choice the backend reported.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One choice the core leaves open and a profile may pin."""
+
+    id: str
+    pinned: str
+    """What a profile that pins it requires (SGLang 0.5.23's behaviour)."""
+    core: str
+    """What the core allows instead, and the relation it still checks."""
+    needs: str = ""
+    """The part of the spec a backend must declare for the choice to arise: "" (any backend), "write_back"
+    (a write policy), "copy" (a fault kind)."""
+
+
+RANK = Choice(
+    "RANK",
+    "victims go in the policy's rank order (SPEC.md §4.5 table) over SGLang's metadata updates (§4.7)",
+    "any greedy removal: each victim an unlocked leaf when it goes, within INV-EVICT-1/2/3/5 and the scope's "
+    "tiers; last_access, hit_count and priority are the backend's own",
+)
+RECLAIM = Choice(
+    "RECLAIM",
+    "write-back host eviction drops duplicate backups of device-resident nodes before any host-only leaf (§9.4)",
+    "host victims are duplicate backups and host-only leaves in any order, within INV-HOST-7/8",
+    "write_back",
+)
+RETRY = Choice(
+    "RETRY",
+    "a failed write-through copy stays pending, both ends pinned, until a later completion succeeds (§10.5)",
+    "or it is invalidated: the copy ends, its nodes and every host copy below them lose their backups (host-only "
+    "ones leave the tree), unless one of those is moving or host-locked; no wrong KV either way",
+    "copy",
+)
+
+CHOICES: tuple[Choice, ...] = (RANK, RECLAIM, RETRY)
+
+STILL_PINNED: tuple[tuple[str, str], ...] = (
+    ("host", "copy grouping and order (INV-COPY-1): one write copy per insert, one store copy per node, shallowest first"),
+    ("retraction", "a restore locks the root once for the resumed request (§9.11)"),
+    ("storage", "a prefetch that does not fit host-evicts its whole size, not the shortfall (§10.4, D9)"),
+)
+"""SGLang's choices the core does not yet relax, with the part of the spec they belong to: a correct cache that
+differs here fails even the core."""
+
+
+@dataclass(frozen=True)
+class Profile:
+    name: str
+    pins: frozenset[str]
+    """The ids of the choices this profile pins; the rest are checked by their core relation."""
+
+    def pinned(self, choice: Choice) -> bool:
+        return choice.id in self.pins
+
+
+CORE = Profile("core", frozenset())
+SGLANG = Profile("sglang-0.5.23", frozenset(c.id for c in CHOICES))
+PROFILES: dict[str, Profile] = {p.name: p for p in (CORE, SGLANG)}
+
+
+def profile(name: str) -> Profile:
+    """The profile called `name`; ValueError naming the known ones otherwise."""
+    if name not in PROFILES:
+        raise ValueError(f"unknown profile {name!r}; known: {', '.join(PROFILES)}")
+    return PROFILES[name]

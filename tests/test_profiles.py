@@ -1,0 +1,179 @@
+"""Core relations and engine profiles (SPEC.md §6): the split is real, in both directions.
+
+The reference model run another correct way (`kvcert.refimpl:alternative`: rank-order host eviction,
+failed write copies invalidated) passes the core and fails the sglang-0.5.23 profile; the model
+passes both. A mutant that only breaks a pinned choice (LFU metadata) is killed under the profile and
+certified under the core. And each core rule in `ALONE` kills a mutant that no other rule catches:
+with that one checker dropped, the mutant's recorded counterexample passes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from kvcert.conformance.adapters import sglang_radix  # noqa: F401  (declares its profile without SGLang)
+from kvcert.conformance.certify import certify, judged_as, load_factory, replay_fails
+from kvcert.conformance.driver import ConformanceFailure, Harness, run_trace
+from kvcert.refimpl import RefCache, alternative, factory
+from kvcert.spec import profiles
+from kvcert.spec.ops import Complete, Evict, EvictHost, InjectFault, Insert, Match, Op, Poll, Trace
+from kvcert.spec.types import CacheConfig, Capabilities, Snapshot
+
+ZOO = (Path(__file__).parent / "corpus" / "zoo", Path(__file__).parent / "profiles")
+"""The zoo's recorded counterexamples (the same-verdict corpus), and those of mutants added since."""
+
+RECLAIM_TRACE = (
+    CacheConfig(page_size=1, policy="lru", capacity=6, host_capacity=24, write_policy="write_back", load_back_threshold=1),
+    [Insert("lora-a", (1, 2, 1)), Evict(1), Insert("lora-a", (1,)), EvictHost(2)],
+)
+"""A host-only node split by an insert leaves a duplicate backup (1,) and a host-only leaf (2, 1): SGLang
+drops the duplicate first, the alternative takes the older leaf first."""
+
+RETRY_TRACE = (
+    CacheConfig(page_size=1, policy="lru", capacity=6, host_capacity=6, write_policy="write_through", load_back_threshold=1),
+    [InjectFault("copy"), Insert(None, (1, 2, 3)), Complete(0), Poll(), Insert(None, (1, 2, 3, 4)), Evict(6), Match(None, (1, 2, 3))],
+)
+"""A write-through copy fails: SGLang keeps it pending, the alternative gives the backup up."""
+
+
+def _verdict(make, caps: Capabilities, config: CacheConfig, ops: list[Op], profile: str) -> set[str]:
+    try:
+        run_trace(make(config), config, replace(caps, profile=profile), ops)
+    except ConformanceFailure as failure:
+        return {v.inv for v in failure.violations}
+    return set()
+
+
+def test_backends_declare_their_profiles() -> None:
+    assert factory.capabilities.profile == "sglang-0.5.23"  # type: ignore[attr-defined]
+    assert load_factory("kvcert.gpu:factory").capabilities.profile == "sglang-0.5.23"  # type: ignore[attr-defined]
+    assert sglang_radix.factory.capabilities.profile == "sglang-0.5.23"  # type: ignore[attr-defined]
+    assert alternative.capabilities.profile == "core"  # type: ignore[attr-defined]
+    assert Capabilities(name="anything").profile == "core"
+    assert profiles.SGLANG.pins == {c.id for c in profiles.CHOICES} and not profiles.CORE.pins
+    with pytest.raises(ValueError, match="unknown profile 'sglang'"):
+        profiles.profile("sglang")
+
+
+@pytest.mark.parametrize("trace", [RECLAIM_TRACE, RETRY_TRACE], ids=["reclaim", "retry"])
+def test_the_alternative_passes_the_core_and_fails_the_profile(trace: tuple[CacheConfig, list[Op]]) -> None:
+    config, ops = trace
+    caps = alternative.capabilities  # type: ignore[attr-defined]
+    assert _verdict(alternative, caps, config, ops, "core") == set()
+    assert _verdict(alternative, caps, config, ops, "sglang-0.5.23") & {"INV-HOST-8", "INV-HOST-10", "INV-COPY-1"}
+    for profile in ("core", "sglang-0.5.23"):
+        assert _verdict(factory, factory.capabilities, config, ops, profile) == set()  # type: ignore[attr-defined]
+
+
+def test_the_alternative_invalidates_what_it_cannot_keep() -> None:
+    """After the failed copy the alternative's node has no backup, its host pool is whole, and the ack releases
+    the copy's lock (a given-up copy moves nothing)."""
+    config, ops = RETRY_TRACE
+    h = run_trace(alternative(config), config, alternative.capabilities, ops[:4], quiesce=False, close=False)  # type: ignore[attr-defined]
+    snap = h.backend.snapshot()
+    node = next(n for n in snap.nodes if n.id != snap.root)
+    assert node.host_slots is None and node.lock_ref == 0 and not snap.pending
+    assert len(snap.host_free_slots) == config.host_capacity
+    h.close()
+
+
+def _zoo_trace(mutant: str) -> Trace:
+    (path,) = [p for d in ZOO for p in d.glob(f"*zoo_{mutant}-*.json")]
+    return Trace.from_json(path.read_text())
+
+
+def test_a_pinned_choice_is_the_profiles_alone() -> None:
+    """LFU that ignores hits changes only the eviction rank: the profile kills it, the core certifies it."""
+    trace = _zoo_trace("lfu_ignores_hits")
+    mutant = load_factory(trace.target)
+    assert replay_fails(mutant, mutant.capabilities, trace)  # type: ignore[attr-defined]
+    assert not replay_fails(mutant, mutant.capabilities, replace(trace, profile="core"))  # type: ignore[attr-defined]
+
+
+ALONE: dict[str, str] = {
+    "INV-ACCT-1": "size_units_mismatch",
+    "INV-COPY-1": "split_copy_keeps_suffix",
+    "INV-ERR-1": "unlock_below_zero",
+    "INV-ERR-2": "retracted_resume_without_last_node",
+    "INV-KV-1": "load_back_slots_leaf_first",
+    "INV-KV-2": "split_host_slices_swapped",
+    "INV-KV-3": "restore_reversed",
+    "INV-LOAD-1": "load_back_counts_last_node",
+    "INV-MATCH-1": "match_crosses_evicted_node",
+    "INV-MATCH-2": "match_slots_out_of_order",
+    "INV-MATCH-3": "host_hit_counts_device_part",
+    "INV-STORE-1": "failed_store_copy_written",
+    "INV-TIER-1": "lock_skips_self",
+    "INV-TIER-2": "tier_size_drift",
+}
+"""Core rule -> a zoo mutant that rule alone kills under the core (its recorded counterexample passes with
+that checker dropped). Rules not listed have no such mutant yet: SPEC.md §6.4."""
+
+
+def _run(trace: Trace, ignore: frozenset[str]) -> set[str]:
+    make = load_factory(trace.target)
+    caps = replace(make.capabilities, profile="core")  # type: ignore[attr-defined]
+    h = Harness(make(trace.config), trace.config, caps, ignore=ignore)
+    try:
+        for op in trace.ops:
+            h.step(op)
+        h.quiesce()
+    except ConformanceFailure as failure:
+        return {v.inv for v in failure.violations}
+    finally:
+        h.close()
+    return set()
+
+
+@pytest.mark.parametrize("rule", sorted(ALONE))
+def test_a_core_rule_alone_kills_its_mutant(rule: str) -> None:
+    trace = _zoo_trace(ALONE[rule])
+    assert rule in _run(trace, frozenset())
+    assert _run(trace, frozenset({rule})) == set(), f"{ALONE[rule]} is caught by another rule too"
+
+
+def test_the_certificate_names_its_profile_and_its_traces_keep_it(tmp_path: Path) -> None:
+    kw = dict(
+        examples=40,
+        page_sizes=[1],
+        write_policies=["write_back"],
+        prefetch_policies=[],
+        device_cells=False,
+        out_dir=tmp_path,
+        fail_fast=True,
+    )
+    core = certify("kvcert.refimpl:alternative", **kw)  # type: ignore[arg-type]
+    assert core.passed and core.profile == "core", [c.failure for c in core.cells]
+    pinned = certify("kvcert.refimpl:alternative", profile="sglang-0.5.23", **kw)  # type: ignore[arg-type]
+    assert not pinned.passed and pinned.profile == "sglang-0.5.23"
+    trace = Trace.from_json(Path(pinned.cells[0].trace_path or "").read_text())
+    assert trace.profile == "sglang-0.5.23"
+    assert judged_as(alternative.capabilities, trace).profile == "sglang-0.5.23"  # type: ignore[attr-defined]
+    assert replay_fails(alternative, alternative.capabilities, trace)  # type: ignore[attr-defined]
+    with pytest.raises(ValueError, match="unknown profile"):
+        certify("kvcert.refimpl:alternative", profile="nope", **kw)  # type: ignore[arg-type]
+
+
+class _Misreports(RefCache):
+    """The model, reporting its device victims in reverse order: a report that does not explain the state."""
+
+    def snapshot(self) -> Snapshot:
+        snap = super().snapshot()
+        return replace(snap, choices=tuple(reversed(snap.choices)))
+
+
+def test_reported_choices_are_followed_and_held_to_the_state() -> None:
+    """Under the core the oracle takes a reporting backend's victims in the reported order: the model's true
+    report passes; reversed, the oracle stops after the bigger victim and the tree no longer agrees."""
+    config = CacheConfig(page_size=1, policy="lru", capacity=8)
+    ops: list[Op] = [Insert(None, (1,)), Insert(None, (2, 2, 2)), Evict(2)]
+    caps = replace(factory.capabilities, profile="core")  # type: ignore[attr-defined]
+    h = run_trace(RefCache(config), config, caps, ops, quiesce=False, close=False)
+    assert [k for k, _ in h.backend.snapshot().choices] == ["evict", "evict"]
+    h.close()
+    with pytest.raises(ConformanceFailure) as failure:
+        run_trace(_Misreports(config), config, caps, ops)
+    assert "INV-EVICT-4" in {v.inv for v in failure.value.violations}
