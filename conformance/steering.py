@@ -232,9 +232,9 @@ class Steering:
         return self._chooser(oracle, left | self.dropped(), left if tail else None)
 
     def moved(self) -> bool:
-        """Whether the backend evicted anything on either tier during the step and did not say in which order
-        (the core's second try applies)."""
-        return self.reported() is None and bool(self.gone() or self.dropped())
+        """Whether the backend evicted more than one node on either tier during the step and did not say in
+        which order (the core's second try applies)."""
+        return self.reported() is None and len(self.gone() | self.dropped()) > 1  # one victim: one order
 
     def reclaimed(self, oracle: RefCache, order: Optional[tuple[contracts.Path, ...]] = None) -> Chooser:
         """Write-back host eviction drops duplicate backups in any order: prefer those the backend dropped

@@ -177,3 +177,18 @@ def test_reported_choices_are_followed_and_held_to_the_state() -> None:
     with pytest.raises(ConformanceFailure) as failure:
         run_trace(_Misreports(config), config, caps, ops)
     assert "INV-EVICT-4" in {v.inv for v in failure.value.violations}
+
+
+def test_the_certificate_says_what_the_profile_leaves_open() -> None:
+    """Under the core the certificate lists each open choice the backend's declarations make arise, and the
+    SGLang choices pinned under every profile; under sglang-0.5.23 no choice is left open."""
+    from kvcert.conformance.certify import scope_gaps
+
+    caps = factory.capabilities  # type: ignore[attr-defined]
+    core = scope_gaps(replace(caps, profile="core"), [])
+    assert [g.split(" ")[1] for g in core if g.startswith("choice ")] == ["RANK", "RECLAIM", "RETRY"]
+    assert sum(g.startswith("pinned under every profile") for g in core) == len(profiles.STILL_PINNED)
+    assert not [g for g in scope_gaps(caps, []) if g.startswith("choice ")]
+    device_only = scope_gaps(Capabilities(name="device-only"), [])
+    assert [g.split(" ")[1] for g in device_only if g.startswith("choice ")] == ["RANK"]
+    assert not [g for g in device_only if g.startswith("pinned under every profile")]
