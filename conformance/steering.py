@@ -72,6 +72,7 @@ class Steering:
     """The core, on a backend that reports its choices: follow `Snapshot.choices` instead of searching."""
     _dropped: Optional[set[contracts.Path]] = field(default=None, init=False)
     _gone: Optional[set[contracts.Path]] = field(default=None, init=False)
+    _left: Optional[set[contracts.Path]] = field(default=None, init=False)
     _reported: Optional[tuple[list[contracts.Path], list[contracts.Path]]] = field(default=None, init=False)
 
     def dropped(self) -> set[contracts.Path]:
@@ -141,12 +142,14 @@ class Steering:
         if self._gone is None:
             b, a = self.before, self.after
             lost_device = set(contracts.device_paths(b).values()) - set(contracts.device_paths(a).values())
-            left_tree = set(contracts.node_paths(b).values()) - set(contracts.node_paths(a).values())
-            self._gone = lost_device | left_tree
+            self._gone = lost_device | self.left_tree()
         return self._gone
 
     def left_tree(self) -> set[contracts.Path]:
-        return set(contracts.node_paths(self.before).values()) - set(contracts.node_paths(self.after).values())
+        """Paths that left the tree during the step (computed once, on first use)."""
+        if self._left is None:
+            self._left = set(contracts.node_paths(self.before).values()) - set(contracts.node_paths(self.after).values())
+        return self._left
 
     def last(self, gone: set[contracts.Path], leaving: set[contracts.Path]) -> Optional[contracts.Path]:
         """The victim to take last: the largest of those whose parent is not `leaving` with it. An eviction
@@ -249,6 +252,20 @@ class Steering:
 
         return choose
 
+    def _bounds(self, op: Evict | EvictHost, got: int, out: list[Violation], reclaim_first: bool) -> int:
+        """The bounds every eviction keeps, whatever its order (INV-EVICT-1/2/5 and the scope's tiers; INV-HOST-8
+        on the host, with write-back's duplicates dropped first only where `reclaim_first`, the profile's
+        RECLAIM), added to `out`; returns the size asked."""
+        asked = op.n if isinstance(op.n, int) else 0
+        if isinstance(op, EvictHost):
+            bounds = contracts.host_eviction_bounds(self.before, self.after, asked, got, reclaim_first)
+        else:
+            scoped = (op.allow_low, op.allow_high) != (True, True)
+            tiers = contracts.scope_tiers(op.allow_low, op.allow_high) if scoped else None
+            bounds = contracts.eviction_bounds(self.before, self.after, asked, got, tiers)
+        out += [Violation(i, m) for i, m in bounds]
+        return asked
+
     def witness(
         self,
         oracle: RefCache,
@@ -267,19 +284,14 @@ class Steering:
         if not isinstance(op, (Evict, EvictHost)) or not isinstance(got, int):
             return None, None
         before, after = self.before, self.after
-        asked = op.n if isinstance(op.n, int) else 0
+        asked = self._bounds(op, got, out, reclaim_first=True)
         host = isinstance(op, EvictHost)
         if host:  # host eviction sees the host-only nodes and their locks, after write-back's reclaim
-            bounds = contracts.host_eviction_bounds(before, after, asked, got)
             nodes = before.by_id()
             asked = max(0, asked - sum(len(nodes[i].key) for i in contracts.host_reclaimed(before, after)))
             paths_of = contracts.node_paths
         else:  # device eviction sees the device tree and its locks
-            scoped = isinstance(op, Evict) and (op.allow_low, op.allow_high) != (True, True)
-            tiers = contracts.scope_tiers(op.allow_low, op.allow_high) if scoped else None  # type: ignore[union-attr]
-            bounds = contracts.eviction_bounds(before, after, asked, got, tiers)
             paths_of = contracts.device_paths
-        out += [Violation(i, m) for i, m in bounds]
         scope = (op.allow_low, op.allow_high) if isinstance(op, Evict) else (True, True)
 
         def competes(n: Any) -> bool:
@@ -349,7 +361,6 @@ class Steering:
 
         return choose, None
 
-
     def seat(
         self,
         oracle: RefCache,
@@ -365,10 +376,9 @@ class Steering:
         candidates, removed exactly them: each was an unlocked leaf when it went (SPEC.md §6, RANK, RECLAIM)."""
         if not isinstance(op, (Evict, EvictHost)) or not isinstance(got, int):
             return None, None
-        before, after = self.before, self.after
-        asked = op.n if isinstance(op.n, int) else 0
+        after = self.after
+        self._bounds(op, got, out, reclaim_first=False)
         if isinstance(op, EvictHost):
-            out += [Violation(i, m) for i, m in contracts.host_eviction_bounds(before, after, asked, got, False)]
 
             def view(s: Snapshot) -> set[tuple[contracts.Path, bool]]:
                 nodes = s.by_id()
@@ -376,9 +386,6 @@ class Steering:
 
             inv, choose = "INV-HOST-9", self.follow_host(oracle, tail, order)
         else:
-            scoped = (op.allow_low, op.allow_high) != (True, True)
-            tiers = contracts.scope_tiers(op.allow_low, op.allow_high) if scoped else None
-            out += [Violation(i, m) for i, m in contracts.eviction_bounds(before, after, asked, got, tiers)]
 
             def view(s: Snapshot) -> set[tuple[contracts.Path, bool]]:
                 return {(p, True) for p in contracts.device_paths(s).values()}

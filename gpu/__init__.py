@@ -62,6 +62,7 @@ CAPABILITIES = Capabilities(
     priority_refs=True,
     still_between_calls=True,
     profile="sglang-0.5.23",
+    reports_choices=True,
 )
 
 

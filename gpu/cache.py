@@ -201,6 +201,7 @@ class GpuCache(RadixTree):
 
     def set_clock(self, now: int) -> None:
         self.now = now
+        self.chosen.clear()  # a report covers one step (the harness sets the clock before each)
 
     def free_count(self) -> int:
         """Free device slots, in O(1): what a scheduler reads before it allocates (not in the protocol)."""
@@ -512,6 +513,7 @@ class GpuCache(RadixTree):
             sessions=tuple(SessionView(x.id, x.node.id, x.priority, x.high, x.demoted) for x in self.sessions.values()),
             tier_evictable=self.tier_evictable,
             high_priority_threshold=self.refs.high_threshold,
+            choices=tuple(self.chosen),
         )
 
     def close(self) -> None:

@@ -107,6 +107,7 @@ class HostTier:
             victim = index.pop_dup()
             if victim is None:
                 continue  # stale: it stopped being a duplicate
+            tree.chosen.append(("reclaim", victim.id))
             self.alloc.release_raw(victim.host_slots.raw if victim.host_slots is not None else b"")
             victim.host_slots = None
             tree._refresh(victim)
@@ -117,6 +118,7 @@ class HostTier:
                 if tree.refs.sessions and tree.refs.demote_idle():
                     continue  # its host copies may be LOW_REF now (SPEC.md §11.4)
                 break
+            tree.chosen.append(("host_evict", leaf.id))
             self.delete_subtree(leaf)
             freed += leaf.size
         return freed

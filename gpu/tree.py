@@ -50,6 +50,11 @@ if TYPE_CHECKING:
     from kvcert.gpu.storage import StorageTier
 
 
+CHOICES_KEPT = 4096
+"""The most eviction choices a report keeps: a caller that never sets the clock (an engine) keeps a bounded log;
+one that does (the harness, once a step) gets every choice of the step."""
+
+
 def is_id(x: object) -> TypeGuard[int]:
     """An int that is not a bool: a node, copy or prefetch handle, a slot id."""
     return isinstance(x, int) and not isinstance(x, bool)
@@ -96,6 +101,9 @@ class RadixTree:
         self.copies: OrderedDict[int, Copy] = OrderedDict()
         self.queues: dict[str, deque[Copy]] = {"write": deque(), "load": deque(), "store": deque()}
         self._next_copy = 0
+        self.chosen: deque[tuple[str, int]] = deque(maxlen=CHOICES_KEPT)
+        """Eviction choices since the last `set_clock`, in order (`Snapshot.choices`, SPEC.md §6.1): device
+        victims and write-back nodes tried and skipped, duplicate backups dropped, host-only nodes removed."""
 
     # ================================================================== metadata upkeep
 
@@ -503,8 +511,10 @@ class RadixTree:
                     self.stores.store([victim])
                 elif self._drops_protected(victim):
                     aside.append(victim)
+                    self.chosen.append(("skip", victim.id))
                     continue
             assert victim.slots is not None
+            self.chosen.append(("evict", victim.id))
             released.append(victim.slots.raw)
             if victim.host_slots is not None:
                 self._set_device(victim, None)  # demoted: the host copy stays

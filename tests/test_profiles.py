@@ -179,6 +179,40 @@ def test_reported_choices_are_followed_and_held_to_the_state() -> None:
     assert "INV-EVICT-4" in {v.inv for v in failure.value.violations}
 
 
+def _reversing(make):  # type: ignore[no-untyped-def]
+    """A backend whose every snapshot lists its eviction choices reversed."""
+
+    def build(config: CacheConfig):  # type: ignore[no-untyped-def]
+        backend = make(config)
+        shown = backend.snapshot
+        backend.snapshot = lambda: replace(shown(), choices=tuple(reversed(shown().choices)))
+        return backend
+
+    return build
+
+
+@pytest.mark.parametrize("target", ["kvcert.gpu:factory", "kvcert.gpu:factory_threaded"])
+def test_kvcert_gpu_reports_its_choices_as_the_model_does(target: str) -> None:
+    """kvcert.gpu lists its choices like the model (a write-back reclaim, then victims in order; the clock starts
+    a new report), its report is followed under the core, and a reversed report fails the step."""
+    make = load_factory(target)
+    config = CacheConfig(page_size=1, policy="lru", capacity=8, host_capacity=8, write_policy="write_back")
+    ops: list[Op] = [Insert(None, (1,)), Insert(None, (2, 2, 2)), Evict(2)]
+    caps = replace(make.capabilities, profile="core")  # type: ignore[attr-defined]
+    assert caps.reports_choices
+    h = run_trace(make(config), config, caps, ops, quiesce=False, close=False)
+    o = run_trace(RefCache(config), config, caps, ops, quiesce=False, close=False)
+    assert [k for k, _ in h.backend.snapshot().choices] == [k for k, _ in o.backend.snapshot().choices] == ["evict"] * 2
+    h.backend.set_clock(99)
+    assert h.backend.snapshot().choices == ()
+    h.close()
+    o.close()
+    device = replace(config, host_capacity=0, write_policy="")
+    with pytest.raises(ConformanceFailure) as failure:
+        run_trace(_reversing(make)(device), device, caps, ops)
+    assert "INV-EVICT-4" in {v.inv for v in failure.value.violations}
+
+
 def test_the_certificate_says_what_the_profile_leaves_open() -> None:
     """Under the core the certificate lists each open choice the backend's declarations make arise, and the
     SGLang choices pinned under every profile; under sglang-0.5.23 no choice is left open."""
