@@ -371,6 +371,7 @@ def scope_gaps(capabilities: Capabilities, cells: list[CellResult], bad_input: O
         "host": bool(capabilities.write_policies),
         "retraction": capabilities.retraction,
         "storage": bool(capabilities.prefetch_policies),
+        "host_room": bool(capabilities.prefetch_policies) or (capabilities.retraction and bool(capabilities.write_policies)),
     }
     for choice in profiles.CHOICES:
         if has[choice.needs] and not held.pinned(choice):

@@ -56,7 +56,7 @@ from kvcert.spec.ops import (
     StorageFault,
     Unlock,
 )
-from kvcert.spec.profiles import RANK, RECLAIM, RETRY, Profile, profile
+from kvcert.spec.profiles import RANK, RECLAIM, RETRY, ROOM, Profile, profile
 from kvcert.spec.types import CacheConfig, Capabilities, InsertOut, MatchOut, Snapshot
 
 __all__ = ["UNKNOWN_NODE", "ConformanceFailure", "Harness", "Outcome", "run_trace"]
@@ -283,12 +283,15 @@ class Harness(Queries):
             self.oracle.host_steer = None if pinned(RECLAIM) else steering.follow_host(self.oracle, tail, order)
             if not pinned(RETRY):
                 self.oracle.copy_failure = "invalidate" if self._gave_up(op, after) else "retry"
+            if not pinned(ROOM) and isinstance(op, (Prefetch, Retract)):
+                self.oracle.host_ask = steering.host_freed()
             theirs = Side(self.oracle, 1, self.ledger, self.config, choose=choose, unaligned=lenient)
             try:
                 want = run_op(theirs, op, self.ops)
             finally:
                 self.oracle.steer = self.oracle.reclaim = self.oracle.host_steer = None
                 self.oracle.copy_failure = "retry"
+                self.oracle.host_ask = None
                 self._spec_snap = None
             if replayed is not None:
                 found += replayed(self.spec_snapshot())

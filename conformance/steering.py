@@ -206,6 +206,13 @@ class Steering:
         """What the backend's host evictions took during the step: host-only nodes removed, backups dropped."""
         return self.left_tree() | self.dropped()
 
+    def host_freed(self) -> int:
+        """The host tokens the backend's host evictions freed during the step (host-only nodes removed, backups
+        dropped): what a prefetch that did not fit asked for, seated in the oracle under the core (ROOM)."""
+        victims = self.host_victims()
+        paths = contracts.node_paths(self.before)
+        return sum(len(n.key) for n in self.before.nodes if n.host_slots is not None and paths.get(n.id) in victims)
+
     def host_orders(self) -> list[Optional[tuple[contracts.Path, ...]]]:
         """The core's orders of host victims to try (the order decides which backups a write-back eviction
         can still make): the oracle's rank order first, then each order of them, at most 24."""

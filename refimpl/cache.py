@@ -341,6 +341,12 @@ class RefCache:
         "rank" takes both in one rank order (RECLAIM)."""
         self.copy_failure = "retry"
         """A failed write copy: "retry" keeps it pending; "invalidate" gives its backups up when it can (RETRY)."""
+        self.host_room = "whole"
+        """A prefetch or a retraction backup that does not fit: "whole" host-evicts its whole size (SGLang, D9 and
+        D17); "shortfall" only what is missing (ROOM)."""
+        self.host_ask: Optional[int] = None
+        """The host tokens the next prefetch or retraction backup that does not fit asks host eviction for, at most
+        its size (the harness seats the backend's choice under the core); None: as `host_room` says."""
         self.host_steer: Optional[Chooser] = None
         """The chooser for host evictions made inside other operations, when it differs from `steer`."""
         self.chosen: list[tuple[str, int]] = []
@@ -721,8 +727,10 @@ class RefCache:
         Host eviction frees the shortfall, or with `reclaim_all` (a retraction backup, D17) all `n` tokens.
         """
         assert self.host is not None
-        if len(self.host.free_list) < n:
-            self.evict_host(n if reclaim_all else n - len(self.host.free_list), choose=self.host_steer or self.steer)
+        if reclaim_all:
+            self._make_room(n)
+        elif len(self.host.free_list) < n:
+            self.evict_host(n - len(self.host.free_list), choose=self.host_steer or self.steer)
         if self.armed_faults.get("host_alloc"):
             self.armed_faults["host_alloc"] -= 1
             return None
@@ -731,6 +739,19 @@ class RefCache:
         slots = self.host.alloc(n)
         self.host.adopt(slots)
         return slots
+
+    def _make_room(self, size: int) -> None:
+        """Host room for a prefetch or a retraction backup of `size` tokens that does not fit: host eviction asks for
+        all of it (SGLang), or the shortfall, or what the harness seats (`host_ask`, at most `size`)."""
+        assert self.host is not None
+        free = len(self.host.free_list)
+        if free >= size:
+            return
+        ask = size if self.host_room == "whole" else size - free
+        if self.host_ask is not None:
+            ask = min(self.host_ask, size)
+        if ask:
+            self.evict_host(ask, choose=self.host_steer or self.steer)
 
     def inject_fault(self, kind: str) -> None:
         """Arm one fault: the next allocation of `kind` fails (SPEC.md §10.5)."""
@@ -1191,10 +1212,10 @@ class RefCache:
         return size
 
     def _prefetch_alloc(self, size: int) -> Optional[tuple[int, ...]]:
-        """D9: if `size` does not fit, host-evict `size` tokens; reserve the longest whole-page part that fits."""
+        """D9: if `size` does not fit, host-evict `size` tokens (`_make_room`); reserve the longest whole-page part
+        that fits."""
         assert self.host is not None
-        if len(self.host.free_list) < size:
-            self.evict_host(size, choose=self.host_steer or self.steer)
+        self._make_room(size)
         if self.armed_faults.get("host_alloc"):  # an injected failure declines the prefetch (SPEC.md §10.5)
             self.armed_faults["host_alloc"] -= 1
             return None
@@ -1388,11 +1409,14 @@ factory.capabilities = RefCache.capabilities  # type: ignore[attr-defined]
 
 def alternative(config: CacheConfig) -> RefCache:
     """`kvcert.refimpl:alternative`: the reference model built another correct way (SPEC.md §6). Write-back host
-    eviction takes duplicate backups and host-only leaves in one rank order, and a failed write copy is
-    invalidated rather than retried. It passes the core and fails the sglang-0.5.23 profile."""
+    eviction takes duplicate backups and host-only leaves in one rank order, a failed write copy is
+    invalidated rather than retried, and a prefetch or retraction backup that does not fit host-evicts only its
+    shortfall. It passes
+    the core and fails the sglang-0.5.23 profile."""
     cache = RefCache(config)
     cache.host_order = "rank"
     cache.copy_failure = "invalidate"
+    cache.host_room = "shortfall"
     return cache
 
 

@@ -24,7 +24,7 @@ class Choice:
     """What the core allows instead, and the relation it still checks."""
     needs: str = ""
     """The part of the spec a backend must declare for the choice to arise: "" (any backend), "write_back"
-    (a write policy), "copy" (a fault kind)."""
+    (a write policy), "copy" (a fault kind), "host_room" (prefetch, or retraction with a host tier)."""
 
 
 RANK = Choice(
@@ -47,12 +47,20 @@ RETRY = Choice(
     "copy",
 )
 
-CHOICES: tuple[Choice, ...] = (RANK, RECLAIM, RETRY)
+ROOM = Choice(
+    "ROOM",
+    "a prefetch or a retraction backup that does not fit host-evicts its whole size, not the shortfall (§10.4 D9, "
+    "§9.11 D17)",
+    "host eviction for one asks for at most its size (from nothing to all of it), its victims legal as any host "
+    "eviction's; a prefetch then reserves the longest whole-page part that fits, a backup all or nothing",
+    "host_room",
+)
+
+CHOICES: tuple[Choice, ...] = (RANK, RECLAIM, RETRY, ROOM)
 
 STILL_PINNED: tuple[tuple[str, str], ...] = (
     ("host", "copy grouping and order (INV-COPY-1): one write copy per insert, one store copy per node, shallowest first"),
     ("retraction", "a restore locks the root once for the resumed request (§9.11)"),
-    ("storage", "a prefetch that does not fit host-evicts its whole size, not the shortfall (§10.4, D9)"),
 )
 """SGLang's choices the core does not yet relax, with the part of the spec they belong to: a correct cache that
 differs here fails even the core."""

@@ -19,7 +19,20 @@ from kvcert.conformance.certify import certify, judged_as, load_factory, replay_
 from kvcert.conformance.driver import ConformanceFailure, Harness, run_trace
 from kvcert.refimpl import RefCache, alternative, factory
 from kvcert.spec import profiles
-from kvcert.spec.ops import Complete, Evict, EvictHost, InjectFault, Insert, Match, Op, Poll, Trace
+from kvcert.spec.ops import (
+    CheckPrefetch,
+    Complete,
+    Evict,
+    EvictHost,
+    InjectFault,
+    Insert,
+    Match,
+    Op,
+    Poll,
+    Prefetch,
+    Publish,
+    Trace,
+)
 from kvcert.spec.types import CacheConfig, Capabilities, Snapshot
 
 ZOO = (Path(__file__).parent / "corpus" / "zoo", Path(__file__).parent / "profiles")
@@ -37,6 +50,27 @@ RETRY_TRACE = (
     [InjectFault("copy"), Insert(None, (1, 2, 3)), Complete(0), Poll(), Insert(None, (1, 2, 3, 4)), Evict(6), Match(None, (1, 2, 3))],
 )
 """A write-through copy fails: SGLang keeps it pending, the alternative gives the backup up."""
+
+ROOM_TRACE = (
+    CacheConfig(page_size=1, policy="lru", capacity=8, host_capacity=6, write_policy="write_through", prefetch_policy="best_effort"),
+    [
+        *(Insert(None, (t,)) for t in (5, 6, 7, 8)),
+        *(Complete(i) for i in range(4)),  # the write copies, then the store copies they start
+        Poll(),
+        *(Complete(i) for i in range(4, 8)),
+        Poll(),
+        Evict(4),  # four host-only leaves, two host slots free
+        Publish(None, (1, 2, 3)),
+        Match(None, (1, 2, 3)),
+        Prefetch(16),  # three stored pages do not fit
+        CheckPrefetch(0),
+    ],
+)
+"""A prefetch of three pages finds two host slots: SGLang host-evicts three leaves, the alternative one."""
+
+D17 = Trace.from_json((Path(__file__).parent / "traces" / "d17-retraction-reclaims-its-size.json").read_text())
+BACKUP_TRACE = (D17.config, list(D17.ops))
+"""A retraction backup that does not fit: SGLang host-evicts its whole size (D17), the alternative the shortfall."""
 
 
 def _verdict(make, caps: Capabilities, config: CacheConfig, ops: list[Op], profile: str) -> set[str]:
@@ -58,14 +92,40 @@ def test_backends_declare_their_profiles() -> None:
         profiles.profile("sglang")
 
 
-@pytest.mark.parametrize("trace", [RECLAIM_TRACE, RETRY_TRACE], ids=["reclaim", "retry"])
-def test_the_alternative_passes_the_core_and_fails_the_profile(trace: tuple[CacheConfig, list[Op]]) -> None:
+@pytest.mark.parametrize(
+    "trace, broken",
+    [
+        (RECLAIM_TRACE, {"INV-HOST-8"}),
+        (RETRY_TRACE, {"INV-HOST-10", "INV-COPY-1"}),
+        (ROOM_TRACE, {"INV-TREE-4"}),  # SGLang's prefetch would have removed two more host-only leaves
+        (BACKUP_TRACE, {"INV-TREE-4"}),
+    ],
+    ids=["reclaim", "retry", "room-prefetch", "room-backup"],
+)
+def test_the_alternative_passes_the_core_and_fails_the_profile(
+    trace: tuple[CacheConfig, list[Op]], broken: set[str]
+) -> None:
     config, ops = trace
     caps = alternative.capabilities  # type: ignore[attr-defined]
     assert _verdict(alternative, caps, config, ops, "core") == set()
-    assert _verdict(alternative, caps, config, ops, "sglang-0.5.23") & {"INV-HOST-8", "INV-HOST-10", "INV-COPY-1"}
+    assert _verdict(alternative, caps, config, ops, "sglang-0.5.23") & broken
     for profile in ("core", "sglang-0.5.23"):
         assert _verdict(factory, factory.capabilities, config, ops, profile) == set()  # type: ignore[attr-defined]
+
+
+class _OverEvicts(RefCache):
+    """A prefetch that does not fit empties the whole host first: more than any prefetch may ask for."""
+
+    def _prefetch_alloc(self, size: int):  # type: ignore[no-untyped-def]
+        self.evict_host(10**6)
+        return super()._prefetch_alloc(size)
+
+
+def test_the_core_bounds_a_prefetchs_host_eviction() -> None:
+    """Under the core a prefetch may host-evict anything up to its size (ROOM); evicting past it fails."""
+    config, ops = ROOM_TRACE
+    caps = replace(alternative.capabilities, profile="core")  # type: ignore[attr-defined]
+    assert _verdict(_OverEvicts, caps, config, ops, "core") == {"INV-TREE-4"}
 
 
 def test_the_alternative_invalidates_what_it_cannot_keep() -> None:
@@ -220,7 +280,7 @@ def test_the_certificate_says_what_the_profile_leaves_open() -> None:
 
     caps = factory.capabilities  # type: ignore[attr-defined]
     core = scope_gaps(replace(caps, profile="core"), [])
-    assert [g.split(" ")[1] for g in core if g.startswith("choice ")] == ["RANK", "RECLAIM", "RETRY"]
+    assert [g.split(" ")[1] for g in core if g.startswith("choice ")] == ["RANK", "RECLAIM", "RETRY", "ROOM"]
     assert sum(g.startswith("pinned under every profile") for g in core) == len(profiles.STILL_PINNED)
     assert not [g for g in scope_gaps(caps, []) if g.startswith("choice ")]
     device_only = scope_gaps(Capabilities(name="device-only"), [])
