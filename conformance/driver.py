@@ -260,11 +260,15 @@ class Harness(Queries):
             attempts += [(order, True, False) for order, _, _ in attempts]
         if not pinned(RANK) and steering.moved():  # the backend's victims in rank order, else the largest last
             attempts += [(order, skip, True) for order, skip, _ in attempts]
-        saved = copy.deepcopy(self.oracle) if len(attempts) > 1 else None
+        rooms: list[Optional[str]] = [None]  # a room-making step: what the backend freed, or else (ROOM)
+        if not pinned(ROOM) and isinstance(op, (Prefetch, Retract)):
+            rooms = ["freed", "whole", "shortfall"] if steering.demoted() else ["freed"]
+        tries = [(*a, room) for room in rooms for a in attempts]
+        saved = copy.deepcopy(self.oracle) if len(tries) > 1 else None
         requests = dict(self.ledger.running) if saved is not None else {}  # the oracle's half goes back with it
         want: Outcome = None
         found: list[Violation] = []
-        for attempt, (order, skipped_first, tail) in enumerate(attempts):
+        for attempt, (order, skipped_first, tail, room) in enumerate(tries):
             if attempt:  # the last choice disagreed with the backend: put the oracle back and try the next
                 self.oracle = copy.deepcopy(saved)  # type: ignore[assignment]
                 self._spec_snap = None
@@ -283,19 +287,21 @@ class Harness(Queries):
             self.oracle.host_steer = None if pinned(RECLAIM) else steering.follow_host(self.oracle, tail, order)
             if not pinned(RETRY):
                 self.oracle.copy_failure = "invalidate" if self._gave_up(op, after) else "retry"
-            if not pinned(ROOM) and isinstance(op, (Prefetch, Retract)):
+            if room == "freed":
                 self.oracle.host_ask = steering.host_freed()
+            elif room is not None:  # host pressure demoted a session: the backend's eviction ran dry before its ask
+                self.oracle.host_room = room
             theirs = Side(self.oracle, 1, self.ledger, self.config, choose=choose, unaligned=lenient)
             try:
                 want = run_op(theirs, op, self.ops)
             finally:
                 self.oracle.steer = self.oracle.reclaim = self.oracle.host_steer = None
                 self.oracle.copy_failure = "retry"
-                self.oracle.host_ask = None
+                self.oracle.host_ask, self.oracle.host_room = None, "whole"
                 self._spec_snap = None
             if replayed is not None:
                 found += replayed(self.spec_snapshot())
-            if attempt == len(attempts) - 1 or agrees(self.spec_snapshot(), after):
+            if attempt == len(tries) - 1 or agrees(self.spec_snapshot(), after):
                 break
         return want, found
 

@@ -213,6 +213,11 @@ class Steering:
         paths = contracts.node_paths(self.before)
         return sum(len(n.key) for n in self.before.nodes if n.host_slots is not None and paths.get(n.id) in victims)
 
+    def demoted(self) -> bool:
+        """Whether host pressure demoted a session during the step (SPEC.md §11.4)."""
+        was = {x.id for x in self.before.sessions if x.demoted}
+        return any(x.demoted and x.id not in was for x in self.after.sessions)
+
     def host_orders(self) -> list[Optional[tuple[contracts.Path, ...]]]:
         """The core's orders of host victims to try (the order decides which backups a write-back eviction
         can still make): the oracle's rank order first, then each order of them, at most 24."""
@@ -414,7 +419,10 @@ class Steering:
 
 
 def agrees(spec: Snapshot, after: Snapshot) -> bool:
-    """The oracle reached the backend's state (tree, residency, copies): the steering found the backend's choice."""
-    return contracts.shape(after) == contracts.shape(spec) and [(c.kind, c.finished) for c in after.pending] == [
-        (c.kind, c.finished) for c in spec.pending
-    ]
+    """The oracle reached the backend's state (tree, residency, copies, demotions): the steering found the backend's
+    choice."""
+    return (
+        contracts.shape(after) == contracts.shape(spec)
+        and [(c.kind, c.finished) for c in after.pending] == [(c.kind, c.finished) for c in spec.pending]
+        and [(x.id, x.demoted) for x in after.sessions] == [(x.id, x.demoted) for x in spec.sessions]
+    )

@@ -669,6 +669,394 @@ MUTANTS: tuple[Mutant, ...] = (
         # (docs/speed.md: scripts/kill_rate.py).
         budget=4,
     ),
+    # ---- Each killed by one core rule alone (SPEC.md §6.4; tests/test_profiles.py ALONE, scripts/alone.py):
+    # accounting, slots, shape, namespaces, handles and reports that only their own rule sees.
+    # ---- alone: device tier
+    Mutant(
+        "protected_counts_locks",
+        "protected_size counts a node's tokens once per lock on it, not once per locked node",
+        (
+            (
+                "            self.protected_size += sign * len(node.key)\n",
+                "            self.protected_size += sign * len(node.key) * node.lock_ref\n",
+            ),
+        ),
+        page_sizes=(1,),
+    ),
+    Mutant(
+        "alloc_cut_off_by_one",
+        "alloc cuts the free list one entry late (as if entry 0 were a padding slot): the first slot it "
+        "hands out stays free and the slot after its run is lost",
+        (("        del self.free_list[:n]\n", "        del self.free_list[1 : n + 1]\n"),),
+        page_sizes=(1,),
+    ),
+    Mutant(
+        "split_rehomes_prefix",
+        "a split copies the new prefix's KV into fresh slots and frees the old ones: slot ids a request "
+        "already holds for that prefix now point at free memory",
+        (
+            (
+                "        head_slots, child_slots = _cut(child.slots, at)  # bytes stay in their slots: cutting moves none\n",
+                "        head_slots, child_slots = _cut(child.slots, at)\n"
+                "        if head_slots is not None and len(self.pool.free_list) >= len(head_slots):\n"
+                "            fresh = self.pool.alloc(len(head_slots))\n"
+                "            self.pool.adopt(fresh)\n"
+                "            _move_kv(self.kv, head_slots, self.kv, fresh)\n"
+                "            self.pool.release(head_slots)\n"
+                "            head_slots = fresh\n",
+            ),
+        ),
+        page_sizes=(1,),
+    ),
+    Mutant(
+        "alloc_pops_descending",
+        "alloc pops slots one by one off the end of the free list: each page comes out descending, "
+        "not as one aligned device page",
+        (
+            (
+                "        taken = tuple(self.free_list[:n])\n        del self.free_list[:n]\n",
+                "        taken = tuple(self.free_list.pop() for _ in range(n))\n",
+            ),
+        ),
+        page_sizes=(4,),
+    ),
+    Mutant(
+        "relock_not_counted",
+        "a node locked again by the same owner counts one lock on its path: lock_ref counts locked nodes, not locks",
+        (
+            (
+                "        node.own_locks += 1\n        self._lock_path(node, +1)\n",
+                "        node.own_locks += 1\n        if node.own_locks == 1:\n            self._lock_path(node, +1)\n",
+            ),
+            (
+                "        node.own_locks -= 1\n        self._lock_path(node, -1)\n",
+                "        node.own_locks -= 1\n        if node.own_locks == 0:\n            self._lock_path(node, -1)\n",
+            ),
+        ),
+        page_sizes=(1,),
+    ),
+    Mutant(
+        "split_suffix_loses_namespace",
+        "a split re-keys the suffix node from a token slice that drops its namespace (extra key)",
+        (
+            (
+                "        child.key, child.slots, child.host_slots, child.parent = tail_key, child_slots, child_host, head\n",
+                "        child.key, child.slots, child.host_slots, child.parent = tail_key, child_slots, child_host, head\n"
+                "        child.namespace = None\n",
+            ),
+        ),
+        page_sizes=(1,),
+    ),
+    Mutant(
+        "handle_index_ignores_namespace",
+        "a match's handle is looked up in a token-path index that ignores the namespace: it can be another "
+        "namespace's node with the same tokens",
+        (
+            (
+                "            node.children[self._selector(namespace, leaf.key)] = leaf\n",
+                "            node.children[self._selector(namespace, leaf.key)] = leaf\n"
+                "            self.by_tokens = getattr(self, 'by_tokens', {})\n"
+                "            self.by_tokens[tuple(key)] = leaf\n",
+            ),
+            (
+                "            node=device[-1].id if device else self.root.id,\n",
+                "            node=(lambda hit, own: hit.id if hit is not None and hit.id in self.nodes else own)(\n"
+                "                getattr(self, 'by_tokens', {}).get(tuple(key[: sum(len(n.key) for n in device)])),\n"
+                "                device[-1].id if device else self.root.id,\n"
+                "            ),\n",
+            ),
+        ),
+        page_sizes=(1,),
+    ),
+    Mutant(
+        "insert_prefix_excludes_own_head",
+        "insert reports as prefix only the duplicates it was handed, not a head the caller passed back as the "
+        "tree's own slots (a running request's checkpoint)",
+        (
+            (
+                "        return InsertOut(prefix_len=prefix_len, node=node.id)\n",
+                "        return InsertOut(prefix_len=prefix_len - min(k, prefix_len), node=node.id)\n",
+            ),
+        ),
+        page_sizes=(1,),
+    ),
+    Mutant(
+        "insert_returns_walk_end",
+        "insert returns the node its walk ended on, not the new leaf it hung below it",
+        (("            path.append(leaf)\n            node = leaf\n", "            path.append(leaf)\n"),),
+        page_sizes=(1,),
+    ),
+    Mutant(
+        "evict_reports_asked",
+        "evict reports at most what it was asked for: the overshoot of the last whole node is freed but not counted",
+        (
+            (
+                "                self._delete_leaf(victim)\n            freed += len(victim.key)\n        return freed\n",
+                "                self._delete_leaf(victim)\n            freed += len(victim.key)\n        return min(freed, n)\n",
+            ),
+        ),
+        page_sizes=(1,),
+    ),
+    Mutant(
+        "kv_write_floors_pages",
+        "write_kv counts pages with floor division: a partial last page's entries are never written",
+        (
+            (
+                "        self.kv.update(zip(slots, entries))\n",
+                "        whole = len(slots) // self.page_size * self.page_size\n"
+                "        self.kv.update(zip(slots[:whole], entries[:whole]))\n",
+            ),
+        ),
+        page_sizes=(4,),
+    ),
+    Mutant(
+        "insert_no_path_compression",
+        "insert hangs the new part as a chain of one-page nodes instead of one edge (no path compression)",
+        (
+            (
+                "        if matched < len(key):\n            leaf = self._new_node(\n                parent=node,\n"
+                "                namespace=namespace,\n                key=key[matched:],\n"
+                "                slots=tuple(slots[matched:]),\n",
+                "        while matched < len(key):\n            leaf = self._new_node(\n                parent=node,\n"
+                "                namespace=namespace,\n                key=key[matched : matched + self.page_size],\n"
+                "                slots=tuple(slots[matched : matched + self.page_size]),\n",
+            ),
+            (
+                "            path.append(leaf)\n            node = leaf\n",
+                "            path.append(leaf)\n            node = leaf\n            matched += len(leaf.key)\n",
+            ),
+        ),
+    ),
+    Mutant(
+        "slot_ids_one_based",
+        "slot ids are one-based (slot 0 kept for padding, as in SGLang's pool) but the pool is not enlarged for it: "
+        "the last slot id is one past the end",
+        (
+            (
+                "        self.free_list: list[int] = list(range(capacity))\n",
+                "        self.free_list: list[int] = list(range(1, capacity + 1))\n",
+            ),
+            ("        _check_ids(slots, self.pool.capacity)\n", "        _check_ids(slots, self.pool.capacity + 1)\n"),
+        ),
+        page_sizes=(1,),
+    ),
+    Mutant(
+        "evict_empty_crashes",
+        "eviction picks a victim without checking that a candidate is left: min() of nothing raises",
+        (
+            (
+                "            if not leaves:\n                break\n            victim = self._pick(leaves, choose)\n",
+                "            victim = self._pick(leaves, choose)\n",
+            ),
+        ),
+        page_sizes=(1,),
+    ),
+    # ---- alone: host tier (SPEC.md §9)
+    Mutant(
+        "restore_deferred_host_free",
+        "a restored retraction backup's host slots go on a deferred-free list that only the next device eviction "
+        "drains (a free group opened on the restore path): until then the host pool is short by them",
+        (
+            (
+                "        self._drop_retraction(backup)\n        self.root.own_locks += 1\n",
+                "        self.retractions.remove(backup)\n"
+                "        self._deferred = getattr(self, '_deferred', []) + list(backup.host_slots)\n"
+                "        self.root.own_locks += 1\n",
+            ),
+            (
+                "        freed = 0\n        skipped: set[int] = set()\n",
+                "        freed = 0\n        skipped: set[int] = set()\n"
+                "        if self.host is not None:  # the free group ends here\n"
+                "            self.host.release(getattr(self, '_deferred', []))\n"
+                "            self._deferred = []\n",
+            ),
+        ),
+        page_sizes=(1,),
+        write_policies=("write_through",),
+        prefetch_policies=("best_effort",),
+    ),
+    Mutant(
+        "host_pool_pops_reversed",
+        "the host pool hands slots out token by token off the top of a stack: at page size > 1 a backup's "
+        "pages come out reversed, not as aligned ascending pages",
+        (
+            (
+                "        slots = self.host.alloc(n)\n        self.host.adopt(slots)\n",
+                "        slots = self.host.alloc(n)\n        self.host.adopt(slots)\n        slots = slots[::-1]\n",
+            ),
+        ),
+        page_sizes=(4,),
+        write_policies=("write_through",),
+    ),
+    Mutant(
+        "evict_host_uncounts_reclaim",
+        "write-back host eviction returns only the host-only leaves it removed: the settled duplicate backups "
+        "its first phase dropped are freed but not counted",
+        (
+            (
+                "            victim.host_slots = None\n            freed += len(victim.key)\n"
+                "        while freed < n and self.host is not None:\n",
+                "            victim.host_slots = None\n            freed += len(victim.key)\n"
+                "        reclaimed = freed\n"
+                "        while freed < n and self.host is not None:\n",
+            ),
+            (
+                "        return freed\n\n    def _evict_host_by_rank",
+                "        return freed - reclaimed\n\n    def _evict_host_by_rank",
+            ),
+        ),
+        page_sizes=(1,),
+        write_policies=("write_back",),
+    ),
+    Mutant(
+        "write_back_restore_drops_backup",
+        "under write-back, inserting over an evicted node treats the restored KV as dirty: its host copy is "
+        "freed, and the next eviction writes the same KV back again",
+        (
+            (
+                "                self.pool.adopt(node.slots)\n",
+                "                self.pool.adopt(node.slots)\n"
+                '                if self.write_policy == "write_back":\n'
+                "                    self.host.release(node.host_slots or ())  # type: ignore[union-attr]\n"
+                "                    node.host_slots = None\n",
+            ),
+        ),
+        page_sizes=(1,),
+        write_policies=("write_back",),
+    ),
+    Mutant(
+        "split_host_lock_not_segment",
+        "host locks are counts on the node they were taken on, not segments: a split of a loading node leaves "
+        "the new prefix half's host copy unprotected until the ack",
+        (
+            ("            host_lock_ref=child.host_lock_ref,\n", "            host_lock_ref=0,\n"),
+            ("            if child in copy.host_locked:\n                copy.host_locked.append(head)\n", ""),
+            (
+                "        for p in self.prefetches:  # so does a prefetch's protection of its anchor\n"
+                "            if child in p.host_locked:\n                p.host_locked.append(head)\n",
+                "",
+            ),
+        ),
+        page_sizes=(1,),
+        write_policies=("write_through",),
+    ),
+    Mutant(
+        "poll_count_reset_per_queue",
+        "poll's ack counter is reset for each queue: it reports only the store queue's acks, not every ack it consumed",
+        (
+            (
+                '        consumed = 0\n        for kind in ("write", "load", "store"):\n',
+                '        for kind in ("write", "load", "store"):\n            consumed = 0\n',
+            ),
+        ),
+        page_sizes=(1,),
+        write_policies=("write_through",),
+    ),
+    # ---- alone: storage tier (SPEC.md §10)
+    Mutant(
+        "failed_prefetch_frees_reservation_early",
+        "a prefetch whose fetch fails gives its unfetched pages' host slots back at once while still "
+        "reporting them requested: the reservation no longer matches the request",
+        (
+            (
+                "            p.failed = True  # a miss, a torn or corrupt page: never wrong KV\n",
+                "            p.failed = True  # a miss, a torn or corrupt page: never wrong KV\n"
+                "            self.host.release(p.host_slots[p.fetched * self.page_size :])  # type: ignore[union-attr]\n"
+                "            p.host_slots = p.host_slots[: p.fetched * self.page_size]\n",
+            ),
+        ),
+        page_sizes=(1,),
+        write_policies=("write_through",),
+        prefetch_policies=("wait_complete",),
+    ),
+    Mutant(
+        "prefetch_reports_unshrunk",
+        "a prefetch shrunk to the host room left (D9) reports the stored run it looked up, not the part it reserved",
+        (
+            ("        size = len(slots)  # D9: the part that fits\n", "        asked, size = size, len(slots)  # D9\n"),
+            (
+                "        self._next_prefetch += 1\n        return size\n",
+                "        self._next_prefetch += 1\n        return asked\n",
+            ),
+        ),
+        page_sizes=(1,),
+        write_policies=("write_through",),
+        prefetch_policies=("best_effort",),
+    ),
+    Mutant(
+        "prefetch_end_counts_fetched",
+        "check_prefetch reports the tokens fetched, not the host tokens the tree gained: fetched pages the tree "
+        "already holds (write-back walks past a device node, D15) count again",
+        (
+            (
+                "        self.host.release(tuple(slot for slot in p.host_slots if slot not in kept))\n        return added\n",
+                "        self.host.release(tuple(slot for slot in p.host_slots if slot not in kept))\n        return keep\n",
+            ),
+        ),
+        page_sizes=(1,),
+        write_policies=("write_back",),
+        prefetch_policies=("best_effort",),
+    ),
+    Mutant(
+        "retraction_backup_one_extra",
+        "a retraction backup reserves room for one more token than the request holds (decode-length off by one)",
+        (
+            (
+                "pages.page_ceil(len(slots), self.page_size), reclaim_all=True)  # D17\n",
+                "pages.page_ceil(len(slots) + 1, self.page_size), reclaim_all=True)  # D17\n",
+            ),
+        ),
+        page_sizes=(1,),
+        write_policies=("write_through",),
+        prefetch_policies=("best_effort",),
+    ),
+    Mutant(
+        "retraction_reclaim_without_retry",
+        "a retraction backup short of host room host-evicts for it, then gives up instead of retrying the "
+        "allocation (D17: SGLang reclaims and retries once)",
+        (
+            (
+                "        host_slots = self._host_alloc(pages.page_ceil(len(slots), self.page_size), reclaim_all=True)  # D17\n",
+                "        need = pages.page_ceil(len(slots), self.page_size)\n"
+                "        if len(self.host.free_list) < need:  # type: ignore[union-attr]\n"
+                "            self.evict_host(need, choose=self.host_steer or self.steer)\n"
+                "            return None\n"
+                "        host_slots = self._host_alloc(need, reclaim_all=True)  # D17\n",
+            ),
+        ),
+        page_sizes=(1,),
+        write_policies=("write_through",),
+        prefetch_policies=("best_effort",),
+    ),
+    # ---- alone: priority tiers (SPEC.md §11)
+    Mutant(
+        "rank_ignores_tiers",
+        "eviction ranks by the policy alone: a session's idle path goes before KV no session holds",
+        (
+            (
+                "        return (self.tier(node), node.high_ref, node.low_ref, *policy)\n",
+                "        return tuple(policy)\n",
+            ),
+        ),
+        page_sizes=(4,),  # seed 0: the page-1 device cell survives 600 examples, the page-4 one kills it in 4 ops
+    ),
+    Mutant(
+        "reregister_keeps_priority",
+        "registering a session again moves it to its new path but keeps its first priority",
+        (
+            (
+                "        session = Session(session_id, node, priority, self._next_seq)\n",
+                "        session = Session(session_id, node, old.priority if old is not None else priority, self._next_seq)\n",
+            ),
+        ),
+        page_sizes=(1,),
+    ),
+    Mutant(
+        "admission_refusal_drops_scope",
+        "a refused admission returns a default plan: a high-priority request's refusal reports allow_high=False",
+        (("        return AdmissionPlan(False, allow_high=high)\n", "        return AdmissionPlan(False)\n"),),
+        page_sizes=(1,),
+    ),
 )
 
 

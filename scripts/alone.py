@@ -33,15 +33,17 @@ def verdict(trace: Trace, ignore: frozenset[str] = frozenset()) -> tuple[set[str
     """The rules the trace breaks under the core (and the step), with `ignore` dropped."""
     make = load_factory(trace.target)
     caps = replace(make.capabilities, profile="core")  # type: ignore[attr-defined]
-    h = Harness(make(trace.config), trace.config, caps, ignore=ignore)
-    try:
+    h: Optional[Harness] = None
+    try:  # the initial state is checked too (a pool that starts wrong fails before any op)
+        h = Harness(make(trace.config), trace.config, caps, ignore=ignore)
         for op in trace.ops:
             h.step(op)
         h.quiesce()
     except ConformanceFailure as failure:
         return {v.inv for v in failure.violations}, failure.step
     finally:
-        h.close()
+        if h is not None:
+            h.close()
     return set(), None
 
 

@@ -128,6 +128,17 @@ def test_the_core_bounds_a_prefetchs_host_eviction() -> None:
     assert _verdict(_OverEvicts, caps, config, ops, "core") == {"INV-TREE-4"}
 
 
+@pytest.mark.parametrize("name", ["room-backup-demotes-a-session", "room-prefetch-write-back-timeout"])
+def test_room_is_followed_where_host_pressure_demotes(name: str) -> None:
+    """The alternative's shortfall eviction finds nothing to take and demotes an idle high session: the oracle,
+    seated on the tokens freed (none), would not have demoted. Where the backend demoted, the harness also tries
+    the whole size and the shortfall (the first certification of the alternative under ROOM failed both)."""
+    trace = Trace.from_json((Path(__file__).parent / "profiles" / f"{name}.json").read_text())
+    assert trace.profile == "core"
+    assert not replay_fails(alternative, alternative.capabilities, trace)  # type: ignore[attr-defined]
+    assert not replay_fails(factory, replace(factory.capabilities, profile="core"), trace)  # type: ignore[attr-defined]
+
+
 def test_the_alternative_invalidates_what_it_cannot_keep() -> None:
     """After the failed copy the alternative's node has no backup, its host pool is whole, and the ack releases
     the copy's lock (a given-up copy moves nothing)."""
@@ -155,19 +166,46 @@ def test_a_pinned_choice_is_the_profiles_alone() -> None:
 
 ALONE: dict[str, str] = {
     "INV-ACCT-1": "size_units_mismatch",
+    "INV-ACCT-2": "protected_counts_locks",
+    "INV-ADMIT-4": "admission_refusal_drops_scope",
     "INV-COPY-1": "split_copy_keeps_suffix",
+    "INV-COPY-2": "poll_count_reset_per_queue",
     "INV-ERR-1": "unlock_below_zero",
     "INV-ERR-2": "retracted_resume_without_last_node",
+    "INV-EVICT-5": "evict_reports_asked",
+    "INV-HANDLE-1": "insert_returns_walk_end",
+    "INV-HOST-4": "restore_deferred_host_free",
+    "INV-HOST-5": "host_pool_pops_reversed",
+    "INV-HOST-8": "evict_host_uncounts_reclaim",
+    "INV-HOST-10": "write_back_restore_drops_backup",
+    "INV-HOST-11": "split_host_lock_not_segment",
+    "INV-INS-1": "insert_prefix_excludes_own_head",
     "INV-KV-1": "load_back_slots_leaf_first",
     "INV-KV-2": "split_host_slices_swapped",
     "INV-KV-3": "restore_reversed",
     "INV-LOAD-1": "load_back_counts_last_node",
+    "INV-LOCK-2": "relock_not_counted",
     "INV-MATCH-1": "match_crosses_evicted_node",
     "INV-MATCH-2": "match_slots_out_of_order",
     "INV-MATCH-3": "host_hit_counts_device_part",
+    "INV-NS-1": "split_suffix_loses_namespace",
+    "INV-NS-2": "handle_index_ignores_namespace",
+    "INV-PF-1": "failed_prefetch_frees_reservation_early",
+    "INV-PF-2": "prefetch_reports_unshrunk",
+    "INV-PF-3": "prefetch_end_counts_fetched",
+    "INV-REQ-2": "kv_write_floors_pages",
+    "INV-RETRACT-1": "retraction_backup_one_extra",
+    "INV-RETRACT-2": "retraction_reclaim_without_retry",
+    "INV-SLOT-1": "alloc_cut_off_by_one",
+    "INV-SLOT-2": "slot_ids_one_based",
+    "INV-SLOT-3": "split_rehomes_prefix",
+    "INV-SLOT-4": "alloc_pops_descending",
     "INV-STORE-1": "failed_store_copy_written",
     "INV-TIER-1": "lock_skips_self",
     "INV-TIER-2": "tier_size_drift",
+    "INV-TIER-4": "rank_ignores_tiers",
+    "INV-TIER-5": "reregister_keeps_priority",
+    "INV-TREE-4": "insert_no_path_compression",
 }
 """Core rule -> a zoo mutant that rule alone kills under the core (its recorded counterexample passes with
 that checker dropped). Rules not listed have no such mutant yet: SPEC.md §6.4."""
@@ -176,15 +214,17 @@ that checker dropped). Rules not listed have no such mutant yet: SPEC.md §6.4."
 def _run(trace: Trace, ignore: frozenset[str]) -> set[str]:
     make = load_factory(trace.target)
     caps = replace(make.capabilities, profile="core")  # type: ignore[attr-defined]
-    h = Harness(make(trace.config), trace.config, caps, ignore=ignore)
-    try:
+    h: Harness | None = None
+    try:  # the initial state is checked too (a pool that starts wrong fails before any op)
+        h = Harness(make(trace.config), trace.config, caps, ignore=ignore)
         for op in trace.ops:
             h.step(op)
         h.quiesce()
     except ConformanceFailure as failure:
         return {v.inv for v in failure.violations}
     finally:
-        h.close()
+        if h is not None:
+            h.close()
     return set()
 
 
@@ -193,6 +233,14 @@ def test_a_core_rule_alone_kills_its_mutant(rule: str) -> None:
     trace = _zoo_trace(ALONE[rule])
     assert rule in _run(trace, frozenset())
     assert _run(trace, frozenset({rule})) == set(), f"{ALONE[rule]} is caught by another rule too"
+
+
+def test_a_crash_is_seen_by_inv_err_3_alone() -> None:
+    """A crash ends the step at once, so its checker cannot be dropped and the run go on: INV-ERR-3 earns its place
+    by a mutant whose counterexample breaks it and nothing else (an eviction that picks from no candidate)."""
+    trace = _zoo_trace("evict_empty_crashes")
+    assert _run(trace, frozenset()) == {"INV-ERR-3"}
+    assert _run(trace, frozenset({"INV-ERR-3"})) == {"INV-ERR-3"}
 
 
 def test_the_certificate_names_its_profile_and_its_traces_keep_it(tmp_path: Path) -> None:
