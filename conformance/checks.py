@@ -243,14 +243,32 @@ class Checks:
                 )
             violations += self.storage(storages)
             violations += self.kv(snap)
-            violations += self.rows()
+            violations += self.rows(snap)
         return violations
 
-    def rows(self) -> list[Violation]:
-        """INV-REQ-2: the slots each running request still owns hold its KV (SPEC.md §4.8), one read a step. The
-        tree's part of its row is the tree's slots, judged as the tree's (INV-KV-1, once a load into them lands)."""
-        if not self.capabilities.kv_reads or not self.ledger.running:
+    def rows(self, snap: Snapshot) -> list[Violation]:
+        """INV-REQ-2: each running request's row reads the tree's own slots for the prefix it protects (its lock keeps
+        them there: a checkpoint that left the row on the duplicates it freed reads memory anyone may take), and the
+        slots it still owns hold its KV (SPEC.md §4.8), one read a step. The tree's part's bytes are judged as the
+        tree's (INV-KV-1, once a load into them lands)."""
+        if not self.ledger.running:
             return []
+        out = []
+        for k, (r, _) in sorted(self.ledger.running.items()):
+            if r is None or not r.protected:
+                continue
+            cached = contracts.cached_prefix_len(snap, r.namespace, r.tokens)
+            tree = contracts.prefix_slots(snap, r.namespace, r.tokens, min(cached, r.protected))
+            if cached < r.protected or tuple(r.row[: r.protected]) != tree:
+                out.append(
+                    Violation(
+                        "INV-REQ-2",
+                        f"request {k}: its row reads {tuple(r.row[: r.protected])} for its {r.protected} protected "
+                        f"tokens, the tree holds {tree}" + ("" if cached >= r.protected else f" ({cached} cached)"),
+                    )
+                )
+        if out or not self.capabilities.kv_reads:
+            return out
         checks = []
         for k, (r, _) in sorted(self.ledger.running.items()):
             if r is None:  # ended on the backend's side
@@ -261,7 +279,6 @@ class Checks:
             if want:
                 checks.append((k, r, want))
         got = _read_batched(self.backend.read_kv, [r.row[r.protected :] for _, r, _ in checks])  # type: ignore[attr-defined]
-        out = []
         for (k, r, want), have in zip(checks, got):
             bad = next((i for i, (a, b) in enumerate(zip(have, want)) if a != b), None)
             if bad is not None:

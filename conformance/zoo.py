@@ -692,13 +692,13 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "split_rehomes_prefix",
-        "a split copies the new prefix's KV into fresh slots and frees the old ones: slot ids a request "
-        "already holds for that prefix now point at free memory",
+        "a split of a node no one locks compacts the new prefix's KV into fresh slots and frees the old ones: "
+        "slots a caller matched before the split now point at free memory",
         (
             (
                 "        head_slots, child_slots = _cut(child.slots, at)  # bytes stay in their slots: cutting moves none\n",
                 "        head_slots, child_slots = _cut(child.slots, at)\n"
-                "        if head_slots is not None and len(self.pool.free_list) >= len(head_slots):\n"
+                "        if head_slots is not None and not child.lock_ref and len(self.pool.free_list) >= len(head_slots):\n"
                 "            fresh = self.pool.alloc(len(head_slots))\n"
                 "            self.pool.adopt(fresh)\n"
                 "            _move_kv(self.kv, head_slots, self.kv, fresh)\n"

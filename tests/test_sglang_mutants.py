@@ -94,6 +94,24 @@ def checkpoint_frees_partial_page(orig: Callable[..., Any]) -> Callable[..., Any
     return patched
 
 
+def checkpoint_keeps_stale_row(orig: Callable[..., Any]) -> Callable[..., Any]:
+    """The request's row is not repointed at the tree's slots: it still reads the duplicates the checkpoint freed
+    (their bytes are right until someone else takes them, so only the row's slots show it)."""
+
+    def patched(self: Any, req: Any, *, up_to: int) -> Any:
+        pool = self.req_to_token_pool
+        row = pool.req_to_token[req.kv.req_pool_idx].clone()
+        write = pool.write
+        pool.write = lambda *args, **kw: None
+        try:
+            return orig(self, req, up_to=up_to)
+        finally:
+            pool.write = write
+            pool.req_to_token[req.kv.req_pool_idx] = row
+
+    return patched
+
+
 def _assert_caught(cert: Any, name: str, expected: str) -> None:
     """The patched engine failed a cell, broke the expected rule, and the saved trace replays."""
     failing = [c for c in cert.cells if not c.passed]
@@ -111,6 +129,7 @@ CASES: dict[str, tuple[list[str], Callable[[Callable[..., Any]], Callable[..., A
     "checkpoint_frees_protected": (["checkpoint"], checkpoint_frees_protected, 1, "INV-"),
     "checkpoint_keeps_old_lock": (["checkpoint"], checkpoint_keeps_old_lock, 1, "INV-LOCK"),
     "checkpoint_frees_partial_page": (["checkpoint"], checkpoint_frees_partial_page, 4, "INV-"),
+    "checkpoint_keeps_stale_row": (["checkpoint"], checkpoint_keeps_stale_row, 1, "INV-REQ-2"),
 }
 
 
