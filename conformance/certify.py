@@ -376,6 +376,8 @@ def scope_gaps(capabilities: Capabilities, cells: list[CellResult], bad_input: O
     for choice in profiles.CHOICES:
         if has[choice.needs] and not held.pinned(choice):
             out.append(f"choice {choice.id} ({choice.pinned}): left to the backend under profile {held.name}")
+    if held.pinned(profiles.RANK) and not capabilities.reports_metadata:
+        out.append("policy metadata (INV-META-1): not exposed by the backend, judged only through eviction order")
     for part, pin in profiles.STILL_PINNED:
         if has[part]:
             out.append(f"pinned under every profile (a correct cache that chooses otherwise fails): {pin}")

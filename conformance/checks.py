@@ -18,10 +18,10 @@ from typing import Any, Optional
 from kvcert.conformance.backend import Backend
 from kvcert.conformance.ledger import Ledger
 from kvcert.conformance.scheduler import KVModel, Outcome, has_content, running_of
-from kvcert.conformance.steering import path_order
+from kvcert.conformance.steering import oracle_path, path_order
 from kvcert.conformance.storage import FaultyStorage
 from kvcert.refimpl import RefCache
-from kvcert.spec import contracts
+from kvcert.spec import contracts, pages
 from kvcert.spec.invariants import Violation, check_snapshot
 from kvcert.spec.ops import (
     Admit,
@@ -41,6 +41,7 @@ from kvcert.spec.ops import (
     Retract,
     Start,
 )
+from kvcert.spec.profiles import RANK, profile
 from kvcert.spec.types import (
     AdmissionPlan,
     AdmissionProfile,
@@ -244,7 +245,35 @@ class Checks:
             violations += self.storage(storages)
             violations += self.kv(snap)
             violations += self.rows(snap)
+            violations += self.metadata(snap, oracle)
         return violations
+
+    def metadata(self, snap: Snapshot, oracle: RefCache) -> list[Violation]:
+        """INV-META-1 (a profile that pins RANK): every node's eviction rank under the cell's policy, from the metadata
+        the backend exposes, equals the rank the spec's metadata updates give it (SPEC.md §4.7). Eviction order shows
+        a stamp, count or priority only once it decides between two leaves, often many steps later; this sees it at
+        once. The root's metadata is never read, and is not compared."""
+        if not self.capabilities.reports_metadata or not profile(self.capabilities.profile).pinned(RANK):
+            return []
+        policy, theirs = self.config.policy, {}
+        for n in oracle.nodes.values():
+            if n is not oracle.root:
+                theirs[oracle_path(oracle, n.id)] = (n.last_access, n.hit_count, n.creation, n.priority)
+        paths = contracts.node_paths(snap)
+        for n in snap.nodes:
+            want = theirs.get(paths.get(n.id))  # type: ignore[arg-type]
+            if n.id == snap.root or n.meta is None or want is None:
+                continue
+            if pages.policy_rank(policy, *n.meta) != pages.policy_rank(policy, *want):
+                path = paths[n.id]
+                return [
+                    Violation(
+                        "INV-META-1",
+                        f"node at {path[1][-4:]}@{len(path[1])} has {policy} metadata (last_access, hit_count, "
+                        f"creation, priority) {n.meta}, the spec's {want}",
+                    )
+                ]
+        return []
 
     def rows(self, snap: Snapshot) -> list[Violation]:
         """INV-REQ-2: each running request's row reads the tree's own slots for the prefix it protects (its lock keeps

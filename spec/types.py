@@ -179,6 +179,9 @@ class NodeView:
     """High-priority sessions whose path holds this node (SPEC.md §11.1)."""
     low_ref: int = 0
     """Low-priority sessions whose path holds this node."""
+    meta: Optional[tuple[int, int, int, int]] = None
+    """(last_access, hit_count, creation, priority): the policy metadata (SPEC.md §4.7), from a backend that exposes
+    it; under a profile that pins RANK each node's eviction rank from it must equal the spec's (INV-META-1)."""
 
 
 @dataclass(frozen=True)
@@ -483,6 +486,9 @@ class Capabilities:
     reports_choices: bool = False
     """True: every snapshot lists the last operation's eviction choices in order (`Snapshot.choices`), and
     under a profile that leaves them open the oracle follows them instead of searching for an order."""
+    reports_metadata: bool = False
+    """True: every node's `NodeView.meta` holds its policy metadata, and under a profile that pins RANK each
+    node's rank from it is compared with the spec's every step (INV-META-1, SPEC.md §4.7)."""
     still_between_calls: bool = False
     """True: the state changes only inside the backend's operations (never in `set_clock`, a read, or a
     background thread), so the harness reads its snapshot once per step and takes the one after a step as

@@ -149,6 +149,45 @@ def test_patched_sglang_is_not_certified(name: str, monkeypatch: pytest.MonkeyPa
     _assert_caught(cert, name, expected)
 
 
+def split_drops_priority(orig: Callable[..., Any]) -> Callable[..., Any]:
+    """A split's new prefix node starts at priority 0 instead of copying the child's (SPEC.md §4.7)."""
+
+    def patched(self: Any, key: Any, child: Any, split_len: int) -> Any:
+        node = orig(self, key, child, split_len)
+        node.priority = 0
+        return node
+
+    return patched
+
+
+def split_drops_hit_count(orig: Callable[..., Any]) -> Callable[..., Any]:
+    """A split's new prefix node starts with no hits instead of copying the child's count."""
+
+    def patched(self: Any, key: Any, child: Any, split_len: int) -> Any:
+        node = orig(self, key, child, split_len)
+        node.hit_count = 0
+        return node
+
+    return patched
+
+
+@pytest.mark.parametrize(
+    "mutate, policy", [(split_drops_priority, "priority"), (split_drops_hit_count, "lfu")], ids=["priority", "hits"]
+)
+def test_split_metadata_is_compared_under_the_profile(
+    mutate: Callable[..., Any], policy: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Metadata a split loses shows in eviction order only when the prefix node, later a leaf, ties another leaf on
+    everything else (the default budget never built it for priority); the adapter reports SGLang's own metadata, and
+    under the profile that pins RANK it is compared at the split (INV-META-1). The core leaves metadata to the
+    backend: the same run certifies."""
+    monkeypatch.setattr(RC, "_split_node", mutate(RC._split_node))
+    kw: dict[str, Any] = dict(examples=60, steps=30, page_sizes=[1], policies=[policy], out_dir=tmp_path)
+    cert = certify("kvcert.conformance.adapters.sglang_radix:factory", **kw)
+    _assert_caught(cert, "split metadata", "INV-META-1")
+    assert certify("kvcert.conformance.adapters.sglang_radix:factory", profile="core", **kw).passed
+
+
 # --------------------------------------------------------------------------- HiCache: KV bytes (SPEC.md §9.12)
 
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost  # noqa: E402

@@ -301,6 +301,12 @@ class SGLangRadixBackend:
                     key=tuple(int(t) for t in node.key.raw_token_ids()),
                     slots=tuple(int(x) for x in node.value.tolist()),
                     lock_ref=int(node.lock_ref),
+                    meta=(
+                        int(node.last_access_time),
+                        int(node.hit_count),
+                        int(node.creation_time),
+                        int(node.priority),
+                    ),
                 )
             )
         pages = self.allocator.get_all_free_pages().tolist()
@@ -339,6 +345,7 @@ factory.capabilities = Capabilities(  # type: ignore[attr-defined]
     aligns_keys=True,
     checkpoints=True,
     profile="sglang-0.5.23",
+    reports_metadata=True,
     notes=(
         "real MHATokenToKVPool + (Paged)TokenToKVPoolAllocator on CPU; slot 0 / page 0 is reserved padding",
         "KV bytes: the harness writes the spec's entries into the pool's K/V buffers and reads them back",
