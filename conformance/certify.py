@@ -21,7 +21,7 @@ from hypothesis.errors import Flaky
 
 from kvcert.conformance.backend import Factory, capabilities_of
 from kvcert.conformance.determinism import fixed_generation
-from kvcert.conformance.driver import ConformanceFailure, run_trace
+from kvcert.conformance.driver import ConformanceFailure, Harness, run_trace
 from kvcert.conformance.machine import CacheMachine
 from kvcert.conformance.runner import run_machine
 from kvcert.conformance.running import TraceInvalid
@@ -207,6 +207,25 @@ def failure_ids(
 ) -> Optional[list[str]]:
     failure = replay_failure(factory, capabilities, config, ops)
     return [v.inv for v in failure.violations] if failure else None
+
+
+def core_verdict(trace: Trace, ignore: frozenset[str] = frozenset()) -> tuple[set[str], Optional[int]]:
+    """The rules `trace` breaks on its target under the core, and the step, with the `ignore`d checkers dropped:
+    the ablation that shows a rule alone kills a mutant (SPEC.md §6.4). The initial state is judged too."""
+    make = load_factory(trace.target)
+    caps = replace(capabilities_of(make), profile="core")
+    h: Optional[Harness] = None
+    try:
+        h = Harness(make(trace.config), trace.config, caps, ignore=ignore)
+        for op in trace.ops:
+            h.step(op)
+        h.quiesce()
+    except ConformanceFailure as failure:
+        return {v.inv for v in failure.violations}, failure.step
+    finally:
+        if h is not None:
+            h.close()
+    return set(), None
 
 
 def replay_fails(factory: Factory, capabilities: Capabilities, trace: Trace) -> bool:

@@ -13,38 +13,18 @@ it. Candidates not yet in the zoo come from a Python file that defines `MUTANTS`
 from __future__ import annotations
 
 import runpy
-from dataclasses import replace
 from pathlib import Path
 from typing import Optional
 
 import typer
 
 from kvcert.conformance import zoo
-from kvcert.conformance.certify import load_factory
-from kvcert.conformance.driver import ConformanceFailure, Harness
+from kvcert.conformance.certify import core_verdict
 from kvcert.conformance.selftest import EXAMPLES, STEPS
 from kvcert.spec.ops import Trace
 
 ROOT = Path(__file__).resolve().parent.parent
 RECORDED = (ROOT / "tests" / "corpus" / "zoo", ROOT / "tests" / "profiles")
-
-
-def verdict(trace: Trace, ignore: frozenset[str] = frozenset()) -> tuple[set[str], Optional[int]]:
-    """The rules the trace breaks under the core (and the step), with `ignore` dropped."""
-    make = load_factory(trace.target)
-    caps = replace(make.capabilities, profile="core")  # type: ignore[attr-defined]
-    h: Optional[Harness] = None
-    try:  # the initial state is checked too (a pool that starts wrong fails before any op)
-        h = Harness(make(trace.config), trace.config, caps, ignore=ignore)
-        for op in trace.ops:
-            h.step(op)
-        h.quiesce()
-    except ConformanceFailure as failure:
-        return {v.inv for v in failure.violations}, failure.step
-    finally:
-        if h is not None:
-            h.close()
-    return set(), None
 
 
 def recorded(name: str) -> Optional[Trace]:
@@ -87,11 +67,11 @@ def main(
         if trace is None:
             print(f"{name:44s} SURVIVED generation (seed {seed}, {examples * mutant.budget} examples)")
             continue
-        rules, step = verdict(trace)
+        rules, step = core_verdict(trace)
         if not rules:
             print(f"{name:44s} passes under the core ({source}, {len(trace.ops)} ops): killed by the profile only")
             continue
-        alone = sorted(r for r in rules if not verdict(trace, frozenset({r}))[0])
+        alone = sorted(r for r in rules if not core_verdict(trace, frozenset({r}))[0])
         print(
             f"{name:44s} {source}, {len(trace.ops)} ops, step {step}: breaks {' '.join(sorted(rules))}; "
             f"alone: {' '.join(alone) or '-'}"

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from kvcert.conformance.adapters import sglang_radix  # noqa: F401  (declares its profile without SGLang)
-from kvcert.conformance.certify import certify, judged_as, load_factory, replay_fails
-from kvcert.conformance.driver import ConformanceFailure, Harness, run_trace
+from kvcert.conformance.certify import certify, core_verdict, judged_as, load_factory, replay_fails
+from kvcert.conformance.driver import ConformanceFailure, run_trace
 from kvcert.refimpl import RefCache, alternative, factory
 from kvcert.spec import profiles
 from kvcert.spec.ops import (
@@ -212,20 +212,7 @@ that checker dropped). Rules not listed have no such mutant yet: SPEC.md §6.4."
 
 
 def _run(trace: Trace, ignore: frozenset[str]) -> set[str]:
-    make = load_factory(trace.target)
-    caps = replace(make.capabilities, profile="core")  # type: ignore[attr-defined]
-    h: Harness | None = None
-    try:  # the initial state is checked too (a pool that starts wrong fails before any op)
-        h = Harness(make(trace.config), trace.config, caps, ignore=ignore)
-        for op in trace.ops:
-            h.step(op)
-        h.quiesce()
-    except ConformanceFailure as failure:
-        return {v.inv for v in failure.violations}
-    finally:
-        if h is not None:
-            h.close()
-    return set()
+    return core_verdict(trace, ignore)[0]
 
 
 @pytest.mark.parametrize("rule", sorted(ALONE))
