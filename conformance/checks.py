@@ -18,7 +18,7 @@ from typing import Any, Optional
 from kvcert.conformance.backend import Backend
 from kvcert.conformance.ledger import Ledger
 from kvcert.conformance.scheduler import KVModel, Outcome, has_content, running_of
-from kvcert.conformance.steering import oracle_path, path_order
+from kvcert.conformance.steering import path_order
 from kvcert.conformance.storage import FaultyStorage
 from kvcert.refimpl import RefCache
 from kvcert.spec import contracts, pages
@@ -245,20 +245,23 @@ class Checks:
             violations += self.storage(storages)
             violations += self.kv(snap)
             violations += self.rows(snap)
-            violations += self.metadata(snap, oracle)
+            violations += self.metadata(snap, oracle, spec)
         return violations
 
-    def metadata(self, snap: Snapshot, oracle: RefCache) -> list[Violation]:
+    def metadata(self, snap: Snapshot, oracle: RefCache, spec: Snapshot) -> list[Violation]:
         """INV-META-1 (a profile that pins RANK): every node's eviction rank under the cell's policy, from the metadata
         the backend exposes, equals the rank the spec's metadata updates give it (SPEC.md §4.7). Eviction order shows
         a stamp, count or priority only once it decides between two leaves, often many steps later; this sees it at
         once. The root's metadata is never read, and is not compared."""
         if not self.capabilities.reports_metadata or not profile(self.capabilities.profile).pinned(RANK):
             return []
-        policy, theirs = self.config.policy, {}
-        for n in oracle.nodes.values():
-            if n is not oracle.root:
-                theirs[oracle_path(oracle, n.id)] = (n.last_access, n.hit_count, n.creation, n.priority)
+        policy, nodes = self.config.policy, oracle.nodes
+        theirs = {  # the oracle's snapshot (`spec`) names its nodes by id, its paths derived once
+            p: (n.last_access, n.hit_count, n.creation, n.priority)
+            for i, p in contracts.node_paths(spec).items()
+            if i != spec.root
+            for n in (nodes[i],)
+        }
         paths = contracts.node_paths(snap)
         for n in snap.nodes:
             want = theirs.get(paths.get(n.id))  # type: ignore[arg-type]

@@ -1411,8 +1411,7 @@ def alternative(config: CacheConfig) -> RefCache:
     """`kvcert.refimpl:alternative`: the reference model built another correct way (SPEC.md §6). Write-back host
     eviction takes duplicate backups and host-only leaves in one rank order, a failed write copy is
     invalidated rather than retried, and a prefetch or retraction backup that does not fit host-evicts only its
-    shortfall. It passes
-    the core and fails the sglang-0.5.23 profile."""
+    shortfall. It passes the core and fails the sglang-0.5.23 profile."""
     cache = RefCache(config)
     cache.host_order = "rank"
     cache.copy_failure = "invalidate"

@@ -252,12 +252,19 @@ def test_the_certificate_names_its_profile_and_its_traces_keep_it(tmp_path: Path
         certify("kvcert.refimpl:alternative", profile="nope", **kw)  # type: ignore[arg-type]
 
 
-class _Misreports(RefCache):
-    """The model, reporting its device victims in reverse order: a report that does not explain the state."""
+def _reversing(make):  # type: ignore[no-untyped-def]
+    """A backend whose every snapshot lists its eviction choices reversed: a report that does not explain the state."""
 
-    def snapshot(self) -> Snapshot:
-        snap = super().snapshot()
+    def reversed_choices(snap: Snapshot) -> Snapshot:
         return replace(snap, choices=tuple(reversed(snap.choices)))
+
+    def build(config: CacheConfig):  # type: ignore[no-untyped-def]
+        backend = make(config)
+        shown = backend.snapshot
+        backend.snapshot = lambda: reversed_choices(shown())
+        return backend
+
+    return build
 
 
 def test_reported_choices_are_followed_and_held_to_the_state() -> None:
@@ -270,20 +277,8 @@ def test_reported_choices_are_followed_and_held_to_the_state() -> None:
     assert [k for k, _ in h.backend.snapshot().choices] == ["evict", "evict"]
     h.close()
     with pytest.raises(ConformanceFailure) as failure:
-        run_trace(_Misreports(config), config, caps, ops)
+        run_trace(_reversing(RefCache)(config), config, caps, ops)
     assert "INV-EVICT-4" in {v.inv for v in failure.value.violations}
-
-
-def _reversing(make):  # type: ignore[no-untyped-def]
-    """A backend whose every snapshot lists its eviction choices reversed."""
-
-    def build(config: CacheConfig):  # type: ignore[no-untyped-def]
-        backend = make(config)
-        shown = backend.snapshot
-        backend.snapshot = lambda: replace(shown(), choices=tuple(reversed(shown().choices)))
-        return backend
-
-    return build
 
 
 @pytest.mark.parametrize("target", ["kvcert.gpu:factory", "kvcert.gpu:factory_threaded"])
