@@ -841,6 +841,40 @@ MUTANTS: tuple[Mutant, ...] = (
         page_sizes=(1,),
     ),
     Mutant(
+        "free_group_left_open",
+        "a caller's free goes into a free group that the free path never closes; the allocator merges the group "
+        "on its next call (as SGLang's allocator merges its release list lazily): between calls the pool reports "
+        "the freed slots as neither free nor owned, and admission sees less room than there is",
+        (
+            (
+                '        self.require_lent(slots, "free")\n        self.lent.difference_update(slots)\n'
+                "        self.free_list.extend(slots)\n",
+                '        self.require_lent(slots, "free")\n        self.lent.difference_update(slots)\n'
+                "        self.group = [*getattr(self, 'group', []), *slots]\n",
+            ),
+            (
+                "        if n > len(self.free_list):\n            raise PoolExhausted",
+                "        self.free_list += getattr(self, 'group', [])\n        self.group = []\n"
+                "        if n > len(self.free_list):\n            raise PoolExhausted",
+            ),
+        ),
+        page_sizes=(1,),
+    ),
+    Mutant(
+        "evicted_node_lingers",
+        "eviction unlinks a leaf from its parent and frees its KV but leaves it in the node registry that "
+        "enumerates the tree and resolves handles: a detached node with no parent, no KV and a live id",
+        (
+            (
+                "        del self.nodes[leaf.id]\n        self._account(leaf, -1)\n"
+                "        self.pool.release(leaf.slots or ())\n        self._sessions_leave(leaf)\n",
+                "        self._account(leaf, -1)\n        self.pool.release(leaf.slots or ())\n"
+                "        self._sessions_leave(leaf)\n        leaf.parent, leaf.slots = None, None\n",
+            ),
+        ),
+        page_sizes=(1,),
+    ),
+    Mutant(
         "evict_empty_crashes",
         "eviction picks a victim without checking that a candidate is left: min() of nothing raises",
         (

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Optional
 
 from kvcert.spec import pages
 from kvcert.spec.types import NodeView, Snapshot, tier_of
@@ -65,6 +66,30 @@ def tree_links(s: Snapshot) -> list[str]:
         else:
             out.append(f"node {n.id} does not reach the root")
     return out
+
+
+def rooted(s: Snapshot) -> Snapshot:
+    """`s` cut to the tree its root reaches: nodes with unique ids whose parent links end at the root.
+
+    What every other rule reads when INV-TREE-1 is set aside (SPEC.md §6.4): a node outside that tree
+    is INV-TREE-1's alone, so dropping that checker must not also blind the rules that walk the tree.
+    """
+    ids = Counter(n.id for n in s.nodes)
+    nodes = {n.id: n for n in s.nodes if ids[n.id] == 1}
+    if s.root not in nodes or nodes[s.root].parent is not None:
+        return s  # no tree to cut to: the other rules read what is there
+    reached = {s.root}
+    for n in s.nodes:
+        walked: list[int] = []
+        cur: Optional[int] = n.id
+        while cur is not None and cur in nodes and cur not in reached and len(walked) <= len(nodes):
+            walked.append(cur)
+            cur = nodes[cur].parent
+        if cur in reached:
+            reached.update(walked)
+    if len(reached) == len(s.nodes):
+        return s
+    return replace(s, nodes=tuple(n for n in s.nodes if n.id in reached and ids[n.id] == 1))
 
 
 def tree_keys(s: Snapshot) -> list[str]:

@@ -15,7 +15,7 @@ from kvcert.conformance.storage import FaultyStorage, MemoryStorage
 from kvcert.refimpl import RefCache
 from kvcert.spec import storage as l3
 from kvcert.spec.contracts import node_paths
-from kvcert.spec.invariants import SNAPSHOT_INVARIANTS, Violation, check_snapshot
+from kvcert.spec.invariants import SNAPSHOT_INVARIANTS, Violation, check_snapshot, rooted
 from kvcert.spec.types import CacheConfig, Namespace, NodeView, Snapshot
 
 PS = 4
@@ -407,6 +407,19 @@ def test_corruption_is_flagged_with_its_id(case: Corruption) -> None:
     if case.inv == "INV-TREE-1":
         # Structure first: nothing else runs on a snapshot whose links are broken.
         assert found == {"INV-TREE-1"}
+
+
+def test_rooted_keeps_the_tree_the_root_reaches() -> None:
+    """Setting INV-TREE-1 aside (SPEC.md §6.4) cuts the snapshot to the root's tree, so every other rule still reads
+    it: a detached node goes, and so does a node below it and both holders of a duplicated id; a sound tree stays."""
+    assert rooted(BASE) is BASE
+    detached = _edit(BASE, HEAD, parent=999)  # HEAD and everything below it leave the root's tree
+    kept = {n.id for n in rooted(detached).nodes}
+    assert kept == {n.id for n in BASE.nodes} - {HEAD.id, LEAF_9.id, LEAF_20.id}
+    assert check_snapshot(rooted(detached)) != []  # what the cut leaves is judged: HEAD's locks now leak
+    twice = replace(BASE, nodes=(*BASE.nodes, LEAF_30))
+    assert LEAF_30.id not in {n.id for n in rooted(twice).nodes}
+    assert rooted(replace(BASE, root=999)).root == 999  # no root, no tree to cut to: left as it is
 
 
 def test_violation_renders_its_id() -> None:

@@ -167,6 +167,7 @@ def test_a_pinned_choice_is_the_profiles_alone() -> None:
 ALONE: dict[str, str] = {
     "INV-ACCT-1": "size_units_mismatch",
     "INV-ACCT-2": "protected_counts_locks",
+    "INV-ACCT-3": "free_group_left_open",
     "INV-ADMIT-4": "admission_refusal_drops_scope",
     "INV-COPY-1": "split_copy_keeps_suffix",
     "INV-COPY-2": "poll_count_reset_per_queue",
@@ -205,6 +206,7 @@ ALONE: dict[str, str] = {
     "INV-TIER-2": "tier_size_drift",
     "INV-TIER-4": "rank_ignores_tiers",
     "INV-TIER-5": "reregister_keeps_priority",
+    "INV-TREE-1": "evicted_node_lingers",
     "INV-TREE-4": "insert_no_path_compression",
 }
 """Core rule -> a zoo mutant that rule alone kills under the core (its recorded counterexample passes with
