@@ -249,10 +249,11 @@ class Checks:
         return violations
 
     def metadata(self, snap: Snapshot, oracle: RefCache, spec: Snapshot) -> list[Violation]:
-        """INV-META-1 (a profile that pins RANK): every node's eviction rank under the cell's policy, from the metadata
-        the backend exposes, equals the rank the spec's metadata updates give it (SPEC.md §4.7). Eviction order shows
-        a stamp, count or priority only once it decides between two leaves, often many steps later; this sees it at
-        once. The root's metadata is never read, and is not compared."""
+        """INV-META-1 (a profile that pins RANK): the eviction order the backend's metadata gives its nodes under the
+        cell's policy refines the order the spec's metadata updates give them (SPEC.md §4.7): a node the spec ranks
+        strictly first, the backend ranks strictly first too; ties are free, and so are the units of its clock and
+        counters. Eviction order shows a stamp, count or priority only once it decides between two leaves, often
+        many steps later; this sees it at once. The root's metadata is never read, and is not compared."""
         if not self.capabilities.reports_metadata or not profile(self.capabilities.profile).pinned(RANK):
             return []
         policy, nodes = self.config.policy, oracle.nodes
@@ -263,20 +264,27 @@ class Checks:
             for n in (nodes[i],)
         }
         paths = contracts.node_paths(snap)
-        for n in snap.nodes:
-            want = theirs.get(paths.get(n.id))  # type: ignore[arg-type]
-            if n.id == snap.root or n.meta is None or want is None:
-                continue
-            if pages.policy_rank(policy, *n.meta) != pages.policy_rank(policy, *want):
-                path = paths[n.id]
-                return [
-                    Violation(
-                        "INV-META-1",
-                        f"node at {path[1][-4:]}@{len(path[1])} has {policy} metadata (last_access, hit_count, "
-                        f"creation, priority) {n.meta}, the spec's {want}",
-                    )
-                ]
-        return []
+        seen = [
+            (paths[n.id], n.meta, want)
+            for n in snap.nodes
+            if n.id != snap.root and n.meta is not None
+            for want in (theirs.get(paths.get(n.id)),)  # type: ignore[arg-type]
+            if want is not None
+        ]
+        breach = contracts.order_breach(
+            [(pages.policy_rank(policy, *w), pages.policy_rank(policy, *m)) for _, m, w in seen]
+        )
+        if breach is None:
+            return []
+        (a, a_meta, a_want), (b, b_meta, b_want) = seen[breach[0]], seen[breach[1]]
+        return [
+            Violation(
+                "INV-META-1",
+                f"{policy}: the spec ranks the node at {a[1][-4:]}@{len(a[1])} before the one at {b[1][-4:]}@{len(b[1])} "
+                f"(metadata (last_access, hit_count, creation, priority) {a_want}, {b_want}); the backend's {a_meta}, "
+                f"{b_meta} do not",
+            )
+        ]
 
     def rows(self, snap: Snapshot) -> list[Violation]:
         """INV-REQ-2: each running request's row reads the tree's own slots for the prefix it protects (its lock keeps

@@ -140,6 +140,34 @@ def prefix_slots(s: Snapshot, namespace: Namespace, tokens: Sequence[int], lengt
     return tuple(x for end in range(s.page_size, length + 1, s.page_size) for x in cached[(namespace, toks[:end])])
 
 
+def order_breach(ranks: Sequence[tuple[tuple[int, ...], tuple[int, ...]]]) -> Optional[tuple[int, int]]:
+    """INV-META-1's relation: the backend's order refines the spec's, or the first pair where it does not.
+
+    `ranks[i]` is node i's (spec rank, backend rank). A node the spec ranks strictly before another, the backend
+    must rank strictly before it too; where the spec ties, the backend may order either way. Only order is
+    compared, never values: a backend's clock and counters are its own. Returns (i, j): the spec ranks i before
+    j, the backend does not.
+
+    post: __return__ is None or (ranks[__return__[0]][0] < ranks[__return__[1]][0] and ranks[__return__[0]][1] >= ranks[__return__[1]][1])
+    """
+    order = sorted(range(len(ranks)), key=lambda i: ranks[i][0])
+    latest: Optional[int] = None  # the node of the greatest backend rank among the spec's earlier ranks
+    k = 0
+    while k < len(order):
+        end = k
+        while end < len(order) and ranks[order[end]][0] == ranks[order[k]][0]:
+            end += 1
+        group = order[k:end]
+        first = min(group, key=lambda i: ranks[i][1])
+        if latest is not None and ranks[first][1] <= ranks[latest][1]:
+            return latest, first
+        last = max(group, key=lambda i: ranks[i][1])
+        if latest is None or ranks[last][1] > ranks[latest][1]:
+            latest = last
+        k = end
+    return None
+
+
 def slot_changes(before: Snapshot, after: Snapshot) -> list[str]:
     """INV-SLOT-3: a page cached before and after an operation keeps its slots."""
     a = page_slots(after)

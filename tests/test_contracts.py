@@ -22,6 +22,7 @@ from kvcert.spec.contracts import (
     eviction_witness,
     host_eviction_bounds,
     node_paths,
+    order_breach,
     page_slots,
     prefix_slots,
     slot_changes,
@@ -502,3 +503,24 @@ def test_a_locked_host_only_node_is_not_host_evictable() -> None:
         host_free_slots=tuple(sorted(before.host_free_slots + (leaf.host_slots or ()))),
     )
     assert "INV-HOST-8" in _host_bounds(before, gone, 2, 2)
+
+
+@given(st.lists(st.tuples(st.integers(0, 4), st.integers(0, 4)), max_size=8))
+def test_order_breach_is_refinement_by_brute_force(pairs: list[tuple[int, int]]) -> None:
+    """INV-META-1's relation against every pair: the backend's order refines the spec's exactly when no node the
+    spec ranks strictly first is ranked at or after by the backend; a reported pair is such a node pair."""
+    ranks = [((a,), (b,)) for a, b in pairs]
+    bad = [
+        (i, j)
+        for i, j in itertools.permutations(range(len(ranks)), 2)
+        if ranks[i][0] < ranks[j][0] and ranks[i][1] >= ranks[j][1]
+    ]
+    got = order_breach(ranks)
+    assert (got is None) == (not bad)
+    assert got is None or got in bad
+
+
+def test_order_breach_leaves_ties_and_units_free() -> None:
+    spec = [(5,), (5,), (7,)]
+    assert order_breach(list(zip(spec, [(900,), (100,), (901,)]))) is None  # a tie ordered either way, other units
+    assert order_breach(list(zip(spec, [(900,), (100,), (900,)]))) == (0, 2)  # 7 after 5, yet not after 900

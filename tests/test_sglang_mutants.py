@@ -235,3 +235,29 @@ def test_patched_hicache_copies_are_caught_by_the_bytes(
         out_dir=tmp_path,
     )
     _assert_caught(cert, name, expected)
+
+
+def touch_keeps_old_stamp(orig: Callable[..., Any]) -> Callable[..., Any]:
+    """An insert's walk no longer refreshes the recency of the nodes it passes: the tree core keeps their old stamp."""
+
+    def patched(self: Any, node: Any) -> None:
+        stamp = node.last_access_time
+        orig(self, node)
+        if node is not self.root_node:
+            node.last_access_time = stamp
+
+    return patched
+
+
+def test_hicache_python_core_metadata_is_compared_in_order(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The Python tree core stamps recency from a counter of its own, so INV-META-1 compares only the order its
+    stamps give the nodes with the spec's (SPEC.md §4.7). A walk that forgets to refresh them is seen under the
+    profile that pins RANK; the core leaves recency to the backend, and the same run certifies."""
+    from sglang.srt.mem_cache.unified_cache.unified_tree_core import UnifiedTreeCore
+
+    monkeypatch.setattr(UnifiedTreeCore, "_touch_node", touch_keeps_old_stamp(UnifiedTreeCore._touch_node))
+    kw: dict[str, Any] = dict(examples=40, steps=30, page_sizes=[1], device_cells=True, out_dir=tmp_path)
+    target = "kvcert.conformance.adapters.sglang_hicache_backend:factory"
+    cert = certify(target, write_policies=[], **kw)
+    _assert_caught(cert, "touch keeps old stamp", "INV-META-1")
+    assert certify(target, write_policies=[], profile="core", **kw).passed

@@ -463,6 +463,7 @@ class SGLangHiCacheBackend:
                     lock_ref=v["lock_ref"],
                     host_slots=None if v["host"] is None else tuple(v["host"]),
                     host_lock_ref=v["host_lock_ref"],
+                    meta=_meta(v),
                 )
             )
         host_free: tuple[int, ...] = ()
@@ -491,6 +492,16 @@ class SGLangHiCacheBackend:
 
     def close(self) -> None:
         self.h.close()
+
+
+def _meta(node: dict[str, Any]) -> Optional[tuple[int, int, int, int]]:
+    """The Python core's policy metadata as `NodeView.meta` (INV-META-1 compares only its order). Its stamps come
+    from a counter of its own, a match stepping each node above the leaf back by 1e-5; scaled to integers they keep
+    that order exactly. It keeps no creation time or priority (it runs LRU alone): those read 0. None from the
+    Rust core, which exposes no metadata."""
+    if node.get("last_access_time") is None:
+        return None
+    return round(node["last_access_time"] * 100_000), int(node["hit_count"]), 0, 0
 
 
 def make_factory(core: str = "python", layout: str = "layer_first", storage: bool = False) -> Any:
@@ -534,6 +545,7 @@ def make_factory(core: str = "python", layout: str = "layer_first", storage: boo
         kv_reads=True,
         aligns_keys=True,
         profile="sglang-0.5.23",
+        reports_metadata=core == "python",
         notes=(
             f"{core} tree core, {layout} host layout, direct io via torch shims on CPU; copies held until complete()",
             "host pool sized exactly to host_capacity through hicache_ratio; load_back_threshold set on the cache",
