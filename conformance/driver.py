@@ -293,7 +293,15 @@ class Harness(Queries):
                 self.oracle.host_ask = steering.host_freed()
             elif room is not None:  # host pressure demoted a session: the backend's eviction ran dry before its ask
                 self.oracle.host_room = room
-            theirs = Side(self.oracle, 1, self.ledger, self.config, choose=choose, unaligned=lenient)
+            theirs = Side(
+                self.oracle,
+                1,
+                self.ledger,
+                self.config,
+                choose=choose,
+                unaligned=lenient,
+                gated=self.capabilities.checkpoints,
+            )
             try:
                 want = run_op(theirs, op, self.ops)
             finally:

@@ -25,6 +25,9 @@ from kvcert.spec.invariants import Violation
 from kvcert.spec.ops import Checkpoint, Extend, Finish, Start
 from kvcert.spec.types import InsertOut, KVCertError, LockUnderflow, MatchOut
 
+PRIORITY_MAX = 2**63 - 1
+"""The prompt's priority bump saturates here, as SGLang's does at int64's top."""
+
 if TYPE_CHECKING:
     from kvcert.conformance.scheduler import Side
 
@@ -59,6 +62,10 @@ class Request:
     protected: int
     node: int
     """The node it locks (the end of its cached prefix)."""
+    prompt: int = 0
+    """How many of its tokens are its prompt (the `Start`'s): the rest it decoded (`Extend`)."""
+    inserted: int = 0
+    """How much of its key its checkpoints have inserted so far (SGLang's `cache_inserted_len`)."""
 
 
 def _get(side: Side, k: Any) -> Optional[Request]:
@@ -88,7 +95,8 @@ def start(side: Side, op: Start, ops: list[Any]) -> MatchOut:
     fresh = own[: len(op.tokens) - got.length]
     side.write_kv(fresh, op.namespace, op.tokens, got.length)
     row = tuple(got.slots) + fresh
-    _put(side, len(ops) - 1, Request(op.namespace, tuple(op.tokens), op.priority, row, own, got.length, got.node))
+    request = Request(op.namespace, tuple(op.tokens), op.priority, row, own, got.length, got.node, prompt=len(op.tokens))
+    _put(side, len(ops) - 1, request)
     return got
 
 
@@ -115,11 +123,18 @@ def _checkpoint(side: Side, r: Request, k: int) -> tuple[Optional[InsertOut], Re
     if side.notes is not None:
         side.notes.inserted = (r.namespace, r.tokens[:aligned])
     if side.native_checkpoint:
-        out, head, node = side.cache.checkpoint(r.namespace, r.tokens, r.row, r.protected, r.node, r.priority)
+        out, head, node = side.cache.checkpoint(
+            r.namespace, r.tokens, r.row, r.protected, r.node, r.priority, prompt=r.prompt, request=k
+        )
     else:
         out, head, node = _composed_checkpoint(side, r, aligned, k)
     moved = replace(
-        r, row=tuple(head) + r.row[len(head) :], own=r.own[aligned - r.protected :], protected=aligned, node=node
+        r,
+        row=tuple(head) + r.row[len(head) :],
+        own=r.own[aligned - r.protected :],
+        protected=aligned,
+        node=node,
+        inserted=max(r.inserted, aligned),
     )
     if side.notes is not None and len(head) != aligned:  # INV-REQ-1; the row's KV is judged with the state
         side.notes.violations.append(
@@ -129,9 +144,19 @@ def _checkpoint(side: Side, r: Request, k: int) -> tuple[Optional[InsertOut], Re
 
 
 def _composed_checkpoint(side: Side, r: Request, aligned: int, k: int) -> tuple[InsertOut, tuple[int, ...], int]:
-    """The checkpoint from protocol calls: (the insert's outcome, the tree's slots for the prefix, the node)."""
+    """The checkpoint from protocol calls: (the insert's outcome, the tree's slots for the prefix, the node).
+
+    Where the prompt ends inside the prefix, its page-aligned part is inserted once more, one priority up, so
+    that it is a node of its own that eviction can keep while it drops the decoded tail (SGLang's scheduler
+    does this at every checkpoint). The oracle that stands for an engine's own checkpoint (`gated`) also skips
+    the hits the request's earlier checkpoints counted (`inserted_len`), as that engine does."""
     cache, key = side.cache, r.tokens[:aligned]
-    out: InsertOut = cache.insert(r.namespace, key, r.row[:aligned], r.priority)
+    gate: dict[str, int] = {"inserted_len": r.inserted} if side.gated else {}
+    out: InsertOut = cache.insert(r.namespace, key, r.row[:aligned], r.priority, **gate)
+    prompt = pages.page_floor(r.prompt, side.config.page_size)
+    if 0 < prompt < aligned:
+        gate = {"inserted_len": prompt} if side.gated else {}
+        cache.insert(r.namespace, key[:prompt], r.row[:prompt], min(r.priority + 1, PRIORITY_MAX), **gate)
     cache.free(r.row[r.protected : out.prefix_len])  # the tree held these already: the request's copies go
     got: MatchOut = cache.match_prefix(r.namespace, key)
     _unlock(side, r, k)  # the lock moves: SGLang unlocks the old node, then locks the new one

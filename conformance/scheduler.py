@@ -135,6 +135,9 @@ class Side:
     """The oracle's eviction tie-break, steered to the backend's choice (oracle side)."""
     native_checkpoint: bool = False
     """The backend runs a running request's checkpoint itself (`Capabilities.checkpoints`; backend side only)."""
+    gated: bool = False
+    """The oracle composes the checkpoint of a backend that runs its own, so it skips, as that engine does, the
+    hits a request's earlier checkpoints counted (oracle side only; SPEC.md §4.8)."""
     unaligned: bool = False
     """The backend page-aligns insert keys itself (`Capabilities.aligns_keys`): the backend gets a key that
     ends mid-page whole, the oracle its page-aligned head; the caller keeps the tail's slots (SPEC.md §4.2)."""

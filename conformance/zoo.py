@@ -171,8 +171,9 @@ MUTANTS: tuple[Mutant, ...] = (
         "insert replaces the slots of an already-cached prefix with the new request's slots",
         (
             (
-                "        def hit(node: Node) -> None:\n            node.hit_count += 1\n",
-                "        def hit(node: Node) -> None:\n            node.hit_count += 1\n            node.slots = tuple(slots[:len(node.slots)])\n",
+                "        def hit(node: Node) -> None:\n            reached[0] += len(node.key)\n",
+                "        def hit(node: Node) -> None:\n            reached[0] += len(node.key)\n"
+                "            node.slots = tuple(slots[:len(node.slots)])\n",
             ),
         ),
         page_sizes=(1,),
@@ -775,6 +776,7 @@ MUTANTS: tuple[Mutant, ...] = (
         (
             (
                 "        return InsertOut(prefix_len=prefix_len, node=node.id)\n",
+                "        k = next((i for i, (a, b) in enumerate(zip(slots, held)) if a != b), min(len(slots), len(held)))\n"
                 "        return InsertOut(prefix_len=prefix_len - min(k, prefix_len), node=node.id)\n",
             ),
         ),
@@ -1061,6 +1063,7 @@ MUTANTS: tuple[Mutant, ...] = (
         page_sizes=(1,),
         write_policies=("write_through",),
         prefetch_policies=("best_effort",),
+        budget=2,  # a backup short of host room while the host holds only what it may evict: first met after 660
     ),
     # ---- alone: priority tiers (SPEC.md §11)
     Mutant(

@@ -383,8 +383,8 @@ class RadixTree:
         """The insert preconditions after the tokens', in the protocol's order (SPEC.md §4.2), for a key of `tokens`.
 
         Returns the slots' page ids when they are whole lent pages (`PageAllocator.lent_pages`), for the adoption.
-        A head of the slots may be the tree's own for that head of the key (a running request re-inserting the
-        prefix it holds, §4.8): only the rest must be lent.
+        Where the key is cached, a slot may be the tree's own for that position (a running request re-inserting a
+        prefix it holds, §4.8): only the others must be lent.
         """
         if tokens % self.page_size:
             raise UnalignedKey(f"key of {tokens} tokens is not whole pages of {self.page_size}")
@@ -397,10 +397,12 @@ class RadixTree:
         pages = self.alloc_dev.lent_pages(slots.raw)
         if pages is None and not self.alloc_dev.are_lent_raw(slots.raw):
             held = self._held_prefix(ns, key, tokens) if key is not None else b""
-            k = len(held)
-            if slots.raw[:k] != held:  # the longest whole-token head that is the tree's
-                k = next(i for i in range(0, k, 8) if slots.raw[i : i + 8] != held[i : i + 8])
-            if not k or (k < len(slots.raw) and not self.alloc_dev.are_lent_raw(slots.raw[k:])):
+            raw, k = slots.raw, len(held)
+            if raw[:k] == held:  # the tree's own head, the rest lent (a checkpoint's insert): one compare
+                rest = raw[k:]
+            else:  # any slot the tree's own at its position, the others lent (a prompt's re-insert)
+                rest = b"".join(raw[i : i + 8] for i in range(0, len(raw), 8) if raw[i : i + 8] != held[i : i + 8])
+            if len(rest) == len(raw) or (rest and not self.alloc_dev.are_lent_raw(rest)):
                 raise SlotNotOwned("cannot insert these slots: not all lent to the caller")
         return pages
 

@@ -518,7 +518,12 @@ class RefCache:
             host_node=backed[-1].id if backed else self.root.id,
         )
 
-    def insert(self, namespace: Namespace, tokens: Sequence[int], slots: Sequence[int], priority: int = 0) -> InsertOut:
+    def insert(
+        self, namespace: Namespace, tokens: Sequence[int], slots: Sequence[int], priority: int = 0, inserted_len: int = 0
+    ) -> InsertOut:
+        """Cache `tokens` over `slots` (SPEC.md §4.2). `inserted_len`: how much of this key the same request
+        inserted before, whose nodes its earlier checkpoints counted a hit for already (SGLang's gate, §4.8);
+        0 counts a hit on every node the insert passes or makes."""
         key = check_tokens(tokens)
         if not pages.is_aligned(len(key), self.page_size):
             raise UnalignedKey(f"key of {len(key)} tokens is not whole pages of {self.page_size}")
@@ -526,12 +531,17 @@ class RefCache:
             raise LengthMismatch(f"{len(key)} tokens but {len(slots)} slots")
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise InvalidCount(f"priority must be an int, got {priority!r}")
-        held = self._held_prefix(namespace, key)
-        k = next((i for i, (a, b) in enumerate(zip(slots, held)) if a != b), min(len(slots), len(held)))
-        self.pool.require_lent(slots[k:], "insert")  # a head that is the tree's own is a running request's (§4.8)
+        held = self._held_prefix(namespace, key)  # a slot that is the tree's own there is a running request's (§4.8)
+        self.pool.require_lent(
+            [x for i, x in enumerate(slots) if i >= len(held) or type(x) is not int or x != held[i]], "insert"
+        )
+
+        reached = [0]  # tokens from the root to the end of the node entered last
 
         def hit(node: Node) -> None:
-            node.hit_count += 1
+            reached[0] += len(node.key)
+            if reached[0] > inserted_len:
+                node.hit_count += 1
             node.priority = max(node.priority, priority)
 
         self.root.last_access = self.now
@@ -553,7 +563,7 @@ class RefCache:
                 key=key[matched:],
                 slots=tuple(slots[matched:]),
                 last_access=self.now,
-                hit_count=1,
+                hit_count=int(len(key) > inserted_len),
                 creation=self.now,
                 priority=priority,
             )

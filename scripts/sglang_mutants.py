@@ -35,9 +35,6 @@ SURVIVES: dict[str, str] = {
     "m43_lt_flipped": "equivalent: __lt__ only breaks exact rank ties, which the spec leaves free",
     "m48_inc_lock_delta_sign": "unreachable: IncLockRefResult.delta has no reader in 0.5.23 (the adapter discards it)",
     "m49_reset_keeps_leaves": "unreachable: reset() runs only in __init__ through the adapter (no flush op)",
-    "m50_prompt_split_priority": "unreachable: the adapter passes every token as the prompt (no prompt/decode split)",
-    "m56_insert_hit_ignores_inserted_len": "unreachable: the adapter passes cache_inserted_len=0 on every checkpoint",
-    "m58_insert_cache_inserted_len_not_advanced": "unreachable: the adapter builds a fresh request record per checkpoint",
     "m60_dec_lock_reordered": "equivalent: the same logic in another order (a control)",
 }
 """Mutants expected to pass, and why."""

@@ -476,9 +476,10 @@ class Capabilities:
     the caller (SGLang's `RadixCache.insert`), instead of raising `UnalignedKey` (SPEC.md §4.2)."""
     checkpoints: bool = False
     """True: the backend runs a running request's checkpoint itself, as its engine does
-    (`checkpoint(ns, tokens, row, protected, node, priority) -> (InsertOut, row head, node)`: insert the
-    page-aligned prefix, free the duplicates past `protected`, repoint the row, move the lock); else the
-    harness composes it from insert, free, match and the two lock calls (SPEC.md §4.8)."""
+    (`checkpoint(ns, tokens, row, protected, node, priority, *, prompt, request) -> (InsertOut, row head,
+    node)`: insert the page-aligned prefix and re-insert the prompt's, free the duplicates past `protected`,
+    repoint the row, move the lock; `request` names the request across its checkpoints); else the harness
+    composes it from inserts, free, match and the two lock calls (SPEC.md §4.8)."""
     profile: str = "core"
     """The engine profile the backend claims (`kvcert.spec.profiles`): "core" holds it to what every correct
     cache must do; "sglang-0.5.23" also pins SGLang's choices (eviction rank, reclaim order, retry) for

@@ -226,8 +226,10 @@ class SGLangHiCacheBackend:
             self.h.l3.bridge.learn(namespace, tokens)
         # A head of slots the tree already holds is a running request's protected prefix (SPEC.md §4.8):
         # SGLang's checkpoint passes it as `prev_prefix_len`, so the insert does not free it as duplicates.
+        # A prompt's re-insert after it holds only those and the duplicates SGLang freed at the first insert:
+        # none of them is freed again (SGLang passes the prompt's length).
         held = {x for view in self._tree().values() for x in view["device"] or ()}
-        protected = next((i for i, x in enumerate(slots) if x not in held), len(slots))
+        protected = next((i for i, x in enumerate(slots) if x not in held and x not in self._returned), len(slots))
         matched, node = self.h.insert(namespace, list(tokens), list(slots), protected)
         # SGLang's prefix_len is every token the walk matched, host-only ones included: those it restores
         # with the request's slots (`_unevict_node_on_insert`, UTC:1300-1308, `record_adopted_range`). The

@@ -89,6 +89,8 @@ class SGLangRadixBackend:
         self._next_node_id = 0
         self._nodes: dict[int, Any] = {}
         """Every TreeNode the adapter has handed out or seen in the tree, by id."""
+        self._records: dict[int, Any] = {}
+        """Each running request's SGLang `kv` record, by the harness's request handle: it outlives a checkpoint."""
         self.kv_pool = kv = self.sg.MHATokenToKVPool(  # the spec's KV geometry: entries are bytes of it
             size=config.capacity,
             page_size=config.page_size,
@@ -215,26 +217,39 @@ class SGLangRadixBackend:
         return int(res.num_tokens_evicted)
 
     def checkpoint(
-        self, namespace: Optional[str], tokens: Sequence[int], row: Sequence[int], protected: int, node: int, priority: int
+        self,
+        namespace: Optional[str],
+        tokens: Sequence[int],
+        row: Sequence[int],
+        protected: int,
+        node: int,
+        priority: int,
+        *,
+        prompt: int,
+        request: int,
     ) -> tuple[InsertOut, tuple[int, ...], int]:
         """A running request's checkpoint (SPEC.md §4.8) through SGLang's own `RadixCache.checkpoint`.
 
         The request is the fields `checkpoint` / `_insert_cache` read: its row in a real `ReqToTokenPool`,
-        `cache_protected_len`, the lock on `node`. The whole row is its prompt (no second insert at a prompt
-        boundary) and `cache_inserted_len` is 0 (every checkpoint counts its hits), as the composed
-        protocol does. Returns the insert's outcome, the row's repointed head and the node now locked.
+        `cache_protected_len`, the lock on `node`, its prompt (`origin_input_ids`: the first `prompt` tokens,
+        so SGLang re-inserts the prompt at its boundary) and its `kv` record, kept per `request` across its
+        checkpoints so that SGLang advances `cache_inserted_len` itself and gates its hits by it. Returns the
+        insert's outcome, the row's repointed head and the node now locked.
         """
         target = self._node(node)
         pool = self._req_pool(len(row))
         pool.req_to_token[1, : len(row)] = torch.tensor(list(row), dtype=torch.int32)
-        kv = _Namespace(req_pool_idx=1, cache_protected_len=protected, cache_inserted_len=0, swa_evict_floor=0)
+        kv = self._records.setdefault(
+            request, _Namespace(req_pool_idx=1, cache_protected_len=0, cache_inserted_len=0, swa_evict_floor=0)
+        )
+        kv.cache_protected_len = protected
         toks = array("q", [int(t) for t in tokens])
         req = _Namespace(
             kv=kv,
             extra_key=namespace,
             cache_salt=None,
             priority=priority,
-            origin_input_ids=toks,
+            origin_input_ids=toks[:prompt],
             full_untruncated_fill_ids=toks,
             lock=self.sg.TreeLock(target, None),
             last_node=target,
