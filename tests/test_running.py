@@ -211,3 +211,40 @@ def test_a_request_on_kv_still_loading_is_not_read_before_the_load_lands() -> No
     trace = Trace.from_json((Path(__file__).parent / "running" / "request-matches-a-loading-node.json").read_text())
     for factory in (ref_factory, gpu.factory):
         run_trace(factory(trace.config), trace.config, factory.capabilities, list(trace.ops))
+
+
+@pytest.mark.parametrize("factory", [ref_factory, gpu.factory], ids=["refimpl", "gpu"])
+def test_a_checkpoint_past_the_prompt_keeps_the_prompt_a_node_of_its_own(factory: Any) -> None:
+    """SGLang's scheduler re-inserts a request's prompt one priority up once it has decoded past it (§4.8): the
+    tree splits at the prompt's last whole page, and the prompt outranks what was decoded under `priority`."""
+    config = CacheConfig(capacity=64, page_size=4, policy="priority")
+    ops: list[Op] = [Start(None, T(6), 3), Extend(0, T(7, 100)), Checkpoint(0)]
+    h = run_trace(factory(config), config, factory.capabilities, ops, quiesce=False, close=False)
+    try:
+        spec = h.oracle.snapshot()
+        edges = sorted(len(n.key) for n in spec.nodes if n.id != spec.root)
+        assert edges == [4, 8]  # 13 tokens: 12 cached, split after the prompt's one whole page
+        (head,) = [n for n in h.oracle.nodes.values() if len(n.key) == 4]
+        (tail,) = [n for n in h.oracle.nodes.values() if len(n.key) == 8]
+        assert (head.priority, tail.priority) == (4, 3)
+        mine = h.backend.snapshot()
+        assert sorted(len(n.key) for n in mine.nodes if n.id != mine.root) == edges
+    finally:
+        h.close()
+
+
+def test_an_insert_counts_no_hit_on_what_the_request_inserted_before() -> None:
+    """`inserted_len` (SGLang's `cache_inserted_len`): the oracle of an engine's own checkpoint counts a hit only on
+    nodes past what the request's earlier checkpoints inserted; a plain insert counts one on every node."""
+    cache = RefCache(CacheConfig(capacity=32, page_size=1, policy="lfu"))
+    first = cache.alloc(4)
+    cache.insert(None, T(4), first)
+    hits = lambda: sorted(n.hit_count for n in cache.nodes.values() if n is not cache.root)  # noqa: E731
+    assert hits() == [1]
+    more = cache.alloc(2)
+    cache.insert(None, T(6), first + more, inserted_len=4)  # the same request, two tokens further
+    assert hits() == [1, 1]  # the old node, split at nothing, keeps its one hit; the new one gets its first
+    cache.insert(None, T(6), first + more, inserted_len=6)
+    assert hits() == [1, 1]
+    cache.insert(None, T(6), first + more)
+    assert hits() == [2, 2]

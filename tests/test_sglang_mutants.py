@@ -261,3 +261,47 @@ def test_hicache_python_core_metadata_is_compared_in_order(monkeypatch: pytest.M
     cert = certify(target, write_policies=[], **kw)
     _assert_caught(cert, "touch keeps old stamp", "INV-META-1")
     assert certify(target, write_policies=[], profile="core", **kw).passed
+
+
+def insert_cache_forgets_what_it_inserted(orig: Callable[..., Any]) -> Callable[..., Any]:
+    """Every checkpoint counts the request's hits again: the request record's `cache_inserted_len` is lost."""
+
+    def patched(self: Any, req: Any, token_ids: Any, **kw: Any) -> Any:
+        req.kv.cache_inserted_len = 0
+        return orig(self, req, token_ids, **kw)
+
+    return patched
+
+
+def insert_cache_never_splits_the_prompt(orig: Callable[..., Any]) -> Callable[..., Any]:
+    """A checkpoint no longer re-inserts the prompt at its boundary (`split_prompt` dropped)."""
+
+    def patched(self: Any, req: Any, token_ids: Any, **kw: Any) -> Any:
+        return orig(self, req, token_ids, **{**kw, "split_prompt": False})
+
+    return patched
+
+
+@pytest.mark.parametrize(
+    "mutate, policy, expected",
+    [
+        (insert_cache_forgets_what_it_inserted, "lfu", "INV-META-1"),
+        (insert_cache_never_splits_the_prompt, "lru", "INV-"),
+    ],
+    ids=["hits-counted-twice", "prompt-not-split"],
+)
+def test_the_checkpoint_runs_sglangs_prompt_split_and_hit_gate(
+    mutate: Callable[..., Any], policy: str, expected: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The adapter's request record lives across its checkpoints and its prompt is the `Start`'s tokens (§4.8), so
+    SGLang's `cache_inserted_len` gate and its prompt re-insert run, and a checkpoint that loses either fails."""
+    monkeypatch.setattr(RC, "_insert_cache", mutate(RC._insert_cache))
+    cert = certify(
+        "kvcert.conformance.adapters.sglang_radix:factory",
+        examples=60,
+        steps=30,
+        page_sizes=[1],
+        policies=[policy],
+        out_dir=tmp_path,
+    )
+    _assert_caught(cert, "checkpoint", expected)
