@@ -420,7 +420,8 @@ class CacheMachine(RunningRules, RaceRules):
     # ----------------------------------------------------------------- retraction (SPEC.md §9.11)
 
     def retraction(self) -> bool:
-        return self.storage() and self.capabilities.retraction
+        """A retraction backs a request up to the host (SPEC.md §9.11): every cell with a host tier."""
+        return self.host() and self.capabilities.retraction
 
     @precondition(lambda self: self.retraction() and self.on("retract") and bool(self.h.live_handles()))
     @rule(data=draws(), tail=integers(1, 2))
