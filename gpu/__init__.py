@@ -63,6 +63,7 @@ CAPABILITIES = Capabilities(
     still_between_calls=True,
     profile="sglang-0.5.23",
     reports_choices=True,
+    reports_metadata=True,
 )
 
 

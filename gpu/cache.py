@@ -486,6 +486,7 @@ class GpuCache(RadixTree):
                 host_lock_ref=n.host_lock_ref,
                 high_ref=n.high_ref,
                 low_ref=n.low_ref,
+                meta=(n.last_access, n.hit_count, n.creation, n.priority),
             )
             for n in self.nodes.values()
         )

@@ -7,6 +7,9 @@ docs/gpu.md; this run keeps every cell in CI at a fraction of the cost.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
+
+import pytest
 
 from kvcert.conformance.certify import certify
 
@@ -25,3 +28,25 @@ def test_gpu_is_certified_on_every_cell(tmp_path: Path) -> None:
         "write_back",
     }
     assert all(c.steps > 0 for c in cert.cells)
+
+
+def test_gpu_metadata_is_compared_under_the_profile(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """kvcert.gpu reports its policy metadata (`reports_metadata`): a split that drops the head's hit count is seen
+    at the split under the profile that pins RANK (INV-META-1); the core leaves metadata to the backend."""
+    from kvcert.gpu.tree import RadixTree
+
+    split = RadixTree._split
+
+    def loses_hits(self: RadixTree, child: Any, cut: int) -> Any:
+        head = split(self, child, cut)
+        head.hit_count = 0
+        return head
+
+    monkeypatch.setattr(RadixTree, "_split", loses_hits)
+    kw: dict[str, Any] = dict(
+        examples=40, steps=30, page_sizes=[1], policies=["lfu"], device_cells=True, out_dir=tmp_path
+    )
+    cert = certify("kvcert.gpu:factory", write_policies=[], **kw)
+    failing = [c for c in cert.cells if not c.passed]
+    assert failing and "INV-META-1" in (failing[0].failure or ""), [c.failure for c in cert.cells]
+    assert certify("kvcert.gpu:factory", write_policies=[], profile="core", **kw).passed
