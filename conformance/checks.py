@@ -252,8 +252,10 @@ class Checks:
         """INV-META-1 (a profile that pins RANK): the eviction order the backend's metadata gives its nodes under the
         cell's policy refines the order the spec's metadata updates give them (SPEC.md §4.7): a node the spec ranks
         strictly first, the backend ranks strictly first too; ties are free, and so are the units of its clock and
-        counters. Eviction order shows a stamp, count or priority only once it decides between two leaves, often
-        many steps later; this sees it at once. The root's metadata is never read, and is not compared."""
+        counters. A backend whose metadata is in the spec's units (`metadata_exact`) has each node's rank equal the
+        spec's: the profile pins SGLang's updates, so a count off by one everywhere is a difference too. Eviction
+        order shows a stamp, count or priority only once it decides between two leaves, often many steps later;
+        this sees it at once. The root's metadata is never read, and is not compared."""
         if not self.capabilities.reports_metadata or not profile(self.capabilities.profile).pinned(RANK):
             return []
         policy, nodes = self.config.policy, oracle.nodes
@@ -271,9 +273,19 @@ class Checks:
             for want in (theirs.get(paths.get(n.id)),)  # type: ignore[arg-type]
             if want is not None
         ]
-        breach = contracts.order_breach(
-            [(pages.policy_rank(policy, *w), pages.policy_rank(policy, *m)) for _, m, w in seen]
-        )
+        ranks = [(pages.policy_rank(policy, *w), pages.policy_rank(policy, *m)) for _, m, w in seen]
+        if self.capabilities.metadata_exact:
+            for (path, meta, want), (theirs_rank, mine_rank) in zip(seen, ranks):
+                if mine_rank != theirs_rank:
+                    return [
+                        Violation(
+                            "INV-META-1",
+                            f"node at {path[1][-4:]}@{len(path[1])} has {policy} metadata (last_access, hit_count, "
+                            f"creation, priority) {meta}, the spec's {want}",
+                        )
+                    ]
+            return []
+        breach = contracts.order_breach(ranks)
         if breach is None:
             return []
         (a, a_meta, a_want), (b, b_meta, b_want) = seen[breach[0]], seen[breach[1]]

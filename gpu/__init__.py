@@ -64,6 +64,7 @@ CAPABILITIES = Capabilities(
     profile="sglang-0.5.23",
     reports_choices=True,
     reports_metadata=True,
+    metadata_exact=True,
 )
 
 

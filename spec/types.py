@@ -181,7 +181,8 @@ class NodeView:
     """Low-priority sessions whose path holds this node."""
     meta: Optional[tuple[int, int, int, int]] = None
     """(last_access, hit_count, creation, priority): the policy metadata (SPEC.md §4.7), from a backend that exposes
-    it; under a profile that pins RANK each node's eviction rank from it must equal the spec's (INV-META-1)."""
+    it; under a profile that pins RANK the order it ranks the nodes in must refine the spec's, and with
+    `Capabilities.metadata_exact` each node's rank must equal the spec's (INV-META-1)."""
 
 
 @dataclass(frozen=True)
@@ -490,6 +491,9 @@ class Capabilities:
     reports_metadata: bool = False
     """True: every node's `NodeView.meta` holds its policy metadata, and under a profile that pins RANK each
     node's rank from it is compared with the spec's every step (INV-META-1, SPEC.md §4.7)."""
+    metadata_exact: bool = False
+    """True (with `reports_metadata`): `NodeView.meta` is in the spec's units (the harness's clock from `set_clock`,
+    one hit per counted access), so INV-META-1 holds each node's rank equal to the spec's, not only in its order."""
     still_between_calls: bool = False
     """True: the state changes only inside the backend's operations (never in `set_clock`, a read, or a
     background thread), so the harness reads its snapshot once per step and takes the one after a step as

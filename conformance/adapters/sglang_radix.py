@@ -361,6 +361,7 @@ factory.capabilities = Capabilities(  # type: ignore[attr-defined]
     checkpoints=True,
     profile="sglang-0.5.23",
     reports_metadata=True,
+    metadata_exact=True,
     notes=(
         "real MHATokenToKVPool + (Paged)TokenToKVPoolAllocator on CPU; slot 0 / page 0 is reserved padding",
         "KV bytes: the harness writes the spec's entries into the pool's K/V buffers and reads them back",
