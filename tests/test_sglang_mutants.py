@@ -213,7 +213,8 @@ def load_reversed(orig: Callable[..., Any]) -> Callable[..., Any]:
 
 HICACHE_CASES: dict[str, tuple[str, Callable[[Callable[..., Any]], Callable[..., Any]], int, str]] = {
     "backup_reversed": ("backup_from_device_all_layer", backup_reversed, 1, "INV-KV-2"),
-    "load_reversed": ("load_to_device_per_layer", load_reversed, 4, "INV-KV-1"),  # a page: >= 4 tokens a load
+    # a page: >= 4 tokens a load; a retraction's restore is a load too, read back by INV-KV-3
+    "load_reversed": ("load_to_device_per_layer", load_reversed, 4, "INV-KV-"),
 }
 
 
