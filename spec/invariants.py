@@ -48,24 +48,27 @@ def tree_links(s: Snapshot) -> list[str]:
         return out + [f"root {s.root} is not among the nodes"]
     if root.parent is not None or root.key:
         out.append("root has a parent or a non-empty key")
-    reached = {s.root}  # ids known to reach the root: each path is walked once, not once per node below it
+    reached = {s.root}
     for n in _non_root(s):
         if n.parent is None or n.parent not in nodes:
             out.append(f"node {n.id} has missing parent {n.parent}")
-            continue
-        walked: list[int] = []
-        cur = n.id
-        while cur not in reached and len(walked) <= len(nodes):
-            walked.append(cur)
-            parent = nodes[cur].parent
-            if parent is None or parent not in nodes:
-                break
-            cur = parent
-        if cur in reached:
-            reached.update(walked)
-        else:
+        elif not _reaches(nodes, n.id, reached):
             out.append(f"node {n.id} does not reach the root")
     return out
+
+
+def _reaches(nodes: dict[int, NodeView], start: int, reached: set[int]) -> bool:
+    """Whether `start`'s parent links end in `reached` (ids known to reach the root), which then takes every id
+    walked: each path is walked once, not once per node below it, and a cycle stops within `len(nodes)` steps."""
+    walked: list[int] = []
+    cur: Optional[int] = start
+    while cur is not None and cur in nodes and cur not in reached and len(walked) <= len(nodes):
+        walked.append(cur)
+        cur = nodes[cur].parent
+    if cur in reached:
+        reached.update(walked)
+        return True
+    return False
 
 
 def rooted(s: Snapshot) -> Snapshot:
@@ -80,13 +83,7 @@ def rooted(s: Snapshot) -> Snapshot:
         return s  # no tree to cut to: the other rules read what is there
     reached = {s.root}
     for n in s.nodes:
-        walked: list[int] = []
-        cur: Optional[int] = n.id
-        while cur is not None and cur in nodes and cur not in reached and len(walked) <= len(nodes):
-            walked.append(cur)
-            cur = nodes[cur].parent
-        if cur in reached:
-            reached.update(walked)
+        _reaches(nodes, n.id, reached)
     if len(reached) == len(s.nodes):
         return s
     return replace(s, nodes=tuple(n for n in s.nodes if n.id in reached and ids[n.id] == 1))
