@@ -20,6 +20,7 @@ the generator's queries (`conformance.queries`) are answered once per step.
 from __future__ import annotations
 
 import copy
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, Optional
@@ -34,6 +35,7 @@ from kvcert.conformance.steering import Steering, agrees
 from kvcert.conformance.storage import FaultyStorage, MemoryStorage, damage, publish
 from kvcert.conformance.windows import entered
 from kvcert.refimpl import RefCache
+from kvcert.spec import contracts
 from kvcert.spec.invariants import Violation, rooted
 from kvcert.spec.ops import (
     HANDLE_PRODUCERS,
@@ -56,7 +58,7 @@ from kvcert.spec.ops import (
     StorageFault,
     Unlock,
 )
-from kvcert.spec.profiles import RANK, RECLAIM, RETRY, ROOM, Profile, profile
+from kvcert.spec.profiles import BATCH, RANK, RECLAIM, RETRY, ROOM, Profile, profile
 from kvcert.spec.types import CacheConfig, Capabilities, InsertOut, MatchOut, Snapshot
 
 __all__ = ["UNKNOWN_NODE", "ConformanceFailure", "Harness", "Outcome", "run_trace"]
@@ -309,11 +311,38 @@ class Harness(Queries):
                 self.oracle.copy_failure = "retry"
                 self.oracle.host_ask, self.oracle.host_room = None, "whole"
                 self._spec_snap = None
+            if not pinned(BATCH):
+                self._regroup(before, after)
             if replayed is not None:
                 found += replayed(self.spec_snapshot())
             if attempt == len(tries) - 1 or agrees(self.spec_snapshot(), after):
                 break
         return want, found
+
+    def _regroup(self, before: Snapshot, after: Snapshot) -> None:
+        """Under the core, cut the oracle's new write and store copies as the backend cut the same nodes (BATCH).
+
+        Only a re-cut: every node in one copy of its kind on both sides, the load copies the same in the same
+        order, all still unfinished. Anything else is left for INV-COPY-1 to report."""
+        known = {b.id for b in before.pending}
+        mine = [c for c in after.pending if c.id not in known]
+        theirs = [c for c in self.oracle.copies if not self.ledger.copies.knows(c.id)]
+        if not mine or not theirs or any(c.finished for c in mine) or any(c.finished for c in theirs):
+            return
+        paths, spec = contracts.node_paths(after), contracts.node_paths(self.spec_snapshot())
+        cut_mine = [(c.kind, [paths.get(i) for i in c.nodes]) for c in mine]
+        cut_theirs = [(c.kind, [spec.get(n.id) for n in c.nodes]) for c in theirs]
+        if [(k, set(p)) for k, p in cut_mine] == [(k, set(p)) for k, p in cut_theirs]:
+            return  # the same cut
+        if [p for k, p in cut_mine if k == "load"] != [p for k, p in cut_theirs if k == "load"]:
+            return
+        moved = [Counter((k, p) for k, ps in cut if k != "load" for p in ps) for cut in (cut_mine, cut_theirs)]
+        if moved[0] != moved[1] or None in {p for _, p in moved[0]} or max(moved[0].values(), default=1) > 1:
+            return
+        node_of = {(c.kind, spec[n.id]): n.id for c in theirs for n in c.nodes}
+        groups = [(k, [] if k == "load" else [node_of[(k, p)] for p in ps]) for k, ps in cut_mine]
+        self.oracle.regroup(len(theirs), groups)
+        self._spec_snap = None
 
     def _gave_up(self, op: Op, after: Snapshot) -> bool:
         """Whether the copy `op` completes ended on the backend (the core lets a failed write copy be invalidated

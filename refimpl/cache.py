@@ -344,6 +344,10 @@ class RefCache:
         self.host_room = "whole"
         """A prefetch or a retraction backup that does not fit: "whole" host-evicts its whole size (SGLang, D9 and
         D17); "shortfall" only what is missing (ROOM)."""
+        self.batching = "sglang"
+        """How copies are cut (BATCH): "sglang" (one write copy per insert, one store copy per node, shallowest
+        first); "per_node" (one write copy per node, deepest first); "per_ack" (a write ack's nodes stored in one
+        copy)."""
         self.host_ask: Optional[int] = None
         """The host tokens the next prefetch or retraction backup that does not fit asks host eviction for, at most
         its size (the harness seats the backend's choice under the core); None: as `host_room` says."""
@@ -718,8 +722,8 @@ class RefCache:
                 if self._write_backup(node):
                     self._lock_path(node, +1)
                     written.append(node)
-        if written:
-            self.copies.append(Copy(self._next_copy, "write", list(written), anchors=list(written)))
+        for group in [[n] for n in reversed(written)] if self.batching == "per_node" else [written] if written else []:
+            self.copies.append(Copy(self._next_copy, "write", list(group), anchors=list(group)))
             self._next_copy += 1
 
     def _write_backup(self, node: Node) -> bool:
@@ -947,9 +951,33 @@ class RefCache:
                     n.host_lock_ref -= 1
                 consumed += 1
                 if kind == "write" and not copy.given_up:
-                    for node in sorted(copy.nodes, key=lambda n: len(self._full_path(n))):
-                        self._store([node])  # D7: one store copy per node
+                    ordered = sorted(copy.nodes, key=lambda n: len(self._full_path(n)))
+                    for group in [ordered] if self.batching == "per_ack" else [[n] for n in ordered]:
+                        self._store(group)  # D7: one store copy per node (SGLang)
         return consumed
+
+    def regroup(self, count: int, groups: Sequence[tuple[str, Sequence[int]]]) -> None:
+        """Re-cut the last `count` copies issued into `groups` (kind, node ids), in that order: the backend's
+        grouping of the same nodes (SPEC.md §6.1 BATCH). A write copy locks the path of each of its nodes and a
+        store copy host-locks each, so the locks carry over unchanged; load copies keep theirs, in order."""
+        cut = len(self.copies) - count
+        old = self.copies[cut:]
+        loads = iter([c for c in old if c.kind == "load"])
+        new: list[Copy] = []
+        for kind, ids in groups:
+            if kind == "load":
+                new.append(next(loads))
+                continue
+            nodes = [self.nodes[i] for i in ids]
+            if kind == "write":
+                new.append(Copy(self._next_copy, kind, nodes, anchors=list(nodes)))
+            else:
+                new.append(Copy(self._next_copy, kind, nodes, anchors=[], host_locked=list(nodes)))
+            self._next_copy += 1
+        moved = sorted((c.kind, n.id) for c in old if c.kind != "load" for n in c.nodes)
+        assert moved == sorted((c.kind, n.id) for c in new if c.kind != "load" for n in c.nodes), "not a re-cut"
+        del self.copies[cut:]
+        self.copies += new
 
     # ------------------------------------------------------------------ sessions (SPEC.md §11)
 
@@ -1420,9 +1448,11 @@ factory.capabilities = RefCache.capabilities  # type: ignore[attr-defined]
 def alternative(config: CacheConfig) -> RefCache:
     """`kvcert.refimpl:alternative`: the reference model built another correct way (SPEC.md §6). Write-back host
     eviction takes duplicate backups and host-only leaves in one rank order, a failed write copy is
-    invalidated rather than retried, and a prefetch or retraction backup that does not fit host-evicts only its
-    shortfall. It passes the core and fails the sglang-0.5.23 profile."""
+    invalidated rather than retried, a prefetch or retraction backup that does not fit host-evicts only its
+    shortfall, and each written node is its own write copy, issued deepest first. It passes the core and fails the
+    sglang-0.5.23 profile."""
     cache = RefCache(config)
+    cache.batching = "per_node"
     cache.host_order = "rank"
     cache.copy_failure = "invalidate"
     cache.host_room = "shortfall"

@@ -24,7 +24,7 @@ class Choice:
     """What the core allows instead, and the relation it still checks."""
     needs: str = ""
     """The part of the spec a backend must declare for the choice to arise: "" (any backend), "write_back"
-    (a write policy), "copy" (a fault kind), "host_room" (prefetch, or retraction with a host tier)."""
+    (a write policy), "copy" (a fault kind), "host_room" (prefetch, or retraction with a host tier), "host" (a host tier)."""
 
 
 RANK = Choice(
@@ -56,11 +56,19 @@ ROOM = Choice(
     "host_room",
 )
 
-CHOICES: tuple[Choice, ...] = (RANK, RECLAIM, RETRY, ROOM)
+BATCH = Choice(
+    "BATCH",
+    "copies are grouped and ordered as SGLang issues them: one write copy per insert's written nodes, one store "
+    "copy per node (a write ack's shallowest first, write-back's eviction backups in victim order) (§9.2, §10.3 D7/D8)",
+    "an operation's new write and store copies move exactly the spec's nodes, each node in one copy of its kind, "
+    "grouped and ordered as the backend likes; the oracle re-cuts its copies to the backend's (INV-COPY-1)",
+    "host",
+)
+
+CHOICES: tuple[Choice, ...] = (RANK, RECLAIM, RETRY, ROOM, BATCH)
 
 STILL_PINNED: tuple[tuple[str, str], ...] = (
-    ("host", "copy grouping and order (INV-COPY-1): one write copy per insert, one store copy per node, shallowest first"),
-    ("retraction", "a restore locks the root once for the resumed request (§9.11)"),
+    ("host", "a load-back is one copy, issued by the load_back call that asks for it (INV-COPY-1)"),
 )
 """SGLang's choices the core does not yet relax, with the part of the spec they belong to: a correct cache that
 differs here fails even the core."""

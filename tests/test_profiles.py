@@ -14,16 +14,19 @@ from pathlib import Path
 
 import pytest
 
+from kvcert.conformance import zoo
 from kvcert.conformance.adapters import sglang_radix  # noqa: F401  (declares its profile without SGLang)
 from kvcert.conformance.certify import certify, core_verdict, judged_as, load_factory, replay_fails
 from kvcert.conformance.driver import ConformanceFailure, run_trace
 from kvcert.refimpl import RefCache, alternative, factory
 from kvcert.spec import profiles
 from kvcert.spec.ops import (
+    Checkpoint,
     CheckPrefetch,
     Complete,
     Evict,
     EvictHost,
+    Finish,
     InjectFault,
     Insert,
     Match,
@@ -31,6 +34,7 @@ from kvcert.spec.ops import (
     Poll,
     Prefetch,
     Publish,
+    Start,
     Trace,
 )
 from kvcert.spec.types import CacheConfig, Capabilities, Snapshot
@@ -68,6 +72,16 @@ ROOM_TRACE = (
 )
 """A prefetch of three pages finds two host slots: SGLang host-evicts three leaves, the alternative one."""
 
+BATCH_TRACE = (
+    CacheConfig(
+        page_size=1, policy="lru", capacity=6, host_capacity=24, write_policy="write_through_selective",
+        prefetch_policy="best_effort",
+    ),
+    [Start(None, (2, 1, 1, 1), 0), Checkpoint(0), Match(None, (2,)), Finish(0, True), Complete(0), Complete(1), Poll()],
+)
+"""A request's match splits its checkpointed node, and its finish writes both halves: SGLang as one write copy and
+then one store copy per node, the alternative one write copy per node, deepest first."""
+
 D17 = Trace.from_json((Path(__file__).parent / "traces" / "d17-retraction-reclaims-its-size.json").read_text())
 BACKUP_TRACE = (D17.config, list(D17.ops))
 """A retraction backup that does not fit: SGLang host-evicts its whole size (D17), the alternative the shortfall."""
@@ -99,8 +113,9 @@ def test_backends_declare_their_profiles() -> None:
         (RETRY_TRACE, {"INV-HOST-10", "INV-COPY-1"}),
         (ROOM_TRACE, {"INV-TREE-4"}),  # SGLang's prefetch would have removed two more host-only leaves
         (BACKUP_TRACE, {"INV-TREE-4"}),
+        (BATCH_TRACE, {"INV-COPY-1"}),
     ],
-    ids=["reclaim", "retry", "room-prefetch", "room-backup"],
+    ids=["reclaim", "retry", "room-prefetch", "room-backup", "batch"],
 )
 def test_the_alternative_passes_the_core_and_fails_the_profile(
     trace: tuple[CacheConfig, list[Op]], broken: set[str]
@@ -111,6 +126,61 @@ def test_the_alternative_passes_the_core_and_fails_the_profile(
     assert _verdict(alternative, caps, config, ops, "sglang-0.5.23") & broken
     for profile in ("core", "sglang-0.5.23"):
         assert _verdict(factory, factory.capabilities, config, ops, profile) == set()  # type: ignore[attr-defined]
+
+
+class _PerAck(RefCache):
+    """A write ack's nodes stored in one copy, deepest first (another correct cut, BATCH)."""
+
+    def __init__(self, config: CacheConfig) -> None:
+        super().__init__(config)
+        self.batching = "per_ack"
+
+
+class _StoresOne(_PerAck):
+    """The same cut, but a store copy of several nodes keeps only the first: the rest are never stored."""
+
+    def _store(self, nodes):  # type: ignore[no-untyped-def]
+        super()._store(nodes[:1])
+
+
+def test_the_core_takes_any_cut_of_the_same_copies() -> None:
+    """Under the core the oracle re-cuts its new copies as the backend did (BATCH): one store copy for a write
+    ack's two nodes passes; under sglang-0.5.23 it is INV-COPY-1. A cut that drops a node is not a re-cut."""
+    config, ops = BATCH_TRACE
+    caps = replace(alternative.capabilities, profile="core")  # type: ignore[attr-defined]
+    assert _verdict(_PerAck, caps, config, ops, "core") == set()
+    assert "INV-COPY-1" in _verdict(_PerAck, caps, config, ops, "sglang-0.5.23")
+    assert "INV-COPY-1" in _verdict(_StoresOne, caps, config, ops, "core")
+
+
+class _UncountedRoot(RefCache):
+    """A restore hands back the root without counting a lock on it, and unlocking the root is a no-op (SGLang's
+    own inc/dec_lock_ref stop below the root): correct, as the request's one unlock succeeds."""
+
+    def retraction_restore(self, backup_id, slots):  # type: ignore[no-untyped-def]
+        node = super().retraction_restore(backup_id, slots)
+        self.root.own_locks -= 1
+        return node
+
+    def dec_lock_ref(self, node_id: int) -> None:
+        if node_id != self.root.id:
+            super().dec_lock_ref(node_id)
+
+
+def test_a_restore_may_leave_the_root_uncounted() -> None:
+    """Seed 003's counterexample (a resumed request's unlock finds nothing to release) passes a cache that does not
+    count the root's lock but lets the unlock succeed, under both profiles; the zoo mutant that crashes it does not."""
+    trace = Trace.from_json(
+        (ZOO[0] / "kvcert.conformance.zoo_retracted_resume_without_last_node-ps1-lru-write_through+best_effort-seed0.json")
+        .read_text()
+    )
+    assert any(type(op).__name__ == "Restore" for op in trace.ops)
+    for name in ("core", "sglang-0.5.23"):
+        caps = replace(factory.capabilities, profile=name)  # type: ignore[attr-defined]
+        assert _verdict(_UncountedRoot, caps, trace.config, list(trace.ops), name) == set()
+    (mutant,) = [m for m in zoo.MUTANTS + zoo.DIRECTED if m.name == "retracted_resume_without_last_node"]
+    make = zoo.build(mutant)
+    assert replay_fails(make, make.capabilities, trace)  # type: ignore[attr-defined]
 
 
 class _OverEvicts(RefCache):
@@ -312,7 +382,7 @@ def test_the_certificate_says_what_the_profile_leaves_open() -> None:
 
     caps = factory.capabilities  # type: ignore[attr-defined]
     core = scope_gaps(replace(caps, profile="core"), [])
-    assert [g.split(" ")[1] for g in core if g.startswith("choice ")] == ["RANK", "RECLAIM", "RETRY", "ROOM"]
+    assert [g.split(" ")[1] for g in core if g.startswith("choice ")] == ["RANK", "RECLAIM", "RETRY", "ROOM", "BATCH"]
     assert sum(g.startswith("pinned under every profile") for g in core) == len(profiles.STILL_PINNED)
     assert not [g for g in scope_gaps(caps, []) if g.startswith("choice ")]
     device_only = scope_gaps(Capabilities(name="device-only"), [])
