@@ -1,0 +1,99 @@
+#!/usr/bin/env bash
+# Build .venv-refaware: the priority-aware ("ref-aware") SGLang fork (base sglang 0.5.10) on CPU,
+# in its own environment (SGLang 0.5.10 and 0.5.23 cannot share one), plus kvcert itself so
+# that an adapter can run there. Idempotent: a stamp of the inputs skips the work when
+# nothing changed.
+#
+#   scripts/install_refaware.sh
+#   .venv-refaware/bin/python scripts/refaware_smoke.py
+#
+# Steps: torch==2.13.0 (the CPU build; never unpinned), requirements/refaware.txt with
+# pip --no-deps, the fork's changed files (the target's overlay/sglang) copied over the
+# installed sglang package, kvcert's core requirements and kvcert (editable, --no-deps),
+# then an import check of both caches.
+#
+# Environment: KVCERT_TARGETS (default $ROOT/../shared/targets) locates the fork's files;
+# KVCERT_REFAWARE_VENV (default $ROOT/.venv-refaware); PYTHON (default python3) creates the venv.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${KVCERT_REFAWARE_VENV:-$ROOT/.venv-refaware}"
+BASE_PY="${PYTHON:-python3}"
+TARGETS="${KVCERT_TARGETS:-$ROOT/../shared/targets}"
+TARGET="$TARGETS/refaware-sglang-0.5.10"
+OVERLAY="$TARGET/overlay/sglang"
+REQS="$ROOT/requirements/refaware.txt"
+PY="$VENV/bin/python"
+
+if [[ ! -d "$OVERLAY" ]]; then
+    echo "install_refaware: the fork's overlay is missing: $OVERLAY" >&2
+    echo "  (expected the target refaware-sglang-0.5.10 under \$KVCERT_TARGETS, default \$ROOT/../shared/targets)" >&2
+    exit 2
+fi
+if grep -Eiq '^[[:space:]]*torch([[:space:]]*[=<>!~;]|[[:space:]]*$)' "$REQS"; then
+    echo "install_refaware: refusing: $REQS names torch; torch is installed separately" >&2
+    exit 2
+fi
+
+# The stamp covers everything that decides the environment's content.
+stamp="$(
+    {
+        cat "$REQS" "$ROOT/requirements/core.txt" "$ROOT/requirements/constraints.txt" "$ROOT/pyproject.toml" "$0"
+        (cd "$OVERLAY" && find . -type f -name '*.py' | LC_ALL=C sort | xargs sha256sum)
+    } | sha256sum | cut -c1-16
+)"
+stamp_file="$VENV/.kvcert-refaware-stamp"
+if [[ -x "$PY" && "$(cat "$stamp_file" 2>/dev/null || true)" == "$stamp" ]]; then
+    echo "install_refaware: $VENV is up to date" >&2
+    exit 0
+fi
+
+if [[ ! -x "$PY" ]]; then
+    echo "install_refaware: creating $VENV" >&2
+    "$BASE_PY" -m venv "$VENV"
+fi
+rm -f "$stamp_file"
+
+pip_install() {
+    "$PY" -m pip install --disable-pip-version-check -q "$@" 2>&1 \
+        | grep -v -e "is ignored: it is neither a file nor a directory" -e "requires .*, which is not installed" \
+            -e "but you have .* which is incompatible" -e "pip's dependency resolver does not currently" || true
+}
+
+torch_version() { "$PY" -c 'import torch; print(torch.__version__)' 2>/dev/null; }
+if [[ "$(torch_version || true)" != 2.13.0* ]]; then
+    echo "install_refaware: installing torch==2.13.0 (CPU build)" >&2
+    # torch's own dependencies (filelock, sympy, ...) pinned by the tested set
+    pip_install -c "$ROOT/requirements/constraints.txt" torch==2.13.0
+fi
+torch_before="$(torch_version)" || { echo "install_refaware: torch is not importable" >&2; exit 1; }
+
+echo "install_refaware: installing the fork's pinned set (--no-deps)" >&2
+pip_install --no-deps -r "$REQS"
+
+SITE="$("$PY" -c 'import sglang, os; print(os.path.dirname(sglang.__file__))' 2>/dev/null)" || {
+    echo "install_refaware: sglang did not install" >&2
+    exit 1
+}
+echo "install_refaware: copying the fork's overlay over $SITE" >&2
+cp -R "$OVERLAY/." "$SITE/"
+
+echo "install_refaware: installing kvcert (--no-deps, editable) and its core requirements" >&2
+pip_install -c "$ROOT/requirements/constraints.txt" -r "$ROOT/requirements/core.txt"
+pip_install --no-deps -e "$ROOT"
+# core.txt must not have replaced a pin of the fork's set (a second --no-deps pass is a no-op then)
+pip_install --no-deps -r "$REQS"
+
+if [[ "$(torch_version)" != "$torch_before" ]]; then
+    echo "install_refaware: torch changed from $torch_before to $(torch_version); this must not happen" >&2
+    exit 1
+fi
+
+"$PY" -W ignore -c '
+from kvcert.conformance.adapters._refaware_env import import_refaware
+ra = import_refaware()
+import torch
+print("install_refaware: sglang", ra.version, "+ ref-aware overlay:", ra.RefAwareRadixCache.__name__, "and",
+      ra.RefAwareHiRadixCache.__name__, "import with torch", torch.__version__)
+' || { echo "install_refaware: import check failed" >&2; exit 1; }
+echo "$stamp" > "$stamp_file"
