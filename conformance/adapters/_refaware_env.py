@@ -38,7 +38,7 @@ import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from kvcert.conformance.adapters._sglang_env import InterpolationMode  # a plain enum, no sglang inside
+from kvcert.conformance.adapters._sglang_env import InterpolationMode, quiet_imports  # plain Python, no sglang inside
 
 REFAWARE_SGLANG_VERSION = "0.5.10"
 INSTALL_HINT = (
@@ -320,11 +320,7 @@ def import_refaware() -> types.SimpleNamespace:
     _check_fork_installed()  # its errors carry the hint already
     try:
         install_shims()
-        with warnings.catch_warnings():
-            # Import-time noise that says nothing about the caches (requests' charset detection,
-            # SGLang's GPU-only quantization modules).
-            warnings.filterwarnings("ignore", message=".*character detection dependency.*")
-            warnings.filterwarnings("ignore", message="Only CUDA.*", category=UserWarning)
+        with quiet_imports():
             from sglang.srt.mem_cache.ref_aware_hiradix_cache import RefAwareHiRadixCache
             from sglang.srt.mem_cache.ref_aware_radix_cache import RefAwareRadixCache
             from sglang.version import __version__

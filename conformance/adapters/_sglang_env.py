@@ -16,6 +16,7 @@ for names that are not importable for real. See /work/shared/SGLANG_ON_CPU.md.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import importlib
 import importlib.abc
@@ -168,6 +169,16 @@ def install_shims() -> None:
     _stub_torchvision(stubs)
 
 
+@contextlib.contextmanager
+def quiet_imports() -> Iterator[None]:
+    """Silence import-time noise that says nothing about the CPU caches: requests misses chardet /
+    charset_normalizer, and SGLang's AWQ/GGUF modules announce they need a GPU."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*character detection dependency.*")
+        warnings.filterwarnings("ignore", message="Only CUDA.*", category=UserWarning)
+        yield
+
+
 def import_sglang() -> types.SimpleNamespace:
     """Install the shims and import the SGLang classes the adapter drives.
 
@@ -176,11 +187,7 @@ def import_sglang() -> types.SimpleNamespace:
     """
     try:
         install_shims()
-        with warnings.catch_warnings():
-            # Import-time noise that says nothing about the CPU radix cache: requests misses chardet /
-            # charset_normalizer, and SGLang's AWQ/GGUF modules announce they need a GPU.
-            warnings.filterwarnings("ignore", message=".*character detection dependency.*")
-            warnings.filterwarnings("ignore", message="Only CUDA.*", category=UserWarning)
+        with quiet_imports():
             from sglang.srt.mem_cache import radix_cache
             from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
             from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams, TreeLock
