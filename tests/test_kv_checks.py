@@ -118,3 +118,19 @@ def test_backends_without_kv_reads_are_not_read() -> None:
     no_kv = replace(RefCache.capabilities, kv_reads=False)
     run_trace(cache, CONFIG, no_kv, OPS)  # kv_reads off: nothing is read, nothing fails
     assert cache.written == []
+
+
+class ShortReads(ContentCache):
+    """A device read of a node's slots answers one entry short (a node kept short of its slots reads so)."""
+
+    def read_kv(self, slots) -> list[bytes]:  # type: ignore[no-untyped-def]
+        got = super().read_kv(slots)
+        return got[:-1] if len(slots) > 1 and not any(s in self.pool.lent for s in slots) else got
+
+
+def test_a_short_node_is_named_not_a_harness_crash() -> None:
+    """A node whose slots read back fewer entries than its tokens is INV-KV-1 with both counts (the check once
+    indexed the missing slot and crashed the harness)."""
+    with pytest.raises(ConformanceFailure) as failure:
+        run_trace(ShortReads(CONFIG), CONFIG, CAPS, OPS)
+    assert any(v.inv == "INV-KV-1" and "slots for its" in v.message for v in failure.value.violations)
