@@ -4,8 +4,15 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 export KVCERT_SGLANG="${KVCERT_SGLANG:-1}"  # the SGLang tests then fail, not skip, if SGLang cannot import
+export KVCERT_REFAWARE="${KVCERT_REFAWARE:-1}"  # likewise the RefAware fork's (.venv-refaware)
 scripts/bootstrap.sh
 V="$ROOT/.venv/bin"
+if [[ "$KVCERT_REFAWARE" == "1" ]]; then
+    # The fork's own environment builds while lint, types and CrossHair run; pytest waits for it.
+    refaware_log="$(mktemp)"
+    scripts/install_refaware.sh > "$refaware_log" 2>&1 &
+    refaware_pid=$!
+fi
 
 echo "== ruff"
 "$V/ruff" check .
@@ -14,6 +21,11 @@ scripts/typecheck.sh
 echo "== crosshair (spec contracts)"
 PYTHON="$V/python" scripts/crosshair.sh
 PYTHON="$V/python" scripts/crosshair.sh spec/storage.py
+if [[ -n "${refaware_pid:-}" ]]; then
+    echo "== .venv-refaware"
+    wait "$refaware_pid" || { cat "$refaware_log"; exit 1; }
+    tail -n 1 "$refaware_log"
+fi
 echo "== pytest"
 # Two workers, one test file each at a time (module fixtures are built once); the zoo's own pool runs
 # inside its worker. KVCERT_TEST_JOBS=0 runs in one process.
