@@ -56,7 +56,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import time as _real_time
 from array import array
 from collections.abc import Iterator, Sequence
 from dataclasses import replace
@@ -65,6 +64,7 @@ from typing import Any, Optional
 
 import torch
 
+from kvcert.conformance.adapters._radix_tree import LogicalTime, RadixTreeAdapter
 from kvcert.conformance.adapters._refaware_env import REFAWARE_SGLANG_VERSION, import_refaware
 from kvcert.conformance.adapters._sglang_env import OrderedSet
 from kvcert.conformance.adapters._sglang_kv import HEAD_DIM, HEAD_NUM, KV_DTYPE, entries_of, tensor_of
@@ -77,11 +77,9 @@ from kvcert.spec.types import (
     InsertOut,
     MatchOut,
     NodeView,
-    PoolExhausted,
     Running,
     SessionView,
     Snapshot,
-    StaleHandle,
     UnknownSession,
 )
 
@@ -115,24 +113,10 @@ class _OrderedRefInfo(_core.RefInfo):
         self.nodes = OrderedSet(self.nodes)
 
 
-class _LogicalTime:
-    """Stands in for the `time` module inside radix_cache: clocks read the logical time."""
-
-    def __init__(self, now: float) -> None:
-        self.now = now
-
-    def monotonic(self) -> float:
-        return self.now
-
-    def perf_counter(self) -> float:
-        return self.now
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(_real_time, name)
-
-
-class RefAwareRadixBackend:
+class RefAwareRadixBackend(RadixTreeAdapter):
     """One `RefAwareRadixCache` over real CPU pools; node handles are `TreeNode.id`."""
+
+    ALLOCATOR = "the fork's allocator"
 
     def __init__(
         self,
@@ -201,7 +185,7 @@ class RefAwareRadixBackend:
         node_cls = _radix_cache.TreeNode
         saved = (_radix_cache.time, node_cls.counter, _core.RefInfo)
         _radix_cache.time, node_cls.counter, _core.RefInfo = (
-            _LogicalTime(self._now),
+            LogicalTime(self._now),
             self._next_node_id,
             _OrderedRefInfo,
         )
@@ -211,32 +195,8 @@ class RefAwareRadixBackend:
             self._next_node_id = node_cls.counter
             _radix_cache.time, node_cls.counter, _core.RefInfo = saved
 
-    def _remember(self, node: Any) -> int:
-        self._nodes[node.id] = node
-        return int(node.id)
-
-    def _node(self, node_id: int) -> Any:
-        node = self._nodes.get(node_id)
-        if node is None:
-            self._walk()
-            node = self._nodes.get(node_id)
-        if node is None:
-            raise StaleHandle(f"no TreeNode with id {node_id!r} was ever seen")
-        return node
-
     def _key(self, namespace: Optional[str], tokens: Sequence[int]) -> Any:
         return _radix_cache.RadixKey(array("q", tokens), extra_key=namespace)
-
-    def _walk(self) -> list[tuple[Any, Optional[Any]]]:
-        """(node, parent) for every node reachable from the root, parents first."""
-        out: list[tuple[Any, Optional[Any]]] = []
-        stack: list[tuple[Any, Optional[Any]]] = [(self.cache.root_node, None)]
-        while stack:
-            node, parent = stack.pop()
-            self._remember(node)
-            out.append((node, parent))
-            stack.extend((child, node) for child in reversed(list(node.children.values())))
-        return out
 
     def _node_at(self, key: Any) -> Any:
         """The node ending exactly at `key`, read without touching the fork (no stamps, no splits).
@@ -258,18 +218,6 @@ class RefAwareRadixBackend:
         return node
 
     # ------------------------------------------------------------------ protocol
-
-    def set_clock(self, now: int) -> None:
-        self._now = now
-
-    def alloc(self, n: int) -> tuple[int, ...]:
-        out = self.allocator.alloc(n)
-        if out is None:
-            raise PoolExhausted(f"the fork's allocator returned None for {n} slots")
-        return tuple(int(x) for x in out.tolist())
-
-    def free(self, slots: Sequence[int]) -> None:
-        self.allocator.free(torch.tensor(list(slots), dtype=torch.int64))
 
     def match_prefix(self, namespace: Optional[str], tokens: Sequence[int]) -> MatchOut:
         with self._in_fork():

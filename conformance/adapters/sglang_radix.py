@@ -27,7 +27,6 @@ reuses, shows as wrong bytes (INV-KV-1).
 from __future__ import annotations
 
 import contextlib
-import time as _real_time
 from array import array
 from collections.abc import Iterator, Sequence
 from dataclasses import replace
@@ -35,6 +34,7 @@ from typing import Any, Optional
 
 import torch
 
+from kvcert.conformance.adapters._radix_tree import LogicalTime, RadixTreeAdapter
 from kvcert.conformance.adapters._sglang_env import SGLANG_VERSION, OrderedSet, import_sglang
 from kvcert.conformance.adapters._sglang_kv import HEAD_DIM, HEAD_NUM, KV_DTYPE, entries_of, tensor_of
 from kvcert.spec.types import (
@@ -44,9 +44,7 @@ from kvcert.spec.types import (
     InsertOut,
     MatchOut,
     NodeView,
-    PoolExhausted,
     Snapshot,
-    StaleHandle,
 )
 
 __all__ = ["SGLangRadixBackend", "factory", "factory_need_sort"]
@@ -62,23 +60,7 @@ class _Namespace:
         self.__dict__.update(fields)
 
 
-class _LogicalTime:
-    """Stands in for the `time` module inside radix_cache: clocks read the logical time."""
-
-    def __init__(self, now: float) -> None:
-        self.now = now
-
-    def monotonic(self) -> float:
-        return self.now
-
-    def perf_counter(self) -> float:
-        return self.now
-
-    def __getattr__(self, name: str) -> Any:  # sleep, time, ...: the real thing
-        return getattr(_real_time, name)
-
-
-class SGLangRadixBackend:
+class SGLangRadixBackend(RadixTreeAdapter):
     """One `RadixCache` over real CPU pools; node handles are `TreeNode.id`."""
 
     def __init__(self, config: CacheConfig, need_sort: bool = False) -> None:
@@ -130,53 +112,17 @@ class SGLangRadixBackend:
         """Run SGLang code on this adapter's logical clock and node-id counter."""
         mod, node_cls = self.sg.radix_cache, self.sg.TreeNode
         saved_time, saved_counter = mod.time, node_cls.counter
-        mod.time, node_cls.counter = _LogicalTime(self._now), self._next_node_id
+        mod.time, node_cls.counter = LogicalTime(self._now), self._next_node_id
         try:
             yield
         finally:
             self._next_node_id = node_cls.counter
             mod.time, node_cls.counter = saved_time, saved_counter
 
-    def _remember(self, node: Any) -> int:
-        self._nodes[node.id] = node
-        return int(node.id)
-
-    def _node(self, node_id: int) -> Any:
-        node = self._nodes.get(node_id)
-        if node is None:
-            self._walk()  # a handle read off a snapshot
-            node = self._nodes.get(node_id)
-        if node is None:
-            raise StaleHandle(f"no TreeNode with id {node_id!r} was ever seen")
-        return node
-
     def _key(self, namespace: Optional[str], tokens: Sequence[int]) -> Any:
         return self.sg.RadixKey(array("q", tokens), extra_key=namespace)
 
-    def _walk(self) -> list[tuple[Any, Optional[Any]]]:
-        """(node, parent) for every node reachable from the root, parents first."""
-        out: list[tuple[Any, Optional[Any]]] = []
-        stack: list[tuple[Any, Optional[Any]]] = [(self.cache.root_node, None)]
-        while stack:
-            node, parent = stack.pop()
-            self._remember(node)
-            out.append((node, parent))
-            stack.extend((child, node) for child in reversed(list(node.children.values())))
-        return out
-
     # ------------------------------------------------------------------ protocol
-
-    def set_clock(self, now: int) -> None:
-        self._now = now
-
-    def alloc(self, n: int) -> tuple[int, ...]:
-        out = self.allocator.alloc(n)
-        if out is None:
-            raise PoolExhausted(f"SGLang allocator returned None for {n} slots")
-        return tuple(int(x) for x in out.tolist())
-
-    def free(self, slots: Sequence[int]) -> None:
-        self.allocator.free(torch.tensor(list(slots), dtype=torch.int64))
 
     def match_prefix(self, namespace: Optional[str], tokens: Sequence[int]) -> MatchOut:
         with self._in_sglang():
