@@ -722,7 +722,11 @@ class RefCache:
                 if self._write_backup(node):
                     self._lock_path(node, +1)
                     written.append(node)
-        for group in [[n] for n in reversed(written)] if self.batching == "per_node" else [written] if written else []:
+        if self.batching == "per_node":
+            groups = [[n] for n in reversed(written)]
+        else:
+            groups = [written] if written else []
+        for group in groups:
             self.copies.append(Copy(self._next_copy, "write", list(group), anchors=list(group)))
             self._next_copy += 1
 
