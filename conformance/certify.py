@@ -29,7 +29,16 @@ from kvcert.conformance.shrink import shrink
 from kvcert.conformance.windows import WINDOWS
 from kvcert.spec import profiles
 from kvcert.spec.ops import Op, Trace
-from kvcert.spec.types import FAULTS, POLICIES, PREFETCH_POLICIES, WRITE_POLICIES, CacheConfig, Capabilities
+from kvcert.spec.types import (
+    FAULTS,
+    ONE_CLASS_THRESHOLD,
+    POLICIES,
+    PREFETCH_POLICIES,
+    PRIORITY_PARTS,
+    WRITE_POLICIES,
+    CacheConfig,
+    Capabilities,
+)
 
 CAPACITY_PAGES = 16
 """Pool size per cell, in pages: small, so eviction and exhaustion happen often."""
@@ -251,6 +260,17 @@ def _tiered(page_size: int, policy: str, write_policy: str, prefetch_policy: str
     )
 
 
+def _part_exercised(part: str, ops: dict[str, int], host_cells: bool) -> bool:
+    """Whether a run did what a part of §11 is about (not only declared it)."""
+    if part == "high":  # with a host tier, a demotion must have happened too
+        return ops.get("event:high-session", 0) > 0 and (not host_cells or ops.get("event:demotion", 0) > 0)
+    if part == "scope":
+        return ops.get("event:scoped-evict", 0) > 0
+    if part == "update":
+        return ops.get("UpdateRef", 0) > 0
+    return ops.get("Admit", 0) > 0
+
+
 def cells_for(
     capabilities: Capabilities,
     page_sizes: Optional[Iterable[int]],
@@ -302,6 +322,8 @@ def cells_for(
         if pf in capabilities.prefetch_policies
         for pol in host_pols
     ]
+    if capabilities.priority_refs and "high" not in capabilities.priority_parts:  # one ref class: every session low
+        configs = [replace(c, high_priority_threshold=ONE_CLASS_THRESHOLD) for c in configs]
     if bad_input is False and capabilities.strict_input:
         skipped.append("bad-input rules: switched off (--no-bad-input)")
     elif bad_input and not capabilities.strict_input:
@@ -344,9 +366,18 @@ def scope_gaps(capabilities: Capabilities, cells: list[CellResult], bad_input: O
         ),
         ("retraction (SPEC.md §9.11, INV-RETRACT-1/2)", capabilities.retraction, ops.get("Retract", 0) > 0),
         (
-            "priority tiers (SPEC.md §11, INV-TIER-*, INV-ADMIT-*)",
+            "priority tiers (SPEC.md §11.1-§11.2: sessions, refs, tiers, INV-TIER-1/2/5)",
             capabilities.priority_refs,
             ops.get("RegisterRef", 0) > 0,
+        ),
+        *(
+            (
+                f"priority tiers, {part}: {what}",
+                part in capabilities.priority_parts,
+                _part_exercised(part, ops, bool(host_cells)),
+            )
+            for part, what in PRIORITY_PARTS.items()
+            if capabilities.priority_refs  # a backend without §11 gets the one line above
         ),
         (
             "bad input (INV-ERR-1/2: typed errors, state unchanged)",
@@ -388,6 +419,7 @@ def scope_gaps(capabilities: Capabilities, cells: list[CellResult], bad_input: O
         "write_back": "write_back" in capabilities.write_policies,
         "copy": "copy" in capabilities.faults,
         "host": bool(capabilities.write_policies),
+        "priority_host": capabilities.priority_refs and bool(capabilities.write_policies),
         "retraction": capabilities.retraction,
         "storage": bool(capabilities.prefetch_policies),
         "host_room": bool(capabilities.prefetch_policies) or (capabilities.retraction and bool(capabilities.write_policies)),

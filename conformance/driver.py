@@ -33,12 +33,13 @@ from kvcert.conformance.running import lent
 from kvcert.conformance.scheduler import KVModel, Outcome, Side, StepNotes, run_op
 from kvcert.conformance.steering import Steering, agrees
 from kvcert.conformance.storage import FaultyStorage, MemoryStorage, damage, publish
-from kvcert.conformance.windows import entered
+from kvcert.conformance.windows import entered, events
 from kvcert.refimpl import RefCache
 from kvcert.spec import contracts
 from kvcert.spec.invariants import Violation, rooted
 from kvcert.spec.ops import (
     HANDLE_PRODUCERS,
+    Admit,
     CheckPrefetch,
     Complete,
     Discard,
@@ -58,7 +59,7 @@ from kvcert.spec.ops import (
     StorageFault,
     Unlock,
 )
-from kvcert.spec.profiles import BATCH, RANK, RECLAIM, RETRY, ROOM, Profile, profile
+from kvcert.spec.profiles import BATCH, DEMOTE, RANK, RECLAIM, RETRY, ROOM, Profile, profile
 from kvcert.spec.types import CacheConfig, Capabilities, InsertOut, MatchOut, Snapshot
 
 __all__ = ["UNKNOWN_NODE", "ConformanceFailure", "Harness", "Outcome", "run_trace"]
@@ -237,6 +238,8 @@ class Harness(Queries):
             if isinstance(op, Start) and isinstance(got, MatchOut):
                 locked = got.node
             self.windows = entered(op, before, after, locked)
+            if after.sessions or before.sessions:
+                self.windows += [f"event:{e}" for e in events(op, before, after)]
         want, found = self._follow(op, before, after, got)
         violations = found
         self.checks.contract(op, before, after, got, want, violations, notes.planned, notes.inserted)
@@ -286,9 +289,13 @@ class Harness(Queries):
                     choose, replayed = steering.witness(self.oracle, self.spec_snapshot(), op, got, found, skipped_first)
                 else:
                     choose, replayed = steering.seat(self.oracle, op, got, found, skipped_first, tail, order)
+            elif isinstance(op, Admit):  # the plan's scoped eviction: among tied leaves, the backend's victims
+                choose = steering.follow(self.oracle, tail=tail)
             self.oracle.steer = steering.follow(self.oracle, tail=tail)
             self.oracle.reclaim = steering.reclaimed(self.oracle, order)
             self.oracle.host_steer = None if pinned(RECLAIM) else steering.follow_host(self.oracle, tail, order)
+            if not pinned(DEMOTE):
+                self.oracle.demote_steer, self.oracle.restore_steer = steering.demote_pick(), steering.restore_pick()
             if not pinned(RETRY):
                 self.oracle.copy_failure = "invalidate" if self._gave_up(op, after) else "retry"
             if room == "freed":
@@ -308,6 +315,7 @@ class Harness(Queries):
                 want = run_op(theirs, op, self.ops)
             finally:
                 self.oracle.steer = self.oracle.reclaim = self.oracle.host_steer = None
+                self.oracle.demote_steer = self.oracle.restore_steer = None
                 self.oracle.copy_failure = "retry"
                 self.oracle.host_ask, self.oracle.host_room = None, "whole"
                 self._spec_snap = None

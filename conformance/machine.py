@@ -153,7 +153,7 @@ class CacheMachine(RunningRules, RaceRules):
             self.failed = True
             raise
         for window in self.h.windows:
-            stats.ops[f"window:{window}"] += 1
+            stats.ops[window if window.startswith("event:") else f"window:{window}"] += 1
         if isinstance(op, InjectFault):
             stats.ops[f"{name}:{op.kind}"] += 1  # which faults fired: the certificate's scope says
         if isinstance(got, KVCertError):
@@ -256,13 +256,17 @@ class CacheMachine(RunningRules, RaceRules):
     def evict(self, data: Draws, small: bool) -> None:
         high = 2 * self.config.page_size if small else self.config.capacity
         n = data.integer(1 if small else 0, high, "tokens")
-        scope = data.choice(SCOPES, "scope") if self.priority() else (True, True)
+        scope = data.choice(SCOPES, "scope") if self.priority() and self.part("scope") else (True, True)
         self.do(Evict(n, *scope))
 
     # ----------------------------------------------------------------- priority tiers (SPEC.md §11)
 
     def priority(self) -> bool:
         return self.capabilities.priority_refs and self.sessions_on
+
+    def part(self, name: str) -> bool:
+        """Whether the backend offers this part of §11 (PRIORITY_PARTS)."""
+        return name in self.capabilities.priority_parts
 
     @precondition(lambda self: self.priority() and bool(self.h.live_handles()))
     @rule(data=draws(), action=sampled_from(["register", "register", "fork", "update", "release"]))
@@ -277,6 +281,8 @@ class CacheMachine(RunningRules, RaceRules):
                 name = data.choice(SESSIONS, "session")
                 self.do(RegisterRef(name, same[0], priority))
                 return
+        if action == "update" and not self.part("update"):
+            action = "register"  # no update_ref: a new priority comes with the session's next registration
         if action in ("register", "fork") or not registered:
             name = data.choice(SESSIONS, "session")
             self.do(RegisterRef(name, data.choice(self.h.live_handles(), "handle"), priority))
@@ -288,7 +294,7 @@ class CacheMachine(RunningRules, RaceRules):
                 registered = high  # a high-priority session ending is what gives a demoted one back its tier
             self.do(ReleaseRef(data.choice(registered, "session")))
 
-    @precondition(lambda self: self.priority())
+    @precondition(lambda self: self.priority() and self.part("admission") and self.part("scope"))
     @rule(data=draws(), profiled=booleans())
     def admit(self, data: Draws, profiled: bool) -> None:
         """A request asks for room while others decode: plan (evict, retract, fewer layers), then apply it."""

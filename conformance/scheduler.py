@@ -293,7 +293,8 @@ def _admit(side: Side, op: Admit) -> AdmissionPlan:
         plan: AdmissionPlan = cache.plan_admission(op.length, op.priority, running, profile_of(op.profile))
         if not plan.fits:
             return plan
-        cache.evict(plan.evict, allow_low=True, allow_high=plan.allow_high)
+        extra = {"choose": side.choose} if side.choose is not None else {}  # the oracle: the backend's ties
+        cache.evict(plan.evict, allow_low=True, allow_high=plan.allow_high, **extra)
         for i, keep in zip(plan.retract, plan.keep):
             if keep:
                 cache.retraction_backup(held[i])

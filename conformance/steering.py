@@ -218,6 +218,39 @@ class Steering:
         was = {x.id for x in self.before.sessions if x.demoted}
         return any(x.demoted and x.id not in was for x in self.after.sessions)
 
+    def demote_pick(self) -> Callable[[list[str]], Optional[str]]:
+        """The core's demotion chooser (DEMOTE): among the oracle's high sessions, one the backend demoted during
+        the step; None (the oracle's own pick) once none is left, which the comparison then judges. The snapshots
+        do not say in which order the backend demoted them, and the eviction stops once it has freed enough, so
+        those with no node on the host only (whose demotion frees nothing) go first."""
+        was = {x.id for x in self.before.sessions if x.demoted}
+        nodes = self.before.by_id()
+
+        def idle(node: Optional[int]) -> bool:
+            while node is not None and node in nodes:
+                if nodes[node].slots is None:
+                    return True
+                node = nodes[node].parent
+            return False
+
+        ends = {x.id: x.node for x in self.before.sessions}
+        queue = sorted(
+            (x.id for x in self.after.sessions if x.demoted and x.id not in was), key=lambda i: idle(ends.get(i))
+        )
+
+        def choose(high: list[str]) -> Optional[str]:
+            pick = next((i for i in queue if i in high), None)
+            if pick is not None:
+                queue.remove(pick)
+            return pick
+
+        return choose
+
+    def restore_pick(self) -> Callable[[list[str]], Optional[str]]:
+        """The core's restore chooser (DEMOTE): the demoted session the backend's release restored, or None."""
+        back = {x.id for x in self.after.sessions if not x.demoted}
+        return lambda demoted: next((i for i in demoted if i in back), None)
+
     def host_orders(self) -> list[Optional[tuple[contracts.Path, ...]]]:
         """The core's orders of host victims to try (the order decides which backups a write-back eviction
         can still make): the oracle's rank order first, then each order of them, at most 24."""

@@ -11,7 +11,19 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from kvcert.spec.ops import Checkpoint, Evict, EvictHost, Finish, Insert, Lock, Op, Start
+from kvcert.spec.ops import (
+    Checkpoint,
+    Evict,
+    EvictHost,
+    Finish,
+    Insert,
+    Lock,
+    Op,
+    RegisterRef,
+    ReleaseRef,
+    Start,
+    UpdateRef,
+)
 from kvcert.spec.types import Snapshot
 
 WINDOWS = {
@@ -66,6 +78,31 @@ def entered(op: Op, before: Snapshot, after: Snapshot, locked: Optional[int] = N
         if any(n.slots is None and nid in now and now[nid].slots is not None for nid, n in mine.items()):
             out.append("insert-over-host")
     return sorted(set(out))
+
+
+EVENTS = {
+    "high-session": "a session registered or updated to a priority that makes it high (SPEC.md §11.1)",
+    "scoped-evict": "an eviction in a scope narrower than the full one (SPEC.md §11.3)",
+    "demotion": "host pressure demoted a high session (SPEC.md §11.4)",
+    "restore": "a released high session gave a demoted one its tier back (SPEC.md §11.4)",
+}
+"""§11 events the machine counts per cell ("event:<name>"), so a certificate shows they happened, not only that
+their ops were sent."""
+
+
+def events(op: Op, before: Snapshot, after: Snapshot) -> list[str]:
+    """The §11 events `op` caused, from the backend's snapshots around it."""
+    out: list[str] = []
+    if isinstance(op, (RegisterRef, UpdateRef)) and any(x.id == op.session and x.high for x in after.sessions):
+        out.append("high-session")
+    if isinstance(op, Evict) and (op.allow_low, op.allow_high) != (True, True):
+        out.append("scoped-evict")
+    was = {x.id for x in before.sessions if x.demoted}
+    if any(x.demoted and x.id not in was for x in after.sessions):
+        out.append("demotion")
+    if isinstance(op, ReleaseRef) and any(not x.demoted and x.id in was for x in after.sessions):
+        out.append("restore")
+    return out
 
 
 def _path_meets(nodes: dict[int, Any], node: int, targets: set[int]) -> bool:

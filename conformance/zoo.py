@@ -593,6 +593,26 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
     ),
     Mutant(
+        "reregister_keeps_old_refs",
+        "registering a session again adds refs on its new path and never drops those on the path it left (the RefAware "
+        "fork's R2: a conversation that moves to another branch keeps protecting the old one)",
+        (("            self._hold(old, -1)\n", "            pass  # the old path keeps its refs\n"),),
+    ),
+    Mutant(
+        "demotion_counts_twice",
+        "a demotion adds the session's low refs without taking away its high ones: its nodes count in both tiers",
+        (("        self._hold(victim, -1)\n", ""),),
+        page_sizes=(1,),
+        write_policies=("write_through",),
+    ),
+    Mutant(
+        "host_eviction_strands_session",
+        "a host-only node a session ends at is host-evicted and the session still names it: refs for a node gone",
+        (("        self._sessions_leave(node)\n", ""),),
+        page_sizes=(1,),
+        write_policies=("write_through",),
+    ),
+    Mutant(
         "host_evicts_high_tier",
         "host eviction treats HIGH_REF host copies like any other: a waiting high-priority session loses them",
         (("            and self.tier(n) != HIGH_REF\n", ""),),
@@ -1127,7 +1147,7 @@ DIRECTED: tuple[Mutant, ...] = (
     Mutant(
         "demotion_never_restored",
         "releasing a high-priority session pops a demoted session but never makes it high again",
-        (("                    back.demoted = False\n", ""),),
+        (("        back.demoted = False\n", ""),),
         page_sizes=(1,),
         write_policies=("write_through",),
     ),
@@ -1136,8 +1156,8 @@ DIRECTED: tuple[Mutant, ...] = (
         "host pressure demotes the idle high-priority session with the most cached tokens, not the fewest",
         (
             (
-                "        victim = min(idle, key=lambda s: (len(self._full_path(s.node)), s.seq))\n",
-                "        victim = max(idle, key=lambda s: (len(self._full_path(s.node)), -s.seq))\n",
+                "            victim = min(idle, key=lambda s: (len(self._full_path(s.node)), s.seq))\n",
+                "            victim = max(idle, key=lambda s: (len(self._full_path(s.node)), -s.seq))\n",
             ),
         ),
         page_sizes=(1,),

@@ -254,6 +254,7 @@ def _cut(slots: Optional[tuple[int, ...]], at: int) -> tuple[Optional[tuple[int,
 
 
 Chooser = Callable[[list[int]], Optional[int]]
+SessionChooser = Callable[[list[str]], Optional[str]]
 """Picks an eviction victim among candidate ids; None leaves the pick to the model's own order."""
 
 
@@ -353,6 +354,15 @@ class RefCache:
         its size (the harness seats the backend's choice under the core); None: as `host_room` says."""
         self.host_steer: Optional[Chooser] = None
         """The chooser for host evictions made inside other operations, when it differs from `steer`."""
+        self.restore_order = "latest"
+        """Which demoted session a released high session restores (DEMOTE): "latest" (the most recently demoted,
+        SPEC.md §11.4) or "earliest"."""
+        self.demote_steer: Optional[SessionChooser] = None
+        """The core's demotion chooser (DEMOTE): given every high session, oldest registration first, the one to
+        demote, None for the model's own pick; the harness seats the backend's choice with it."""
+        self.restore_steer: Optional[SessionChooser] = None
+        """The core's restore chooser (DEMOTE): given the demoted sessions, the one a high release restores, or None
+        for none; when set it decides."""
         self.chosen: list[tuple[str, int]] = []
         """The current operation's eviction choices, in order (`Snapshot.choices`); cleared by `set_clock`."""
 
@@ -1040,25 +1050,34 @@ class RefCache:
         was_high = self._is_high(session)
         self._hold(session, -1)
         del self.sessions[session_id]
-        if was_high:
-            while self.demotions:
-                back = self.sessions.get(self.demotions.pop())
-                if back is not None and back.demoted:
-                    self._hold(back, -1)
-                    back.demoted = False
-                    self._hold(back, +1)
-                    break
+        if not was_high:
+            return
+        demoted = [d for d in self.demotions if d in self.sessions and self.sessions[d].demoted]
+        if self.restore_steer is not None:
+            pick = self.restore_steer(demoted)
+        elif demoted:
+            pick = demoted[-1] if self.restore_order == "latest" else demoted[0]
+        else:
+            pick = None
+        if pick is None:
+            return
+        back = self.sessions[pick]
+        self.demotions = [d for d in demoted if d != pick]
+        self._hold(back, -1)
+        back.demoted = False
+        self._hold(back, +1)
 
     def _demote_idle_session(self) -> bool:
         """Host pressure: demote the idle high session with the fewest tokens (SPEC.md §11.4); False if none."""
-        idle = [
-            s
-            for s in self.sessions.values()
-            if self._is_high(s) and any(n.slots is None for n in self._path_to_root(s.node))
-        ]
-        if not idle:
-            return False
-        victim = min(idle, key=lambda s: (len(self._full_path(s.node)), s.seq))
+        high = sorted((s for s in self.sessions.values() if self._is_high(s)), key=lambda s: s.seq)
+        pick = self.demote_steer([s.id for s in high]) if self.demote_steer is not None else None
+        if pick is not None:
+            victim = self.sessions[pick]
+        else:
+            idle = [s for s in high if any(n.slots is None for n in self._path_to_root(s.node))]
+            if not idle:
+                return False
+            victim = min(idle, key=lambda s: (len(self._full_path(s.node)), s.seq))
         self._hold(victim, -1)
         victim.demoted = True
         self._hold(victim, +1)
@@ -1453,10 +1472,12 @@ def alternative(config: CacheConfig) -> RefCache:
     """`kvcert.refimpl:alternative`: the reference model built another correct way (SPEC.md §6). Write-back host
     eviction takes duplicate backups and host-only leaves in one rank order, a failed write copy is
     invalidated rather than retried, a prefetch or retraction backup that does not fit host-evicts only its
-    shortfall, and each written node is its own write copy, issued deepest first. It passes the core and fails the
+    shortfall, each written node is its own write copy, issued deepest first, and a released high session restores
+    the earliest demoted session rather than the latest. It passes the core and fails the
     sglang-0.5.23 profile."""
     cache = RefCache(config)
     cache.batching = "per_node"
+    cache.restore_order = "earliest"
     cache.host_order = "rank"
     cache.copy_failure = "invalidate"
     cache.host_room = "shortfall"

@@ -24,7 +24,7 @@ class Choice:
     """What the core allows instead, and the relation it still checks."""
     needs: str = ""
     """The part of the spec a backend must declare for the choice to arise: "" (any backend), "write_back"
-    (a write policy), "copy" (a fault kind), "host_room" (prefetch, or retraction with a host tier), "host" (a host tier)."""
+    (a write policy), "copy" (a fault kind), "host_room" (prefetch, or retraction with a host tier), "host" (a host tier), "priority_host" (sessions and a host tier)."""
 
 
 RANK = Choice(
@@ -65,7 +65,18 @@ BATCH = Choice(
     "host",
 )
 
-CHOICES: tuple[Choice, ...] = (RANK, RECLAIM, RETRY, ROOM, BATCH)
+DEMOTE = Choice(
+    "DEMOTE",
+    "host pressure demotes the idle high session with the fewest tokens on its path, ties to the earliest registered; "
+    "a released high session restores the most recently demoted one (§11.4)",
+    "host pressure demotes high sessions, one at a time and only while the host eviction's unused and low-tier "
+    "candidates fall short, whichever the backend picks; a released high session restores at most one demoted "
+    "session, whichever (or none); refs and tiers stay exact (INV-TIER-1/5) and no high host copy goes while a "
+    "demotion was possible (INV-TIER-4)",
+    "priority_host",
+)
+
+CHOICES: tuple[Choice, ...] = (RANK, RECLAIM, RETRY, ROOM, BATCH, DEMOTE)
 
 STILL_PINNED: tuple[tuple[str, str], ...] = (
     ("host", "a load-back is one copy, issued by the load_back call that asks for it (INV-COPY-1)"),

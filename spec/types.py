@@ -30,6 +30,18 @@ FAULTS: tuple[str, ...] = ("host_alloc", "copy")
 """Faults a backend can have injected (SPEC.md §10.5): `host_alloc` makes its next host-slot
 allocation fail; `copy` makes the next copy the engine finishes (`complete`) fail instead."""
 
+PRIORITY_PARTS: dict[str, str] = {
+    "high": "two ref classes: HIGH_REF nodes that host eviction spares, adaptive demotion (SPEC.md §11.1-§11.4); "
+    "without it every session is low",
+    "scope": "scoped eviction evict(n, allow_low, allow_high) (SPEC.md §11.3, INV-TIER-3)",
+    "update": "update_ref: a session's new priority on the same path (SPEC.md §11.1)",
+    "admission": "plan_admission and partial residency (SPEC.md §11.5-§11.6, INV-ADMIT-*); needs scope",
+}
+"""The parts of §11 a priority-aware backend may offer (`Capabilities.priority_parts`)."""
+ONE_CLASS_THRESHOLD = 3
+"""The cells' high-priority threshold for a backend without two ref classes: above every priority the suite
+draws (0-2), so every session is low."""
+
 WRITE_THROUGH_THRESHOLD = {"write_through": 1, "write_through_selective": 2}
 """Hits after which a node is backed up, per write-through policy (SGLang's defaults)."""
 
@@ -472,6 +484,9 @@ class Capabilities:
     """True: the harness writes each request's KV and reads every slot back (`KVBackend`, SPEC.md §9.12)."""
     priority_refs: bool = False
     """True: sessions, tiered and scoped eviction, adaptive demotion, admission plans (SPEC.md §11)."""
+    priority_parts: tuple[str, ...] = ("high", "scope", "update", "admission")
+    """With `priority_refs`, the parts of §11 the backend offers (PRIORITY_PARTS); an engine that lacks one is
+    not sent its ops, and the certificate lists it as not checked."""
     aligns_keys: bool = False
     """True: an insert key that ends mid-page caches its page-aligned head and leaves the tail's slots to
     the caller (SGLang's `RadixCache.insert`), instead of raising `UnalignedKey` (SPEC.md §4.2)."""

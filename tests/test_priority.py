@@ -17,7 +17,7 @@ from kvcert.conformance.driver import run_trace
 from kvcert.refimpl import RefCache
 from kvcert.spec import contracts
 from kvcert.spec.invariants import check_snapshot
-from kvcert.spec.ops import Match, Trace
+from kvcert.spec.ops import Admit, Insert, Match, Op, Trace
 from kvcert.spec.types import (
     HIGH_REF,
     LOW_REF,
@@ -304,3 +304,33 @@ def test_an_eviction_whose_ranks_change_midway_is_judged_by_replay() -> None:
     ]
     h = run_trace(RefCache(config), config, RefCache.capabilities, ops, quiesce=False)
     assert any(s.demoted for s in h.oracle.sessions.values()), "the eviction demoted a session on the way"
+
+
+class _OtherTies(RefCache):
+    """A correct cache that breaks rank ties the other way (the newest node first, not the oldest)."""
+
+    def _pick(self, candidates, choose):  # type: ignore[no-untyped-def]
+        if choose is None:
+            tied = min(self.rank(n) for n in candidates)
+            return max((n for n in candidates if self.rank(n) == tied), key=lambda n: n.id)
+        return super()._pick(candidates, choose)
+
+
+def test_an_admissions_eviction_follows_the_backends_tie_break() -> None:
+    """SPEC.md §4.5 leaves tied leaves to the backend: the plan's scoped eviction inside `Admit` is steered to the
+    backend's victims among them, as a plain `Evict` is (found on the RefAware fork, whose two tied leaves after a
+    split went the other way)."""
+    config = CacheConfig(page_size=4, policy="mru", capacity=64, high_priority_threshold=1)
+    ops: list[Op] = [
+        Insert(None, (2, 2, 2, 2, 1, 1, 1, 1)),
+        Insert(None, (2, 2, 2, 2, 2, 2, 2, 2)),
+        Admit(54, 0, ((2, 0), (0, 0)), (1, 1, 4, 18)),
+    ]
+    leaves = []
+    for cache in (RefCache(config), _OtherTies(config)):
+        h = run_trace(cache, config, RefCache.capabilities, ops, quiesce=False, close=False)
+        nodes = h.backend.snapshot().nodes
+        parents = {n.parent for n in nodes}
+        leaves.append({n.key for n in nodes if n.parent is not None and n.id not in parents})
+        h.close()
+    assert leaves[0] != leaves[1]  # a real tie, broken two ways, both followed

@@ -34,6 +34,8 @@ from kvcert.spec.ops import (
     Poll,
     Prefetch,
     Publish,
+    RegisterRef,
+    ReleaseRef,
     Start,
     Trace,
 )
@@ -82,6 +84,20 @@ BATCH_TRACE = (
 """A request's match splits its checkpointed node, and its finish writes both halves: SGLang as one write copy and
 then one store copy per node, the alternative one write copy per node, deepest first."""
 
+DEMOTE_TRACE = (
+    CacheConfig(
+        page_size=1, capacity=8, host_capacity=3, write_policy="write_through", high_priority_threshold=1,
+        load_back_threshold=1,
+    ),
+    [
+        *(Insert(None, (1,)), Complete(0), Poll(), Insert(None, (2,)), Complete(1), Poll(), Insert(None, (3,))),
+        *(Evict(2), RegisterRef("a", 0, 1), RegisterRef("b", 3, 1), RegisterRef("c", 6, 1)),
+        *(EvictHost(1), EvictHost(1), ReleaseRef("c")),
+    ],
+)
+"""Host pressure demotes idle high sessions a, then b; releasing high session c restores one: the spec's latest (b),
+the alternative's earliest (a)."""
+
 D17 = Trace.from_json((Path(__file__).parent / "traces" / "d17-retraction-reclaims-its-size.json").read_text())
 BACKUP_TRACE = (D17.config, list(D17.ops))
 """A retraction backup that does not fit: SGLang host-evicts its whole size (D17), the alternative the shortfall."""
@@ -114,8 +130,9 @@ def test_backends_declare_their_profiles() -> None:
         (ROOM_TRACE, {"INV-TREE-4"}),  # SGLang's prefetch would have removed two more host-only leaves
         (BACKUP_TRACE, {"INV-TREE-4"}),
         (BATCH_TRACE, {"INV-COPY-1"}),
+        (DEMOTE_TRACE, {"INV-TIER-5"}),
     ],
-    ids=["reclaim", "retry", "room-prefetch", "room-backup", "batch"],
+    ids=["reclaim", "retry", "room-prefetch", "room-backup", "batch", "demote"],
 )
 def test_the_alternative_passes_the_core_and_fails_the_profile(
     trace: tuple[CacheConfig, list[Op]], broken: set[str]
@@ -382,9 +399,34 @@ def test_the_certificate_says_what_the_profile_leaves_open() -> None:
 
     caps = factory.capabilities  # type: ignore[attr-defined]
     core = scope_gaps(replace(caps, profile="core"), [])
-    assert [g.split(" ")[1] for g in core if g.startswith("choice ")] == ["RANK", "RECLAIM", "RETRY", "ROOM", "BATCH"]
+    assert [g.split(" ")[1] for g in core if g.startswith("choice ")] == ["RANK", "RECLAIM", "RETRY", "ROOM", "BATCH", "DEMOTE"]
     assert sum(g.startswith("pinned under every profile") for g in core) == len(profiles.STILL_PINNED)
     assert not [g for g in scope_gaps(caps, []) if g.startswith("choice ")]
     device_only = scope_gaps(Capabilities(name="device-only"), [])
     assert [g.split(" ")[1] for g in device_only if g.startswith("choice ")] == ["RANK"]
     assert not [g for g in device_only if g.startswith("pinned under every profile")]
+
+
+class _DemotesNewest(RefCache):
+    """Host pressure demotes the newest high session, and a high release restores none: both the backend's to pick
+    under the core (DEMOTE)."""
+
+    def __init__(self, config: CacheConfig) -> None:
+        super().__init__(config)
+        self.demote_steer = lambda high: high[-1] if high else None
+        self.restore_steer = lambda demoted: None
+
+
+class _DemotesTwice(RefCache):
+    """Host pressure demotes two high sessions where one was enough: a demotion the core does not allow."""
+
+    def _demote_idle_session(self) -> bool:
+        return super()._demote_idle_session() | super()._demote_idle_session()
+
+
+def test_the_core_takes_any_demotion_and_restore_but_not_an_extra_one() -> None:
+    config, ops = DEMOTE_TRACE
+    caps = factory.capabilities  # type: ignore[attr-defined]
+    assert _verdict(_DemotesNewest, caps, config, ops, "core") == set()
+    assert "INV-TIER-5" in _verdict(_DemotesNewest, caps, config, ops, "sglang-0.5.23")
+    assert "INV-TIER-5" in _verdict(_DemotesTwice, caps, config, ops, "core")
