@@ -27,6 +27,7 @@ from kvcert.conformance.runner import run_machine
 from kvcert.conformance.running import TraceInvalid
 from kvcert.conformance.shrink import shrink
 from kvcert.conformance.windows import WINDOWS
+from kvcert.refimpl import RefCache
 from kvcert.spec import profiles
 from kvcert.spec.ops import Op, Trace
 from kvcert.spec.types import (
@@ -36,6 +37,7 @@ from kvcert.spec.types import (
     PREFETCH_POLICIES,
     PRIORITY_PARTS,
     WRITE_POLICIES,
+    BadInput,
     CacheConfig,
     Capabilities,
 )
@@ -164,9 +166,7 @@ def run_cell(
         with fixed_generation():
             run_machine(machine, conf, seed)
     except ConformanceFailure as original:
-        ops = shrink(
-            machine.last_trace(), lambda ops: failure_ids(factory, capabilities, config, ops), config.page_size
-        )
+        ops = shrink(machine.last_trace(), guarded(failure_ids, factory, capabilities, config, bad_input), config.page_size)
         failure = replay_failure(factory, capabilities, config, ops)
         if failure is None:  # the run failed, a fresh backend given the same ops does not: not deterministic
             report = (
@@ -269,6 +269,41 @@ def _part_exercised(part: str, ops: dict[str, int], host_cells: bool) -> bool:
     if part == "update":
         return ops.get("UpdateRef", 0) > 0
     return ops.get("Admit", 0) > 0
+
+
+def model_accepts(config: CacheConfig, ops: list[Op]) -> bool:
+    """Whether the reference model answers every op of `ops` without a BadInput: valid traffic."""
+    bad: list[int] = []
+
+    def hook(index: int, op: Op, got: object) -> None:
+        if isinstance(got, BadInput):
+            bad.append(index)
+
+    try:
+        run_trace(RefCache(config), config, RefCache.capabilities, ops, hook=hook, quiesce=False)
+    except ConformanceFailure:
+        return True  # the model itself is not what is being judged here
+    return not bad
+
+
+def guarded(
+    verdict: Callable[[Factory, Capabilities, CacheConfig, list[Op]], Optional[list[str]]],
+    factory: Factory,
+    capabilities: Capabilities,
+    config: CacheConfig,
+    bad_input: Optional[bool] = None,
+) -> Callable[[list[Op]], Optional[list[str]]]:
+    """The shrinker's verdict. For a backend the suite sends only valid traffic (not `strict_input`, bad input not
+    forced), a candidate with an op the model rejects as bad input does not count as still failing: shrinking
+    must not turn a failure on valid traffic into one on a caller bug (an unlock with no lock)."""
+    valid_only = not capabilities.strict_input and not bad_input
+
+    def judge(ops: list[Op]) -> Optional[list[str]]:
+        if valid_only and not model_accepts(config, ops):
+            return None
+        return verdict(factory, capabilities, config, ops)
+
+    return judge
 
 
 def cells_for(

@@ -411,3 +411,27 @@ def test_a_snapshot_that_raises_fails_its_cell_with_a_trace(tmp_path: Path) -> N
     assert not cell.passed and cell.reproduced
     assert cell.failure is not None and "INV-ERR-3" in cell.failure and "snapshot raised" in cell.failure
     assert cell.trace_path and Path(cell.trace_path).exists() and (cell.trace_len or 0) <= 3
+
+
+def test_shrinking_keeps_a_lenient_backends_trace_valid() -> None:
+    """For a backend sent only valid traffic, the shrinker may not reduce a failure to one on a caller bug: deleting
+    the Lock of `Lock, Unlock` leaves an unlock with no lock, which the model rejects (LockUnderflow)."""
+    from dataclasses import replace
+
+    from kvcert.conformance.certify import guarded, model_accepts
+    from kvcert.conformance.shrink import shrink
+
+    config = CacheConfig(page_size=1, capacity=8)
+    ops = [Insert(None, (1,)), Insert(None, (2,)), Lock(0), Unlock(0)]
+    assert model_accepts(config, ops) and not model_accepts(config, [Insert(None, (1,)), Unlock(0)])
+
+    def unlocks(*args: object) -> list[str] | None:  # "fails" while the trace unlocks something
+        return ["INV-X"] if any(isinstance(op, Unlock) for op in args[-1]) else None  # type: ignore[attr-defined]
+
+    lenient = replace(RefCache.capabilities, strict_input=False)
+    unguarded = shrink(list(ops), unlocks, 1)
+    assert [type(op) for op in unguarded] == [Insert, Unlock]  # the gap: an unlock with no lock
+    kept = shrink(list(ops), guarded(unlocks, factory, lenient, config), 1)
+    assert [type(op) for op in kept] == [Insert, Lock, Unlock] and model_accepts(config, kept)
+    strict = shrink(list(ops), guarded(unlocks, factory, RefCache.capabilities, config), 1)
+    assert strict == unguarded  # a strict backend's shrinking may keep bad input: it is judged on it
