@@ -63,6 +63,8 @@ class Checks:
     capabilities: Capabilities
     ledger: Ledger
     model: KVModel
+    load_host_lock: bool = True
+    """Whether a pending load must host-lock its node: the profile pins LOAD_LOCK (SPEC.md §6.1)."""
 
     def contract(
         self,
@@ -114,6 +116,7 @@ class Checks:
                     AdmissionProfile(*op.profile) if op.profile is not None else None,
                     self.config.kv_layers,
                     got,
+                    self.capabilities.retraction,
                 )
             ]
             if got != want:
@@ -195,7 +198,7 @@ class Checks:
     ) -> list[Violation]:
         """State invariants, then shape, locks, copies, prefetches, sessions, backups, storage and KV
         against the oracle (`spec`: its snapshot)."""
-        violations = check_snapshot(snap)
+        violations = check_snapshot(snap, self.load_host_lock)
         if not any(v.inv == "INV-TREE-1" for v in violations):
             mine, spec_shape = contracts.shape(snap), contracts.shape(spec)
             if {p: v.size for p, v in mine.items()} != {p: v.size for p, v in spec_shape.items()}:

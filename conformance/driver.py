@@ -59,7 +59,7 @@ from kvcert.spec.ops import (
     StorageFault,
     Unlock,
 )
-from kvcert.spec.profiles import BATCH, DEMOTE, RANK, RECLAIM, RETRY, ROOM, Profile, profile
+from kvcert.spec.profiles import BATCH, DEMOTE, LOAD_LOCK, RANK, RECLAIM, RETRY, ROOM, Profile, profile
 from kvcert.spec.types import CacheConfig, Capabilities, InsertOut, MatchOut, Snapshot
 
 __all__ = ["UNKNOWN_NODE", "ConformanceFailure", "Harness", "Outcome", "run_trace"]
@@ -113,8 +113,11 @@ class Harness(Queries):
             # reported (SPEC.md §6): every eviction candidate is open to its chooser, host eviction one order.
             self.oracle.rank_free = not self.profile.pinned(RANK)
             self.oracle.host_order = "reclaim_first" if self.profile.pinned(RECLAIM) else "rank"
+            self.oracle.backs_up_retractions = self.capabilities.retraction  # none declared: plans keep no backup
             self.model = KVModel(self.config.kv_layers)
-            self.checks = Checks(self.backend, self.config, self.capabilities, self.ledger, self.model)
+            self.checks = Checks(
+                self.backend, self.config, self.capabilities, self.ledger, self.model, self.profile.pinned(LOAD_LOCK)
+            )
             if self.config.prefetch_policy:
                 self.storages = (FaultyStorage(MemoryStorage()), FaultyStorage(MemoryStorage()))
                 self.backend.attach_storage(self.storages[0])  # type: ignore[attr-defined]
@@ -294,6 +297,8 @@ class Harness(Queries):
             self.oracle.steer = steering.follow(self.oracle, tail=tail)
             self.oracle.reclaim = steering.reclaimed(self.oracle, order)
             self.oracle.host_steer = None if pinned(RECLAIM) else steering.follow_host(self.oracle, tail, order)
+            if not pinned(LOAD_LOCK):
+                self.oracle.load_host_lock = steering.load_host_locked()
             if not pinned(DEMOTE):
                 self.oracle.demote_steer, self.oracle.restore_steer = steering.demote_pick(), steering.restore_pick()
             if not pinned(RETRY):
@@ -316,6 +321,7 @@ class Harness(Queries):
             finally:
                 self.oracle.steer = self.oracle.reclaim = self.oracle.host_steer = None
                 self.oracle.demote_steer = self.oracle.restore_steer = None
+                self.oracle.load_host_lock = True
                 self.oracle.copy_failure = "retry"
                 self.oracle.host_ask, self.oracle.host_room = None, "whole"
                 self._spec_snap = None

@@ -218,6 +218,19 @@ class Steering:
         was = {x.id for x in self.before.sessions if x.demoted}
         return any(x.demoted and x.id not in was for x in self.after.sessions)
 
+    def load_host_locked(self) -> bool:
+        """Whether the step's new load copy host-locked the node it was issued for (LOAD_LOCK): its host lock count
+        rose during the step. True when the step issued no load."""
+        known = {c.id for c in self.before.pending}
+        now, was = self.after.by_id(), self.before.by_id()
+        for copy in self.after.pending:
+            present = [i for i in copy.nodes if i in now]
+            if copy.kind != "load" or copy.id in known or not present:
+                continue
+            deepest = max(present, key=lambda i: len(contracts.node_paths(self.after).get(i, (None, ()))[1]))
+            return now[deepest].host_lock_ref > (was[deepest].host_lock_ref if deepest in was else 0)
+        return True
+
     def demote_pick(self) -> Callable[[list[str]], Optional[str]]:
         """The core's demotion chooser (DEMOTE): among the oracle's high sessions, one the backend demoted during
         the step; None (the oracle's own pick) once none is left, which the comparison then judges. The snapshots

@@ -354,6 +354,12 @@ class RefCache:
         its size (the harness seats the backend's choice under the core); None: as `host_room` says."""
         self.host_steer: Optional[Chooser] = None
         """The chooser for host evictions made inside other operations, when it differs from `steer`."""
+        self.backs_up_retractions = True
+        """Whether an admission plan may keep a retracted request's KV on the host (SPEC.md §11.5): the harness
+        turns it off for a backend with a host tier that declares no retraction backup."""
+        self.load_host_lock = True
+        """A pending load keeps its node's host copy host-locked until the ack (LOAD_LOCK); False: the load's own
+        pins (both tiers, the device lock) protect it once its nodes are on the device."""
         self.restore_order = "latest"
         """Which demoted session a released high session restores (DEMOTE): "latest" (the most recently demoted,
         SPEC.md §11.4) or "earliest"."""
@@ -894,7 +900,10 @@ class RefCache:
             offset += len(n.key)
             self._account(n, +1)  # locked: protected
         _move_kv(self.host_kv, [x for n in chain for x in n.host_slots or ()], self.kv, slots)  # one job
-        self.copies.append(Copy(self._next_copy, "load", chain, anchors=[node], host_locked=[node]))
+        if not self.load_host_lock:  # from here the copy's own pins protect the host copy (LOAD_LOCK)
+            node.host_lock_ref -= 1
+        held = [node] if self.load_host_lock else []
+        self.copies.append(Copy(self._next_copy, "load", chain, anchors=[node], host_locked=held))
         self._next_copy += 1
         return size
 
@@ -1107,7 +1116,7 @@ class RefCache:
         high = priority >= self.threshold
         free = len(self.pool.free_list)
         in_scope = self.tier_evictable[0] + self.tier_evictable[1] + (self.tier_evictable[2] if high else 0)
-        host_room = len(self.host.free_list) if self.host is not None else 0
+        host_room = len(self.host.free_list) if self.host is not None and self.backs_up_retractions else 0
         layers_all = self.kv_layers
         low = [r for r in running if r.priority < self.threshold]  # a high-priority request is never retracted
         for layers in range(layers_all, 0, -1):
@@ -1472,12 +1481,14 @@ def alternative(config: CacheConfig) -> RefCache:
     """`kvcert.refimpl:alternative`: the reference model built another correct way (SPEC.md §6). Write-back host
     eviction takes duplicate backups and host-only leaves in one rank order, a failed write copy is
     invalidated rather than retried, a prefetch or retraction backup that does not fit host-evicts only its
-    shortfall, each written node is its own write copy, issued deepest first, and a released high session restores
-    the earliest demoted session rather than the latest. It passes the core and fails the
+    shortfall, each written node is its own write copy, issued deepest first, a released high session restores
+    the earliest demoted session rather than the latest, and a pending load's host copy is protected by the load's
+    own pins rather than a host lock. It passes the core and fails the
     sglang-0.5.23 profile."""
     cache = RefCache(config)
     cache.batching = "per_node"
     cache.restore_order = "earliest"
+    cache.load_host_lock = False
     cache.host_order = "rank"
     cache.copy_failure = "invalidate"
     cache.host_room = "shortfall"

@@ -490,8 +490,10 @@ def plan_violations(
     profile: Optional[AdmissionProfile],
     layers_total: int,
     plan: AdmissionPlan,
+    backups: bool = True,
 ) -> list[tuple[str, str]]:
     """INV-ADMIT-1..4: check an admission plan against the state it was made in (SPEC.md §11.5, §11.6).
+    `backups`: whether the backend keeps retracted requests' KV on the host at all (it declares retraction).
 
     Sizes come from the tree, not the backend's counters, so a drifting tier counter that skews a
     plan shows here as well as in INV-TIER-2.
@@ -559,7 +561,7 @@ def plan_violations(
                 )
             elif [r.id for r in taken] != rule:
                 out.append(("INV-ADMIT-2", f"retracts {plan.retract}; the fewest, by the stated rule: {tuple(rule)}"))
-        room, keep = len(s.host_free_slots), []
+        room, keep = len(s.host_free_slots) if backups else 0, []
         for r in taken:
             size = page_ceil(r.tokens, ps)
             keep.append(0 < size <= room)

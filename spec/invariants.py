@@ -352,11 +352,12 @@ def _depth(nodes: dict[int, NodeView], nid: int) -> int:
     return depth
 
 
-def copies_pinned(s: Snapshot) -> list[str]:
+def copies_pinned(s: Snapshot, load_host_lock: bool = True) -> list[str]:
     """INV-HOST-6: an unacknowledged copy pins both ends: its nodes are locked and hold both tiers' slots.
 
-    A pending load also protects the host copy of the node it was issued for (the deepest
-    one it moves); the nodes above it are host-protected by having children (SPEC.md §9.7).
+    With `load_host_lock` (a profile that pins LOAD_LOCK, SPEC.md §6.1) a pending load also host-locks the
+    host copy of the node it was issued for (the deepest one it moves); the nodes above it are
+    host-protected by having children (SPEC.md §9.7).
     """
     nodes = s.by_id()
     out = []
@@ -375,7 +376,7 @@ def copies_pinned(s: Snapshot) -> list[str]:
                     f"{copy.kind} copy {copy.id}: node {nid} lock_ref {n.lock_ref}, on device {n.slots is not None}, backed up {n.host_slots is not None}"
                 )
         present = [nid for nid in copy.nodes if nid in nodes]
-        if copy.kind == "load" and present:
+        if copy.kind == "load" and present and load_host_lock:
             deepest = max(present, key=lambda nid: _depth(nodes, nid))
             if nodes[deepest].host_lock_ref <= 0:
                 out.append(f"load copy {copy.id}: node {deepest}'s host copy is not protected")
@@ -463,11 +464,13 @@ SNAPSHOT_INVARIANTS: dict[str, Callable[[Snapshot], list[str]]] = {
 }
 
 
-def check_snapshot(s: Snapshot) -> list[Violation]:
-    """Every state invariant over one snapshot; structure first, since later checks assume it."""
+def check_snapshot(s: Snapshot, load_host_lock: bool = True) -> list[Violation]:
+    """Every state invariant over one snapshot; structure first, since later checks assume it. `load_host_lock`:
+    whether a pending load must host-lock its node (the profile choice LOAD_LOCK)."""
     out: list[Violation] = []
     for inv, check in SNAPSHOT_INVARIANTS.items():
-        out += [Violation(inv, m) for m in check(s)]
+        found = copies_pinned(s, load_host_lock) if inv == "INV-HOST-6" else check(s)
+        out += [Violation(inv, m) for m in found]
         if inv == "INV-TREE-1" and out:
             return out
     return out

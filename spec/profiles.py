@@ -76,7 +76,15 @@ DEMOTE = Choice(
     "priority_host",
 )
 
-CHOICES: tuple[Choice, ...] = (RANK, RECLAIM, RETRY, ROOM, BATCH, DEMOTE)
+LOAD_LOCK = Choice(
+    "LOAD_LOCK",
+    "a pending load keeps the host copy of the node it was issued for host-locked until its ack (§9.7)",
+    "or the load's own pins alone protect it: its nodes are on both tiers and device-locked until the ack, and no "
+    "host eviction or write-back reclaim may take a node a pending copy moves (INV-HOST-6's both-tiers clause)",
+    "host",
+)
+
+CHOICES: tuple[Choice, ...] = (RANK, RECLAIM, RETRY, ROOM, BATCH, DEMOTE, LOAD_LOCK)
 
 STILL_PINNED: tuple[tuple[str, str], ...] = (
     ("host", "a load-back is one copy, issued by the load_back call that asks for it (INV-COPY-1)"),
@@ -97,7 +105,12 @@ class Profile:
 
 CORE = Profile("core", frozenset())
 SGLANG = Profile("sglang-0.5.23", frozenset(c.id for c in CHOICES))
-PROFILES: dict[str, Profile] = {p.name: p for p in (CORE, SGLANG)}
+REFAWARE = Profile("refaware-0.5.10", frozenset({RANK.id}))
+"""The priority-aware fork of SGLang 0.5.10 (the seed's implementation): it ranks victims as §4.5/§11.3 do on both
+tiers, and makes its own choice at every other place the core leaves open (REFAWARE_CALIBRATION.md: one write
+copy per node, any non-generating high rid demoted, the earliest demotion restored, a load's host copy
+protected by its pins)."""
+PROFILES: dict[str, Profile] = {p.name: p for p in (CORE, SGLANG, REFAWARE)}
 
 
 def profile(name: str) -> Profile:

@@ -29,6 +29,7 @@ from kvcert.spec.ops import (
     Finish,
     InjectFault,
     Insert,
+    LoadBack,
     Match,
     Op,
     Poll,
@@ -98,6 +99,13 @@ DEMOTE_TRACE = (
 """Host pressure demotes idle high sessions a, then b; releasing high session c restores one: the spec's latest (b),
 the alternative's earliest (a)."""
 
+LOAD_TRACE = (
+    CacheConfig(page_size=1, capacity=8, host_capacity=8, write_policy="write_through"),
+    [Insert(None, (1,)), Complete(0), Poll(), Evict(1), Match(None, (1,)), LoadBack(4)],
+)
+"""A load back in flight: SGLang keeps the node's host copy host-locked until the ack, the alternative leaves it to
+the load's own pins (the RefAware fork's H1)."""
+
 D17 = Trace.from_json((Path(__file__).parent / "traces" / "d17-retraction-reclaims-its-size.json").read_text())
 BACKUP_TRACE = (D17.config, list(D17.ops))
 """A retraction backup that does not fit: SGLang host-evicts its whole size (D17), the alternative the shortfall."""
@@ -131,8 +139,9 @@ def test_backends_declare_their_profiles() -> None:
         (BACKUP_TRACE, {"INV-TREE-4"}),
         (BATCH_TRACE, {"INV-COPY-1"}),
         (DEMOTE_TRACE, {"INV-TIER-5"}),
+        (LOAD_TRACE, {"INV-HOST-6", "INV-HOST-11"}),
     ],
-    ids=["reclaim", "retry", "room-prefetch", "room-backup", "batch", "demote"],
+    ids=["reclaim", "retry", "room-prefetch", "room-backup", "batch", "demote", "load-lock"],
 )
 def test_the_alternative_passes_the_core_and_fails_the_profile(
     trace: tuple[CacheConfig, list[Op]], broken: set[str]
@@ -399,7 +408,7 @@ def test_the_certificate_says_what_the_profile_leaves_open() -> None:
 
     caps = factory.capabilities  # type: ignore[attr-defined]
     core = scope_gaps(replace(caps, profile="core"), [])
-    assert [g.split(" ")[1] for g in core if g.startswith("choice ")] == ["RANK", "RECLAIM", "RETRY", "ROOM", "BATCH", "DEMOTE"]
+    assert [g.split(" ")[1] for g in core if g.startswith("choice ")] == ["RANK", "RECLAIM", "RETRY", "ROOM", "BATCH", "DEMOTE", "LOAD_LOCK"]
     assert sum(g.startswith("pinned under every profile") for g in core) == len(profiles.STILL_PINNED)
     assert not [g for g in scope_gaps(caps, []) if g.startswith("choice ")]
     device_only = scope_gaps(Capabilities(name="device-only"), [])

@@ -56,11 +56,8 @@ Mapping (SPEC.md §9, §11):
 Not declared, because the fork has no call for them (the certificate lists them as not checked):
 retraction (`retraction_backup` / `_restore` / `_discard`: 0.5.10 has no `backup_kv_cache`), storage
 (L3, not driven on CPU here), injected faults, a running request's checkpoint (0.5.10 has none: the
-harness composes it). An admission plan that keeps a retracted request asks for a retraction backup all
-the same (`conformance/scheduler.py` `_admit`, for any backend with a host tier and priority refs), so
-`retraction_backup` / `retraction_discard` exist here, composed from the fork's host-pool calls (no
-restore: the harness restores only where `retraction` is declared). Like `plan_admission` (R8) this is
-the adapter's scheduler side, not the fork's cache (calibration H10).
+harness composes it). Without retraction an admission plan keeps no retracted request on the host
+(SPEC.md §11.5): the plan's retractions are discarded, so the adapter plans with no host room (H10).
 
 Determinism. While (and only while) a call into the fork runs, the adapter swaps the `time` globals of
 `radix_cache` and `hiradix_cache` (node stamps) for its logical clock, `TreeNode.counter` and
@@ -101,7 +98,7 @@ from kvcert.conformance.adapters._refaware_env import (
 )
 from kvcert.conformance.adapters._sglang_env import OrderedSet
 from kvcert.conformance.adapters._sglang_kv import HEAD_DIM, HEAD_NUM, KV_DTYPE, entries_of, tensor_of
-from kvcert.conformance.adapters.refaware_radix import RefAwareRadixBackend
+from kvcert.conformance.adapters.refaware_radix import RefAwareRadixBackend, free_slots, node_view
 from kvcert.spec.types import (
     POLICIES,
     WRITE_POLICIES,
@@ -113,12 +110,10 @@ from kvcert.spec.types import (
     MatchOut,
     NodeView,
     PendingCopy,
-    RetractionView,
     Running,
     SessionView,
     Snapshot,
     UnknownCopy,
-    UnknownRetraction,
     UnknownSession,
 )
 
@@ -258,9 +253,6 @@ class RefAwareHiRadixBackend(RadixTreeAdapter):
         self._registered: dict[str, None] = {}
         """Session ids in (re-)registration order (see `_sessions`)."""
         self._ledger = _Ledger()
-        self._retractions: dict[int, tuple[int, torch.Tensor]] = {}
-        """Composed retraction backups (see `retraction_backup`): id -> (tokens, host slots)."""
-        self._next_retraction = 0
         self._loading: Optional[tuple[list[int], set[int]]] = None
         """The nodes (deepest first) and root path of the load `load_back` is about to queue."""
         self.kv_pool = kv = MHATokenToKVPool(
@@ -500,37 +492,9 @@ class RefAwareHiRadixBackend(RadixTreeAdapter):
             free=int(self.allocator.available_size()),
             evictable=int(c.evictable_size_by_tier(allow_low=True, allow_high=True)),
             held_high=int(c.high_ref_evictable_size_),
-            host_free=int(self.host_pool.available_size()),
+            host_free=0,  # no retraction backup in 0.5.10 (H10): a retracted request is discarded, never kept
         )
         return plan_admission(counters, tokens, priority, running, profile)
-
-    def retraction_backup(self, slots: Sequence[int]) -> Optional[int]:
-        """An admission plan's kept retraction (SPEC.md §9.11), composed from the fork's host-pool calls: 0.5.10
-        has no `backup_kv_cache` (calibration H10). Host slots from `token_to_kv_pool_host.alloc`; when short,
-        the fork's own host-pressure eviction, as its `write_backup` does (`evict_host(need, allow_high=True)`),
-        then one retry; the bytes by `backup_from_device_all_layer` (direct io). None without room."""
-        ps = self.page_size
-        need = -(-len(slots) // ps) * ps
-        with self._in_fork():
-            host = self.host_pool.alloc(need)
-            if host is None:
-                self.cache.evict_host(need, allow_high=self.priority_refs)
-                host = self.host_pool.alloc(need)
-        if host is None:
-            return None
-        device = torch.tensor(list(slots), dtype=torch.int64)
-        self.host_pool.backup_from_device_all_layer(self.kv_pool, host[: len(slots)], device, "direct")
-        rid = self._next_retraction
-        self._next_retraction += 1
-        self._retractions[rid] = (len(slots), host)
-        return rid
-
-    def retraction_discard(self, backup: int) -> None:
-        """Free a composed retraction backup (the harness discards what is left when a trace quiesces)."""
-        if backup not in self._retractions:
-            raise UnknownRetraction(f"no retraction backup {backup!r}")
-        _, host = self._retractions.pop(backup)
-        self.host_pool.free(host)
 
     # ------------------------------------------------------------------ KVBackend (SPEC.md §9.12)
 
@@ -624,28 +588,9 @@ class RefAwareHiRadixBackend(RadixTreeAdapter):
                 continue
             depth[nid] = depth[int(parent.id)] + 1
             views.append(
-                NodeView(
-                    id=nid,
-                    parent=int(parent.id),
-                    namespace=node.key.extra_key,
-                    key=tuple(int(t) for t in node.key.token_ids),
-                    slots=None if node.value is None else tuple(int(x) for x in node.value.tolist()),
-                    lock_ref=int(node.lock_ref),
-                    host_slots=None if node.host_value is None else tuple(int(x) for x in node.host_value.tolist()),
-                    host_lock_ref=int(node.host_ref_counter) + load_locks.get(nid, 0),
-                    high_ref=int(node.high_ref) if self.priority_refs else 0,
-                    low_ref=int(node.low_ref) if self.priority_refs else 0,
-                    meta=(
-                        int(node.last_access_time),
-                        int(node.hit_count),
-                        int(node.creation_time),
-                        int(node.priority),
-                    ),
-                )
+                node_view(node, parent, self.priority_refs, int(node.host_ref_counter) + load_locks.get(nid, 0))
             )
-        a = self.allocator
-        free_ids = torch.cat((a.free_pages, a.release_pages)).tolist()
-        free = sorted(p * ps + i for p in free_ids for i in range(ps)) if ps > 1 else sorted(free_ids)
+        free = free_slots(self.allocator, ps)
         c = self.cache
         extra: dict[str, Any] = {}
         if self.priority_refs:
@@ -671,10 +616,6 @@ class RefAwareHiRadixBackend(RadixTreeAdapter):
             host_free_slots=tuple(sorted(int(x) for x in self.host_pool.free_slots.tolist())),
             write_policy=self.config.write_policy,
             pending=self._pending(parents),
-            retractions=tuple(
-                RetractionView(rid, tokens, tuple(int(x) for x in host.tolist()))
-                for rid, (tokens, host) in sorted(self._retractions.items())
-            ),
             **extra,
         )
 
@@ -723,7 +664,7 @@ factory.capabilities = Capabilities(  # type: ignore[attr-defined]
     kv_reads=True,
     aligns_keys=False,  # 0.5.10's insert does not page-align a key: its callers do
     checkpoints=False,  # 0.5.10 has no checkpoint: the harness composes it
-    profile="sglang-0.5.23",  # as refaware_radix declares
+    profile="refaware-0.5.10",  # its own choices (BATCH H11, DEMOTE H4/H6/H8, LOAD_LOCK H1); RANK as the spec's
     reports_metadata=True,
     metadata_exact=True,
     notes=(

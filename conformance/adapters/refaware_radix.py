@@ -357,27 +357,8 @@ class RefAwareRadixBackend(RadixTreeAdapter):
                 views.append(NodeView(int(node.id), None, None, (), (), int(node.lock_ref)))
                 continue
             depth[int(node.id)] = depth[int(parent.id)] + 1
-            views.append(
-                NodeView(
-                    id=int(node.id),
-                    parent=int(parent.id),
-                    namespace=node.key.extra_key,
-                    key=tuple(int(t) for t in node.key.token_ids),
-                    slots=tuple(int(x) for x in node.value.tolist()),
-                    lock_ref=int(node.lock_ref),
-                    high_ref=int(node.high_ref) if self.priority_refs else 0,
-                    low_ref=int(node.low_ref) if self.priority_refs else 0,
-                    meta=(
-                        int(node.last_access_time),
-                        int(node.hit_count),
-                        int(node.creation_time),
-                        int(node.priority),
-                    ),
-                )
-            )
-        a = self.allocator
-        free_ids = torch.cat((a.free_pages, a.release_pages)).tolist()
-        free = sorted(p * ps + i for p in free_ids for i in range(ps)) if ps > 1 else sorted(free_ids)
+            views.append(node_view(node, parent, self.priority_refs))
+        free = free_slots(self.allocator, ps)
         c = self.cache
         extra: dict[str, Any] = {}
         if self.priority_refs:
@@ -401,6 +382,30 @@ class RefAwareRadixBackend(RadixTreeAdapter):
             protected_size=int(c.protected_size()),
             **extra,
         )
+
+
+def node_view(node: Any, parent: Any, priority_refs: bool, host_lock_ref: int = 0) -> NodeView:
+    """A fork TreeNode below the root as the spec sees it (the Hi cache's host fields where it has them)."""
+    host = getattr(node, "host_value", None)
+    return NodeView(
+        id=int(node.id),
+        parent=int(parent.id),
+        namespace=node.key.extra_key,
+        key=tuple(int(t) for t in node.key.token_ids),
+        slots=None if node.value is None else tuple(int(x) for x in node.value.tolist()),
+        lock_ref=int(node.lock_ref),
+        host_slots=None if host is None else tuple(int(x) for x in host.tolist()),
+        host_lock_ref=host_lock_ref,
+        high_ref=int(node.high_ref) if priority_refs else 0,
+        low_ref=int(node.low_ref) if priority_refs else 0,
+        meta=(int(node.last_access_time), int(node.hit_count), int(node.creation_time), int(node.priority)),
+    )
+
+
+def free_slots(allocator: Any, page_size: int) -> list[int]:
+    """The allocator's free slots, parked release pages included (slot 0 / page 0 is the fork's padding)."""
+    ids = torch.cat((allocator.free_pages, allocator.release_pages)).tolist()
+    return sorted(p * page_size + i for p in ids for i in range(page_size)) if page_size > 1 else sorted(ids)
 
 
 def factory(config: CacheConfig) -> RefAwareRadixBackend:
