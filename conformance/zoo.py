@@ -323,9 +323,9 @@ MUTANTS: tuple[Mutant, ...] = (
         "load_back reports the tokens of the node asked for, not of the whole host-only chain it loaded",
         (
             (
-                '        self.copies.append(Copy(self._next_copy, "load", chain, anchors=[node], host_locked=[node]))\n'
+                '        self.copies.append(Copy(self._next_copy, "load", chain, anchors=[node], host_locked=held))\n'
                 "        self._next_copy += 1\n        return size\n",
-                '        self.copies.append(Copy(self._next_copy, "load", chain, anchors=[node], host_locked=[node]))\n'
+                '        self.copies.append(Copy(self._next_copy, "load", chain, anchors=[node], host_locked=held))\n'
                 "        self._next_copy += 1\n        return len(node.key)\n",
             ),
         ),

@@ -173,9 +173,9 @@ def reached(tmp_path_factory: pytest.TempPathFactory) -> list[Snapshot]:
     seen: list[Snapshot] = []
     real = checks.check_snapshot
 
-    def spy(s: Snapshot) -> list[inv.Violation]:
+    def spy(s: Snapshot, load_host_lock: bool = True) -> list[inv.Violation]:
         seen.append(s)
-        return real(s)
+        return real(s, load_host_lock)
 
     factory = load_factory("kvcert.gpu:factory")
     caps = capabilities_of(factory)
