@@ -10,12 +10,13 @@ view of the pool and back, bit for bit (only copies touch the values, never arit
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
 from kvcert.spec import storage as l3
 
-__all__ = ["HEAD_DIM", "HEAD_NUM", "KV_DTYPE", "entries_of", "tensor_of"]
+__all__ = ["HEAD_DIM", "HEAD_NUM", "KV_DTYPE", "entries_of", "read_pool", "tensor_of", "write_pool"]
 
 KV_DTYPE = torch.float32
 HEAD_NUM, HEAD_DIM = 1, l3.KV_WIDTH // 4
@@ -37,3 +38,20 @@ def entries_of(kv: torch.Tensor) -> list[bytes]:
     raw = kv.detach().permute(2, 0, 1, 3, 4).contiguous().view(torch.uint8).numpy().tobytes()
     width = len(raw) // n if n else 0
     return [raw[i * width : (i + 1) * width] for i in range(n)]
+
+
+def write_pool(pool: Any, slots: Sequence[int], entries: Sequence[bytes], layers: int) -> None:
+    """The forward pass into an MHA device pool: each entry into the K and V buffers of every layer at its slot."""
+    kv = tensor_of(entries, layers)
+    idx = torch.tensor(list(slots), dtype=torch.int64)
+    for layer in range(layers):
+        pool.k_buffer[layer][idx] = kv[0, layer]
+        pool.v_buffer[layer][idx] = kv[1, layer]
+
+
+def read_pool(pool: Any, slots: Sequence[int], layers: int) -> list[bytes]:
+    """The entries an MHA device pool holds at `slots` (inverse of `write_pool`)."""
+    idx = torch.tensor(list(slots), dtype=torch.int64)
+    k = torch.stack([pool.k_buffer[layer][idx] for layer in range(layers)])
+    v = torch.stack([pool.v_buffer[layer][idx] for layer in range(layers)])
+    return entries_of(torch.stack([k, v]))

@@ -67,7 +67,13 @@ import torch
 from kvcert.conformance.adapters._radix_tree import LogicalTime, RadixTreeAdapter
 from kvcert.conformance.adapters._refaware_env import REFAWARE_SGLANG_VERSION, import_refaware
 from kvcert.conformance.adapters._sglang_env import OrderedSet
-from kvcert.conformance.adapters._sglang_kv import HEAD_DIM, HEAD_NUM, KV_DTYPE, entries_of, tensor_of
+from kvcert.conformance.adapters._sglang_kv import (
+    HEAD_DIM,
+    HEAD_NUM,
+    KV_DTYPE,
+    read_pool,
+    write_pool,
+)
 from kvcert.spec.types import (
     POLICIES,
     AdmissionPlan,
@@ -313,18 +319,10 @@ class RefAwareRadixBackend(RadixTreeAdapter):
     # ------------------------------------------------------------------ KVBackend (SPEC.md §9.12)
 
     def write_kv(self, slots: Sequence[int], entries: Sequence[bytes]) -> None:
-        kv = tensor_of(entries, self.config.kv_layers)
-        idx = torch.tensor(list(slots), dtype=torch.int64)
-        for layer in range(self.config.kv_layers):
-            self.kv_pool.k_buffer[layer][idx] = kv[0, layer]
-            self.kv_pool.v_buffer[layer][idx] = kv[1, layer]
+        write_pool(self.kv_pool, slots, entries, self.config.kv_layers)
 
     def read_kv(self, slots: Sequence[int]) -> list[bytes]:
-        idx = torch.tensor(list(slots), dtype=torch.int64)
-        layers = range(self.config.kv_layers)
-        k = torch.stack([self.kv_pool.k_buffer[layer][idx] for layer in layers])
-        v = torch.stack([self.kv_pool.v_buffer[layer][idx] for layer in layers])
-        return entries_of(torch.stack([k, v]))
+        return read_pool(self.kv_pool, slots, self.config.kv_layers)
 
     def read_host_kv(self, host_slots: Sequence[int]) -> list[bytes]:
         return []

@@ -64,7 +64,7 @@ from typing import Any, Optional
 import torch
 
 from kvcert.conformance.adapters._sglang_env import SGLANG_VERSION
-from kvcert.conformance.adapters._sglang_kv import HEAD_DIM, HEAD_NUM, entries_of, tensor_of
+from kvcert.conformance.adapters._sglang_kv import HEAD_DIM, HEAD_NUM, entries_of, write_pool
 from kvcert.conformance.adapters.sglang_hicache import (
     CORES,
     LAYOUTS,
@@ -257,11 +257,7 @@ class SGLangHiCacheBackend:
 
     def write_kv(self, slots: Sequence[int], entries: Sequence[bytes]) -> None:
         """The forward pass: each entry into the device K and V buffers of every layer at its slot."""
-        kv = tensor_of(entries, self.config.kv_layers)
-        idx = torch.tensor(list(slots), dtype=torch.int64)
-        for layer in range(self.config.kv_layers):
-            self.h.kv_pool.k_buffer[layer][idx] = kv[0, layer]
-            self.h.kv_pool.v_buffer[layer][idx] = kv[1, layer]
+        write_pool(self.h.kv_pool, slots, entries, self.config.kv_layers)
 
     def read_kv(self, slots: Sequence[int]) -> list[bytes]:
         return entries_of(self.h.read_device_kv(slots))
