@@ -95,6 +95,8 @@ class Harness(Queries):
     count_windows: bool = False
     """Whether each step works out the race windows it entered (`conformance.windows`), into `windows`."""
     windows: list[str] = field(default_factory=list)
+    events: list[str] = field(default_factory=list)
+    """With `count_windows`, the §11 events the step caused (`conformance.windows.events`)."""
     ignore: frozenset[str] = frozenset()
     """Rules whose violations this harness drops: the checker ablation that shows a rule alone kills a
     mutant (tests/test_profiles.py). Never set by `certify`."""
@@ -209,7 +211,7 @@ class Harness(Queries):
         self.backend.set_clock(self.clock)
         self.oracle.set_clock(self.clock)
         before = self._before(index, op)
-        self.windows = []
+        self.windows, self.events = [], []
         if isinstance(op, (StorageFault, Publish)):  # storage-side events: no cache call
             if self.storages:
                 damage(self.storages, op) if isinstance(op, StorageFault) else publish(self.storages, op, self.config)
@@ -242,7 +244,7 @@ class Harness(Queries):
                 locked = got.node
             self.windows = entered(op, before, after, locked)
             if after.sessions or before.sessions:
-                self.windows += [f"event:{e}" for e in events(op, before, after)]
+                self.events = events(op, before, after)
         want, found = self._follow(op, before, after, got)
         violations = found
         self.checks.contract(op, before, after, got, want, violations, notes.planned, notes.inserted)

@@ -153,7 +153,9 @@ class CacheMachine(RunningRules, RaceRules):
             self.failed = True
             raise
         for window in self.h.windows:
-            stats.ops[window if window.startswith("event:") else f"window:{window}"] += 1
+            stats.ops[f"window:{window}"] += 1
+        for event in self.h.events:
+            stats.ops[f"event:{event}"] += 1
         if isinstance(op, InjectFault):
             stats.ops[f"{name}:{op.kind}"] += 1  # which faults fired: the certificate's scope says
         if isinstance(got, KVCertError):

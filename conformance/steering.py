@@ -26,7 +26,7 @@ from typing import Any, Optional
 from kvcert.refimpl import RefCache
 from kvcert.refimpl.cache import Chooser
 from kvcert.spec import contracts
-from kvcert.spec.invariants import Violation
+from kvcert.spec.invariants import Violation, load_anchor
 from kvcert.spec.ops import Evict, EvictHost, Op
 from kvcert.spec.types import CacheConfig, Snapshot
 
@@ -215,8 +215,7 @@ class Steering:
 
     def demoted(self) -> bool:
         """Whether host pressure demoted a session during the step (SPEC.md §11.4)."""
-        was = {x.id for x in self.before.sessions if x.demoted}
-        return any(x.demoted and x.id not in was for x in self.after.sessions)
+        return bool(contracts.newly_demoted(self.before, self.after))
 
     def load_host_locked(self) -> bool:
         """Whether the step's new load copy host-locked the node it was issued for (LOAD_LOCK): its host lock count
@@ -224,11 +223,9 @@ class Steering:
         known = {c.id for c in self.before.pending}
         now, was = self.after.by_id(), self.before.by_id()
         for copy in self.after.pending:
-            present = [i for i in copy.nodes if i in now]
-            if copy.kind != "load" or copy.id in known or not present:
-                continue
-            deepest = max(present, key=lambda i: len(contracts.node_paths(self.after).get(i, (None, ()))[1]))
-            return now[deepest].host_lock_ref > (was[deepest].host_lock_ref if deepest in was else 0)
+            deepest = load_anchor(now, copy) if copy.kind == "load" and copy.id not in known else None
+            if deepest is not None:
+                return now[deepest].host_lock_ref > (was[deepest].host_lock_ref if deepest in was else 0)
         return True
 
     def demote_pick(self) -> Callable[[list[str]], Optional[str]]:
@@ -236,7 +233,6 @@ class Steering:
         the step; None (the oracle's own pick) once none is left, which the comparison then judges. The snapshots
         do not say in which order the backend demoted them, and the eviction stops once it has freed enough, so
         those with no node on the host only (whose demotion frees nothing) go first."""
-        was = {x.id for x in self.before.sessions if x.demoted}
         nodes = self.before.by_id()
 
         def idle(node: Optional[int]) -> bool:
@@ -247,9 +243,7 @@ class Steering:
             return False
 
         ends = {x.id: x.node for x in self.before.sessions}
-        queue = sorted(
-            (x.id for x in self.after.sessions if x.demoted and x.id not in was), key=lambda i: idle(ends.get(i))
-        )
+        queue = sorted(contracts.newly_demoted(self.before, self.after), key=lambda i: idle(ends.get(i)))
 
         def choose(high: list[str]) -> Optional[str]:
             pick = next((i for i in queue if i in high), None)

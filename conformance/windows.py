@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+from kvcert.spec.contracts import newly_demoted
 from kvcert.spec.ops import (
     Checkpoint,
     Evict,
@@ -97,9 +98,9 @@ def events(op: Op, before: Snapshot, after: Snapshot) -> list[str]:
         out.append("high-session")
     if isinstance(op, Evict) and (op.allow_low, op.allow_high) != (True, True):
         out.append("scoped-evict")
-    was = {x.id for x in before.sessions if x.demoted}
-    if any(x.demoted and x.id not in was for x in after.sessions):
+    if newly_demoted(before, after):
         out.append("demotion")
+    was = {x.id for x in before.sessions if x.demoted}
     if isinstance(op, ReleaseRef) and any(not x.demoted and x.id in was for x in after.sessions):
         out.append("restore")
     return out

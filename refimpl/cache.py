@@ -254,8 +254,9 @@ def _cut(slots: Optional[tuple[int, ...]], at: int) -> tuple[Optional[tuple[int,
 
 
 Chooser = Callable[[list[int]], Optional[int]]
-SessionChooser = Callable[[list[str]], Optional[str]]
 """Picks an eviction victim among candidate ids; None leaves the pick to the model's own order."""
+SessionChooser = Callable[[list[str]], Optional[str]]
+"""Picks a session to demote or restore among candidate ids (DEMOTE); the harness seats the backend's choice."""
 
 
 class RefCache:

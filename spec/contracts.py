@@ -230,6 +230,12 @@ def eviction_witness(
     return search(frozenset(), 0)
 
 
+def newly_demoted(before: Snapshot, after: Snapshot) -> list[str]:
+    """Sessions adaptive demotion demoted during a step (SPEC.md §11.4), in the snapshot's session order."""
+    was = {x.id for x in before.sessions if x.demoted}
+    return [x.id for x in after.sessions if x.demoted and x.id not in was]
+
+
 def host_duplicates(s: Snapshot) -> set[int]:
     """Write-back's first host victims: settled backups of nodes also on the device (SPEC.md §9.4)."""
     if s.write_policy != "write_back":

@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 from typing import Optional
 
 from kvcert.spec import pages
-from kvcert.spec.types import NodeView, Snapshot, tier_of
+from kvcert.spec.types import NodeView, PendingCopy, Snapshot, tier_of
 
 
 @dataclass(frozen=True)
@@ -352,6 +352,12 @@ def _depth(nodes: dict[int, NodeView], nid: int) -> int:
     return depth
 
 
+def load_anchor(nodes: dict[int, NodeView], copy: PendingCopy) -> Optional[int]:
+    """The node a load copy was issued for: the deepest one it moves that is still in the tree (SPEC.md §9.7)."""
+    present = [nid for nid in copy.nodes if nid in nodes]
+    return max(present, key=lambda nid: _depth(nodes, nid)) if present else None
+
+
 def copies_pinned(s: Snapshot, load_host_lock: bool = True) -> list[str]:
     """INV-HOST-6: an unacknowledged copy pins both ends: its nodes are locked and hold both tiers' slots.
 
@@ -375,9 +381,8 @@ def copies_pinned(s: Snapshot, load_host_lock: bool = True) -> list[str]:
                 out.append(
                     f"{copy.kind} copy {copy.id}: node {nid} lock_ref {n.lock_ref}, on device {n.slots is not None}, backed up {n.host_slots is not None}"
                 )
-        present = [nid for nid in copy.nodes if nid in nodes]
-        if copy.kind == "load" and present and load_host_lock:
-            deepest = max(present, key=lambda nid: _depth(nodes, nid))
+        deepest = load_anchor(nodes, copy) if copy.kind == "load" and load_host_lock else None
+        if deepest is not None:
             if nodes[deepest].host_lock_ref <= 0:
                 out.append(f"load copy {copy.id}: node {deepest}'s host copy is not protected")
     return out
