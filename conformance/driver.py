@@ -275,6 +275,8 @@ class Harness(Queries):
         rooms: list[Optional[str]] = [None]  # a room-making step: what the backend freed, or else (ROOM)
         if not pinned(ROOM) and isinstance(op, (Prefetch, Retract)):
             rooms = ["freed", "whole", "shortfall"] if steering.demoted() else ["freed"]
+        elif not pinned(ROOM) and not isinstance(op, EvictHost) and steering.host_freed():
+            rooms = [None, "freed"]  # a backup may have made more host room than its shortfall
         tries = [(*a, room) for room in rooms for a in attempts]
         saved = copy.deepcopy(self.oracle) if len(tries) > 1 else None
         requests = dict(self.ledger.running) if saved is not None else {}  # the oracle's half goes back with it

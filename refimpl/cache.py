@@ -350,6 +350,9 @@ class RefCache:
         """How copies are cut (BATCH): "sglang" (one write copy per insert, one store copy per node, shallowest
         first); "per_node" (one write copy per node, deepest first); "per_ack" (a write ack's nodes stored in one
         copy)."""
+        self.backup_room = "shortfall"
+        """A write-through or write-back backup short of host room: host eviction asks for the shortfall (SGLang) or
+        for the node's "whole" size (ROOM)."""
         self.host_ask: Optional[int] = None
         """The host tokens the next prefetch or retraction backup that does not fit asks host eviction for, at most
         its size (the harness seats the backend's choice under the core); None: as `host_room` says."""
@@ -764,8 +767,14 @@ class RefCache:
         assert self.host is not None
         if reclaim_all:
             self._make_room(n)
-        elif len(self.host.free_list) < n:
-            self.evict_host(n - len(self.host.free_list), choose=self.host_steer or self.steer)
+        elif len(self.host.free_list) < n:  # a backup: the shortfall (SGLang), or the whole size, or as seated (ROOM)
+            ask = n if self.backup_room == "whole" else n - len(self.host.free_list)
+            if self.host_ask is not None:
+                ask = min(self.host_ask, n)
+            if ask:
+                freed = self.evict_host(ask, choose=self.host_steer or self.steer)
+                if self.host_ask is not None:  # the room the backend made this step, spent backup by backup
+                    self.host_ask = max(0, self.host_ask - freed)
         if self.armed_faults.get("host_alloc"):
             self.armed_faults["host_alloc"] -= 1
             return None
@@ -1483,8 +1492,8 @@ def alternative(config: CacheConfig) -> RefCache:
     eviction takes duplicate backups and host-only leaves in one rank order, a failed write copy is
     invalidated rather than retried, a prefetch or retraction backup that does not fit host-evicts only its
     shortfall, each written node is its own write copy, issued deepest first, a released high session restores
-    the earliest demoted session rather than the latest, and a pending load's host copy is protected by the load's
-    own pins rather than a host lock. It passes the core and fails the
+    the earliest demoted session rather than the latest, a pending load's host copy is protected by the load's
+    own pins rather than a host lock, and a backup short of host room host-evicts its whole size. It passes the core and fails the
     sglang-0.5.23 profile."""
     cache = RefCache(config)
     cache.batching = "per_node"
@@ -1493,6 +1502,7 @@ def alternative(config: CacheConfig) -> RefCache:
     cache.host_order = "rank"
     cache.copy_failure = "invalidate"
     cache.host_room = "shortfall"
+    cache.backup_room = "whole"
     return cache
 
 

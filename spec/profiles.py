@@ -50,10 +50,10 @@ RETRY = Choice(
 ROOM = Choice(
     "ROOM",
     "a prefetch or a retraction backup that does not fit host-evicts its whole size, not the shortfall (§10.4 D9, "
-    "§9.11 D17)",
+    "§9.11 D17); a node's backup (write-through, write-back) its shortfall (§9.2)",
     "host eviction for one asks for at most its size (from nothing to all of it), its victims legal as any host "
     "eviction's; a prefetch then reserves the longest whole-page part that fits, a backup all or nothing",
-    "host_room",
+    "host",
 )
 
 BATCH = Choice(

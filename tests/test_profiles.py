@@ -106,6 +106,17 @@ LOAD_TRACE = (
 """A load back in flight: SGLang keeps the node's host copy host-locked until the ack, the alternative leaves it to
 the load's own pins (the RefAware fork's H1)."""
 
+BACKUP_ROOM_TRACE = (
+    CacheConfig(page_size=1, capacity=2, host_capacity=3, write_policy="write_through"),
+    [
+        *(Insert(None, (1,)), Complete(0), Poll(), Evict(1)),
+        *(Insert(None, (2,)), Complete(1), Poll(), Evict(1)),
+        Insert(None, (3, 3)),
+    ],
+)
+"""A write-through backup of 2 tokens finds 1 host slot free: SGLang host-evicts the shortfall (one host-only leaf),
+the alternative its whole size (both; the RefAware fork's H12)."""
+
 D17 = Trace.from_json((Path(__file__).parent / "traces" / "d17-retraction-reclaims-its-size.json").read_text())
 BACKUP_TRACE = (D17.config, list(D17.ops))
 """A retraction backup that does not fit: SGLang host-evicts its whole size (D17), the alternative the shortfall."""
@@ -140,8 +151,9 @@ def test_backends_declare_their_profiles() -> None:
         (BATCH_TRACE, {"INV-COPY-1"}),
         (DEMOTE_TRACE, {"INV-TIER-5"}),
         (LOAD_TRACE, {"INV-HOST-6", "INV-HOST-11"}),
+        (BACKUP_ROOM_TRACE, {"INV-TREE-4"}),
     ],
-    ids=["reclaim", "retry", "room-prefetch", "room-backup", "batch", "demote", "load-lock"],
+    ids=["reclaim", "retry", "room-prefetch", "room-backup", "batch", "demote", "load-lock", "room-write-through"],
 )
 def test_the_alternative_passes_the_core_and_fails_the_profile(
     trace: tuple[CacheConfig, list[Op]], broken: set[str]
