@@ -268,6 +268,8 @@ def _part_exercised(part: str, ops: dict[str, int], host_cells: bool) -> bool:
         return ops.get("event:scoped-evict", 0) > 0
     if part == "update":
         return ops.get("UpdateRef", 0) > 0
+    if part == "move":
+        return ops.get("event:move", 0) > 0
     return ops.get("Admit", 0) > 0
 
 
@@ -421,6 +423,14 @@ def scope_gaps(capabilities: Capabilities, cells: list[CellResult], bad_input: O
         ),
         ("namespaces (INV-NS-*)", capabilities.namespaces, bool(cells)),
     ]
+    if capabilities.write_policies:
+        parts.append(
+            (
+                "locks on host-only nodes (SPEC.md §9.1: the device counters move only for device nodes)",
+                capabilities.locks_host_only,
+                ops.get("window:lock-host-only", 0) > 0,
+            )
+        )
     out = []
     for what, declared, exercised in parts:
         if not declared:
@@ -435,6 +445,8 @@ def scope_gaps(capabilities: Capabilities, cells: list[CellResult], bad_input: O
             out.append(f"{what}: declared, but none was injected in this run")
     for window, (what, tier) in WINDOW_TIERS.items():
         in_tier = {"device": bool(cells), "host": bool(host_cells), "storage": bool(storage_cells)}[tier]
+        if window == "lock-host-only" and not capabilities.locks_host_only:
+            continue  # listed above as not declared
         if in_tier and not ops.get(f"window:{window}"):
             out.append(f"race window {window} ({what}): no step of this run entered it")
     missing = [p for p in POLICIES if p not in capabilities.policies]

@@ -47,6 +47,7 @@ from kvcert.spec.ops import (
     EvictHost,
     Fetch,
     Finish,
+    LoadBack,
     Lock,
     Match,
     Op,
@@ -59,7 +60,7 @@ from kvcert.spec.ops import (
     StorageFault,
     Unlock,
 )
-from kvcert.spec.profiles import BATCH, DEMOTE, LOAD_LOCK, RANK, RECLAIM, RETRY, ROOM, Profile, profile
+from kvcert.spec.profiles import BATCH, DEMOTE, LOAD_LOCK, LOAD_ROOM, RANK, RECLAIM, RETRY, ROOM, Profile, profile
 from kvcert.spec.types import CacheConfig, Capabilities, InsertOut, MatchOut, Snapshot
 
 __all__ = ["UNKNOWN_NODE", "ConformanceFailure", "Harness", "Outcome", "run_trace"]
@@ -277,6 +278,9 @@ class Harness(Queries):
             rooms = ["freed", "whole", "shortfall"] if steering.demoted() else ["freed"]
         elif not pinned(ROOM) and not isinstance(op, EvictHost) and steering.host_freed():
             rooms = [None, "freed"]  # a backup may have made more host room than its shortfall
+        if not pinned(LOAD_ROOM) and isinstance(op, LoadBack):  # its device room: the whole size, a low scope
+            scoped = ["low", "low-whole"] if self.capabilities.priority_refs else []
+            rooms = [*rooms, "whole", *scoped]
         tries = [(*a, room) for room in rooms for a in attempts]
         saved = copy.deepcopy(self.oracle) if len(tries) > 1 else None
         requests = dict(self.ledger.running) if saved is not None else {}  # the oracle's half goes back with it
@@ -307,7 +311,10 @@ class Harness(Queries):
                 self.oracle.demote_steer, self.oracle.restore_steer = steering.demote_pick(), steering.restore_pick()
             if not pinned(RETRY):
                 self.oracle.copy_failure = "invalidate" if self._gave_up(op, after) else "retry"
-            if room == "freed":
+            if room in ("whole", "low", "low-whole"):
+                self.oracle.load_scope = (True, False) if room.startswith("low") else (True, True)
+                self.oracle.load_ask = "whole" if room.endswith("whole") else "shortfall"
+            elif room == "freed":
                 self.oracle.host_ask = steering.host_freed()
             elif room is not None:  # host pressure demoted a session: the backend's eviction ran dry before its ask
                 self.oracle.host_room = room
@@ -328,6 +335,7 @@ class Harness(Queries):
                 self.oracle.load_host_lock = True
                 self.oracle.copy_failure = "retry"
                 self.oracle.host_ask, self.oracle.host_room = None, "whole"
+                self.oracle.load_scope, self.oracle.load_ask = (True, True), "shortfall"
                 self._spec_snap = None
             if not pinned(BATCH):
                 self._regroup(before, after)

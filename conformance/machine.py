@@ -243,10 +243,10 @@ class CacheMachine(RunningRules, RaceRules):
         tail = data.integer(0, self.config.page_size - 1, "unaligned tail")
         self.do(Match(ns, tokens_of(codes, self.config.page_size, tail)))
 
-    @precondition(lambda self: self.on("lock") and bool(self.h.live_handles()))
+    @precondition(lambda self: self.on("lock") and bool(self.h.lockable_handles()))
     @rule(data=draws())
     def lock(self, data: Draws) -> None:
-        self.do(Lock(data.choice(self.h.live_handles(), "handle")))
+        self.do(Lock(data.choice(self.h.lockable_handles(), "handle")))
 
     @precondition(lambda self: bool(self.h.locked_handles()))
     @rule(data=draws())
@@ -280,14 +280,13 @@ class CacheMachine(RunningRules, RaceRules):
         if action == "fork" and registered:
             same = self.h.session_handles(data.choice(registered, "forked"))
             if same:
-                name = data.choice(SESSIONS, "session")
-                self.do(RegisterRef(name, same[0], priority))
+                self.register(data.choice(SESSIONS, "session"), same[0], priority)
                 return
         if action == "update" and not self.part("update"):
             action = "register"  # no update_ref: a new priority comes with the session's next registration
         if action in ("register", "fork") or not registered:
             name = data.choice(SESSIONS, "session")
-            self.do(RegisterRef(name, data.choice(self.h.live_handles(), "handle"), priority))
+            self.register(name, data.choice(self.h.live_handles(), "handle"), priority)
         elif action == "update":
             self.do(UpdateRef(data.choice(registered, "session"), priority))
         else:
@@ -295,6 +294,13 @@ class CacheMachine(RunningRules, RaceRules):
             if high and self.h.any_demoted() and data.boolean("high ends"):
                 registered = high  # a high-priority session ending is what gives a demoted one back its tier
             self.do(ReleaseRef(data.choice(registered, "session")))
+
+    def register(self, name: str, handle: int, priority: int) -> None:
+        """Register `name` on `handle`'s node; a backend without moves first releases a session registered
+        elsewhere than at or below that node (its old conversation ends, a new one takes the id)."""
+        if not self.part("move") and name in self.h.sessions() and handle not in self.h.continuations(name):
+            self.do(ReleaseRef(name))
+        self.do(RegisterRef(name, handle, priority))
 
     @precondition(lambda self: self.priority() and self.part("admission") and self.part("scope"))
     @rule(data=draws(), profiled=booleans())

@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 from kvcert.conformance.ledger import Ledger
 from kvcert.refimpl import RefCache
 from kvcert.spec.ops import Op
-from kvcert.spec.types import Snapshot
+from kvcert.spec.types import Capabilities, Snapshot
 
 _T = TypeVar("_T")
 
@@ -27,6 +27,7 @@ class Queries:
 
     oracle: RefCache
     ledger: Ledger
+    capabilities: Capabilities
     ops: list[Op]
     _queries: dict[Any, Any]
     _queries_at: int
@@ -48,6 +49,16 @@ class Queries:
     def live_handles(self) -> list[int]:
         """Handles whose node is still in the oracle's tree."""
         return self._memo("live", lambda: [k for k, (_, o) in self.ledger.handles.items() if o in self.oracle.nodes])
+
+    def lockable_handles(self) -> list[int]:
+        """Live handles the backend's callers may lock: all, or only those on the device (`locks_host_only`)."""
+        def build() -> list[int]:
+            live = self.live_handles()
+            if self.capabilities.locks_host_only:
+                return live
+            return [k for k in live if self.oracle.nodes[self.ledger.handles[k][1]].slots is not None]
+
+        return self._memo("lockable", build)
 
     def locked_handles(self) -> list[int]:
         """Handles whose node holds at least one lock of its own.
@@ -202,6 +213,20 @@ class Queries:
         """Live handles of the node `session` holds (a fork registers a second session there)."""
         node = next(x.node for x in self.spec_snapshot().sessions if x.id == session)
         return [k for k in self.live_handles() if self.ledger.handles[k][1] == node]
+
+    def continuations(self, session: str) -> list[int]:
+        """Live handles at or below the node `session` holds: where its next turn registers it again."""
+        node = next(x.node for x in self.spec_snapshot().sessions if x.id == session)
+
+        def below(o: int) -> bool:
+            cur = self.oracle.nodes.get(o)
+            while cur is not None:
+                if cur.id == node:
+                    return True
+                cur = cur.parent
+            return False
+
+        return [k for k in self.live_handles() if below(self.ledger.handles[k][1])]
 
     def retraction_tokens(self, k: int) -> int:
         """Tokens the k-th retraction backup holds."""

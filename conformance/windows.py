@@ -34,6 +34,7 @@ WINDOWS = {
     "split-locked": "a node a lock protects is split (a running request's path, another's insert)",
     "host-evict-in-flight": "host eviction while a copy is in flight",
     "lock-before-load-ack": "a lock taken on a path whose load has not been acknowledged",
+    "lock-host-only": "a lock taken on a node that is on the host only (its device counters must not move)",
     "write-back-host-full": "write-back device eviction drops a node without a backup (the host was full)",
     "insert-over-host": "an insert puts device KV back under a host-only node",
 }
@@ -45,6 +46,7 @@ SHORT = {
     "split-locked": "split/lock",
     "host-evict-in-flight": "hevict/copy",
     "lock-before-load-ack": "lock/load",
+    "lock-host-only": "lock/host",
     "write-back-host-full": "wb/full",
     "insert-over-host": "ins/host",
 }
@@ -72,6 +74,8 @@ def entered(op: Op, before: Snapshot, after: Snapshot, locked: Optional[int] = N
         loading = {nid for c in moving if c.kind == "load" for nid in c.nodes}
         if loading and _path_meets(mine, locked, loading):
             out.append("lock-before-load-ack")
+        if locked in mine and mine[locked].slots is None:
+            out.append("lock-host-only")
     if isinstance(op, Evict) and before.write_policy == "write_back":
         if any(n.slots is not None and n.host_slots is None and nid not in now for nid, n in mine.items()):
             out.append("write-back-host-full")
@@ -86,6 +90,7 @@ EVENTS = {
     "scoped-evict": "an eviction in a scope narrower than the full one (SPEC.md §11.3)",
     "demotion": "host pressure demoted a high session (SPEC.md §11.4)",
     "restore": "a released high session gave a demoted one its tier back (SPEC.md §11.4)",
+    "move": "a registered session registered again off its own path's end (SPEC.md §11.1)",
 }
 """§11 events the machine counts per cell ("event:<name>"), so a certificate shows they happened, not only that
 their ops were sent."""
@@ -103,6 +108,11 @@ def events(op: Op, before: Snapshot, after: Snapshot) -> list[str]:
     was = {x.id for x in before.sessions if x.demoted}
     if isinstance(op, ReleaseRef) and any(not x.demoted and x.id in was for x in after.sessions):
         out.append("restore")
+    if isinstance(op, RegisterRef):
+        old = next((x.node for x in before.sessions if x.id == op.session), None)
+        new = next((x.node for x in after.sessions if x.id == op.session), None)
+        if old is not None and new is not None and not _path_meets(after.by_id(), new, {old}):
+            out.append("move")
     return out
 
 

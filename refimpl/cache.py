@@ -373,6 +373,15 @@ class RefCache:
         self.restore_steer: Optional[SessionChooser] = None
         """The core's restore chooser (DEMOTE): given the demoted sessions, the one a high release restores, or None
         for none; when set it decides."""
+        self.load_scope: tuple[bool, bool] = (True, True)
+        """The scope load-back makes its device room in (LOAD_ROOM): the full one (SPEC.md §11.3), or (True, False),
+        a low-priority requester's (the RefAware fork's request-less load, H7)."""
+        self.load_ask = "shortfall"
+        """What load-back asks device eviction for (LOAD_ROOM): its "shortfall" (SGLang 0.5.23) or its "whole" size
+        (0.5.10's `load_back`, H13)."""
+        self.restore_on_move = False
+        """Whether a high session registered again (moved) counts as released and restores a demoted session
+        (DEMOTE; the RefAware fork's composed move, H9): SGLang's profile says no."""
         self.chosen: list[tuple[str, int]] = []
         """The current operation's eviction choices, in order (`Snapshot.choices`); cleared by `set_clock`."""
 
@@ -897,7 +906,8 @@ class RefCache:
         node.host_lock_ref += 1  # the host copy must survive eviction made for room
         self._lock_path(node, +1)  # and so must the device path it hangs from
         if len(self.pool.free_list) < size:
-            self._evict(size - len(self.pool.free_list), self.steer)  # the full scope: no request's
+            ask = size if self.load_ask == "whole" else size - len(self.pool.free_list)
+            self.evict(ask, *self.load_scope, choose=self.steer)  # LOAD_ROOM
         if len(self.pool.free_list) < size:
             self._lock_path(node, -1)
             node.host_lock_ref -= 1
@@ -1049,7 +1059,10 @@ class RefCache:
         check_priority(priority)
         old = self.sessions.pop(session_id, None)
         if old is not None:
+            was_high = self._is_high(old)
             self._hold(old, -1)
+            if was_high and (self.restore_steer is not None or self.restore_on_move):  # DEMOTE: a move may count
+                self._restore_one(self._restore_pick(self._still_demoted()))  # as the high session's release
         session = Session(session_id, node, priority, self._next_seq)
         self._next_seq += 1
         self.sessions[session_id] = session
@@ -1071,17 +1084,26 @@ class RefCache:
         del self.sessions[session_id]
         if not was_high:
             return
-        demoted = [d for d in self.demotions if d in self.sessions and self.sessions[d].demoted]
+        self._restore_one(self._restore_pick(self._still_demoted()))
+
+    def _restore_pick(self, demoted: list[str]) -> Optional[str]:
+        """The demoted session high-priority room goes back to: the steered one, else by `restore_order`."""
         if self.restore_steer is not None:
-            pick = self.restore_steer(demoted)
-        elif demoted:
-            pick = demoted[-1] if self.restore_order == "latest" else demoted[0]
-        else:
-            pick = None
+            return self.restore_steer(demoted)
+        if not demoted:
+            return None
+        return demoted[-1] if self.restore_order == "latest" else demoted[0]
+
+    def _still_demoted(self) -> list[str]:
+        """Sessions demoted and not since restored, re-registered or released, earliest demoted first."""
+        return [d for d in self.demotions if d in self.sessions and self.sessions[d].demoted]
+
+    def _restore_one(self, pick: Optional[str]) -> None:
+        """High-priority room came back: `pick` (a demoted session, or None) is high again (SPEC.md §11.4)."""
         if pick is None:
             return
         back = self.sessions[pick]
-        self.demotions = [d for d in demoted if d != pick]
+        self.demotions = [d for d in self._still_demoted() if d != pick]
         self._hold(back, -1)
         back.demoted = False
         self._hold(back, +1)
@@ -1491,13 +1513,17 @@ def alternative(config: CacheConfig) -> RefCache:
     """`kvcert.refimpl:alternative`: the reference model built another correct way (SPEC.md §6). Write-back host
     eviction takes duplicate backups and host-only leaves in one rank order, a failed write copy is
     invalidated rather than retried, a prefetch or retraction backup that does not fit host-evicts only its
-    shortfall, each written node is its own write copy, issued deepest first, a released high session restores
-    the earliest demoted session rather than the latest, a pending load's host copy is protected by the load's
-    own pins rather than a host lock, and a backup short of host room host-evicts its whole size. It passes the core and fails the
+    shortfall, each written node is its own write copy, issued deepest first, a released (or moved) high
+    session restores the earliest demoted session rather than the latest, a pending load's host copy is
+    protected by the load's own pins rather than a host lock, a backup short of host room host-evicts its
+    whole size, and load-back evicts its whole size, in a low requester's scope. It passes the core and fails the
     sglang-0.5.23 profile."""
     cache = RefCache(config)
     cache.batching = "per_node"
     cache.restore_order = "earliest"
+    cache.restore_on_move = True
+    cache.load_scope = (True, False)
+    cache.load_ask = "whole"
     cache.load_host_lock = False
     cache.host_order = "rank"
     cache.copy_failure = "invalidate"

@@ -71,7 +71,7 @@ DEMOTE = Choice(
     "a released high session restores the most recently demoted one (§11.4)",
     "host pressure demotes high sessions, one at a time and only while the host eviction's unused and low-tier "
     "candidates fall short, whichever the backend picks; a released high session restores at most one demoted "
-    "session, whichever (or none); refs and tiers stay exact (INV-TIER-1/5) and no high host copy goes while a "
+    "session, whichever (or none), and so may a moved high session; refs and tiers stay exact (INV-TIER-1/5) and no high host copy goes while a "
     "demotion was possible (INV-TIER-4)",
     "priority_host",
 )
@@ -84,7 +84,17 @@ LOAD_LOCK = Choice(
     "host",
 )
 
-CHOICES: tuple[Choice, ...] = (RANK, RECLAIM, RETRY, ROOM, BATCH, DEMOTE, LOAD_LOCK)
+LOAD_ROOM = Choice(
+    "LOAD_ROOM",
+    "load-back makes its device room by evicting its shortfall, in the full scope: any unlocked leaf may go (§9.7, "
+    "§11.3)",
+    "eviction for it asks for anything from the shortfall to the load's whole size, in the full scope or a "
+    "low-priority requester's (no HIGH_REF node goes for it), and the load is refused when that is short; its "
+    "victims legal as any eviction's in that scope (INV-TIER-3)",
+    "host",
+)
+
+CHOICES: tuple[Choice, ...] = (RANK, RECLAIM, RETRY, ROOM, BATCH, DEMOTE, LOAD_LOCK, LOAD_ROOM)
 
 STILL_PINNED: tuple[tuple[str, str], ...] = (
     ("host", "a load-back is one copy, issued by the load_back call that asks for it (INV-COPY-1)"),
@@ -109,7 +119,7 @@ REFAWARE = Profile("refaware-0.5.10", frozenset({RANK.id}))
 """The priority-aware fork of SGLang 0.5.10 (the seed's implementation): it ranks victims as §4.5/§11.3 do on both
 tiers, and makes its own choice at every other place the core leaves open (REFAWARE_CALIBRATION.md: one write
 copy per node, any non-generating high rid demoted, the earliest demotion restored, a load's host copy
-protected by its pins)."""
+protected by its pins, a request-less load's room: its whole size, in a low requester's scope)."""
 PROFILES: dict[str, Profile] = {p.name: p for p in (CORE, SGLANG, REFAWARE)}
 
 

@@ -36,6 +36,8 @@ PRIORITY_PARTS: dict[str, str] = {
     "scope": "scoped eviction evict(n, allow_low, allow_high) (SPEC.md §11.3, INV-TIER-3)",
     "update": "update_ref: a session's new priority on the same path (SPEC.md §11.1)",
     "admission": "plan_admission and partial residency (SPEC.md §11.5-§11.6, INV-ADMIT-*); needs scope",
+    "move": "register_ref of a registered session anywhere moves it (SPEC.md §11.1); without it a session is "
+    "registered again only at or below the node it holds (the conversation's next turn), else released first",
 }
 """The parts of §11 a priority-aware backend may offer (`Capabilities.priority_parts`)."""
 ONE_CLASS_THRESHOLD = 3
@@ -484,9 +486,13 @@ class Capabilities:
     """True: the harness writes each request's KV and reads every slot back (`KVBackend`, SPEC.md §9.12)."""
     priority_refs: bool = False
     """True: sessions, tiered and scoped eviction, adaptive demotion, admission plans (SPEC.md §11)."""
-    priority_parts: tuple[str, ...] = ("high", "scope", "update", "admission")
+    priority_parts: tuple[str, ...] = ("high", "scope", "update", "admission", "move")
     """With `priority_refs`, the parts of §11 the backend offers (PRIORITY_PARTS); an engine that lacks one is
     not sent its ops, and the certificate lists it as not checked."""
+    locks_host_only: bool = True
+    """False: the engine's callers never lock a node that is on the host only (SPEC.md §9.1 allows it; the
+    RefAware fork's scheduler locks only device nodes), so the suite sends no such lock and the certificate
+    lists it as not checked."""
     aligns_keys: bool = False
     """True: an insert key that ends mid-page caches its page-aligned head and leaves the tail's slots to
     the caller (SGLang's `RadixCache.insert`), instead of raising `UnalignedKey` (SPEC.md §4.2)."""

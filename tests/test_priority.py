@@ -334,3 +334,44 @@ def test_an_admissions_eviction_follows_the_backends_tie_break() -> None:
         leaves.append({n.key for n in nodes if n.parent is not None and n.id not in parents})
         h.close()
     assert leaves[0] != leaves[1]  # a real tie, broken two ways, both followed
+
+
+class _NoMoves(RefCache):
+    """The model, as an engine with no move call: a registration of a session off its own path's end raises."""
+
+    capabilities = replace(
+        RefCache.capabilities, priority_parts=tuple(p for p in RefCache.capabilities.priority_parts if p != "move")
+    )
+
+    def register_ref(self, session_id: str, node_id: int, priority: int) -> None:
+        old = self.sessions.get(session_id)
+        if old is not None and node_id in self.nodes:  # (a bad handle is the model's to refuse)
+            node = self.nodes.get(node_id)
+            while node is not None and node is not old.node:
+                node = node.parent
+            assert node is not None, f"{session_id} moved off its path: the suite sent a move it was not offered"
+        super().register_ref(session_id, node_id, priority)
+
+
+def test_a_backend_without_moves_is_sent_none_and_the_certificate_says_so(tmp_path: Path) -> None:
+    """Without the `move` part a session is registered again only at or below its node (its next turn), else
+    released first; with it (the model) the same seed moves sessions, and the certificate counts the moves."""
+    from kvcert.conformance.certify import certify
+
+    def run(make: type[RefCache]) -> object:
+        return certify(
+            "kvcert.refimpl:factory",
+            factory=make,
+            examples=40,
+            seed=1,
+            page_sizes=[1],
+            policies=["priority"],
+            out_dir=tmp_path / make.__name__,
+        )
+
+    without, model = run(_NoMoves), run(RefCache)
+    assert without.passed, [c.failure for c in without.cells if not c.passed]  # type: ignore[attr-defined]
+    assert any("priority tiers, move" in g and "not declared" in g for g in without.not_checked)  # type: ignore[attr-defined]
+    assert sum(c.ops.get("RegisterRef", 0) for c in without.cells) > 0  # type: ignore[attr-defined]
+    assert sum(c.ops.get("event:move", 0) for c in model.cells) > 0  # type: ignore[attr-defined]
+    assert not any("priority tiers, move" in g for g in model.not_checked)  # type: ignore[attr-defined]

@@ -99,6 +99,10 @@ DEMOTE_TRACE = (
 """Host pressure demotes idle high sessions a, then b; releasing high session c restores one: the spec's latest (b),
 the alternative's earliest (a)."""
 
+MOVE_TRACE = (DEMOTE_TRACE[0], [*DEMOTE_TRACE[1][:-1], RegisterRef("c", 6, 1)])
+"""As DEMOTE_TRACE, but high session c is registered again (moved) instead of released: SGLang restores nobody, the
+alternative counts the move as c's release and restores a (the RefAware fork's composed move, H9)."""
+
 LOAD_TRACE = (
     CacheConfig(page_size=1, capacity=8, host_capacity=8, write_policy="write_through"),
     [Insert(None, (1,)), Complete(0), Poll(), Evict(1), Match(None, (1,)), LoadBack(4)],
@@ -116,6 +120,22 @@ BACKUP_ROOM_TRACE = (
 )
 """A write-through backup of 2 tokens finds 1 host slot free: SGLang host-evicts the shortfall (one host-only leaf),
 the alternative its whole size (both; the RefAware fork's H12)."""
+
+H7 = Trace.from_json((Path(__file__).parent.parent / "docs" / "findings" / "refaware" / "H7-load-back-scope.json").read_text())
+LOAD_ROOM_TRACE = (H7.config, list(H7.ops))
+"""A load back whose room only a high session's nodes can make: SGLang evicts them (the full scope), the alternative
+makes room in a low requester's scope and refuses the load (the RefAware fork's H7)."""
+
+WHOLE_LOAD_TRACE = (
+    CacheConfig(page_size=1, capacity=4, host_capacity=8, write_policy="write_through"),
+    [
+        *(Insert(None, (1, 1)), Complete(0), Poll(), Evict(2)),
+        *(Insert(None, (2,)), Insert(None, (3,)), Insert(None, (4,)), Complete(1), Complete(2), Complete(3), Poll()),
+        *(Match(None, (1, 1)), LoadBack(11)),
+    ],
+)
+"""A load of 2 tokens with 1 device slot free: SGLang evicts its shortfall (one leaf), the alternative its whole size
+(two; the RefAware fork's H13)."""
 
 D17 = Trace.from_json((Path(__file__).parent / "traces" / "d17-retraction-reclaims-its-size.json").read_text())
 BACKUP_TRACE = (D17.config, list(D17.ops))
@@ -152,8 +172,14 @@ def test_backends_declare_their_profiles() -> None:
         (DEMOTE_TRACE, {"INV-TIER-5"}),
         (LOAD_TRACE, {"INV-HOST-6", "INV-HOST-11"}),
         (BACKUP_ROOM_TRACE, {"INV-TREE-4"}),
+        (MOVE_TRACE, {"INV-TIER-5"}),
+        (LOAD_ROOM_TRACE, {"INV-LOAD-1"}),
+        (WHOLE_LOAD_TRACE, {"INV-HOST-6", "INV-HOST-10"}),  # its load lock (LOAD_LOCK) differs first
     ],
-    ids=["reclaim", "retry", "room-prefetch", "room-backup", "batch", "demote", "load-lock", "room-write-through"],
+    ids=[
+        "reclaim", "retry", "room-prefetch", "room-backup", "batch", "demote", "load-lock", "room-write-through",
+        "demote-move", "load-room", "load-whole",
+    ],
 )
 def test_the_alternative_passes_the_core_and_fails_the_profile(
     trace: tuple[CacheConfig, list[Op]], broken: set[str]
@@ -164,6 +190,30 @@ def test_the_alternative_passes_the_core_and_fails_the_profile(
     assert _verdict(alternative, caps, config, ops, "sglang-0.5.23") & broken
     for profile in ("core", "sglang-0.5.23"):
         assert _verdict(factory, factory.capabilities, config, ops, profile) == set()  # type: ignore[attr-defined]
+
+
+class _WholeLoad(RefCache):
+    """Load-back evicts its whole size, not its shortfall (LOAD_ROOM; SGLang 0.5.10's `load_back`)."""
+
+    def __init__(self, config: CacheConfig) -> None:
+        super().__init__(config)
+        self.load_ask = "whole"
+
+
+class _LoadEvictsPastItsSize(_WholeLoad):
+    """Load-back evicts everything it can, past its whole size: more than any room choice allows."""
+
+    def load_back(self, node_id: int) -> int:
+        self._evict(10_000, None)
+        return super().load_back(node_id)
+
+
+def test_load_back_may_evict_up_to_its_whole_size_under_the_core() -> None:
+    config, ops = WHOLE_LOAD_TRACE
+    caps = replace(alternative.capabilities, profile="core")  # type: ignore[attr-defined]
+    assert _verdict(_WholeLoad, caps, config, ops, "core") == set()
+    assert _verdict(_WholeLoad, caps, config, ops, "sglang-0.5.23") & {"INV-HOST-10", "INV-TREE-4"}
+    assert _verdict(_LoadEvictsPastItsSize, caps, config, ops, "core") & {"INV-HOST-10", "INV-TREE-4"}
 
 
 class _PerAck(RefCache):
@@ -420,7 +470,7 @@ def test_the_certificate_says_what_the_profile_leaves_open() -> None:
 
     caps = factory.capabilities  # type: ignore[attr-defined]
     core = scope_gaps(replace(caps, profile="core"), [])
-    assert [g.split(" ")[1] for g in core if g.startswith("choice ")] == ["RANK", "RECLAIM", "RETRY", "ROOM", "BATCH", "DEMOTE", "LOAD_LOCK"]
+    assert [g.split(" ")[1] for g in core if g.startswith("choice ")] == ["RANK", "RECLAIM", "RETRY", "ROOM", "BATCH", "DEMOTE", "LOAD_LOCK", "LOAD_ROOM"]
     assert sum(g.startswith("pinned under every profile") for g in core) == len(profiles.STILL_PINNED)
     assert not [g for g in scope_gaps(caps, []) if g.startswith("choice ")]
     device_only = scope_gaps(Capabilities(name="device-only"), [])
@@ -445,9 +495,23 @@ class _DemotesTwice(RefCache):
         return super()._demote_idle_session() | super()._demote_idle_session()
 
 
+class _LowMoveRestores(RefCache):
+    """A low session registered again restores a demoted one too: no high-priority room came back."""
+
+    def register_ref(self, session_id: str, node_id: int, priority: int) -> None:
+        old = self.sessions.get(session_id)
+        super().register_ref(session_id, node_id, priority)
+        if old is not None and not self._is_high(old):
+            self._restore_one(self._restore_pick(self._still_demoted()))
+
+
 def test_the_core_takes_any_demotion_and_restore_but_not_an_extra_one() -> None:
     config, ops = DEMOTE_TRACE
     caps = factory.capabilities  # type: ignore[attr-defined]
     assert _verdict(_DemotesNewest, caps, config, ops, "core") == set()
     assert "INV-TIER-5" in _verdict(_DemotesNewest, caps, config, ops, "sglang-0.5.23")
     assert "INV-TIER-5" in _verdict(_DemotesTwice, caps, config, ops, "core")
+    # a move restores only where a high session moved: a low session's move that restores is an extra restore
+    low_move = [*ops[:-1], RegisterRef("d", 6, 0), RegisterRef("d", 6, 0)]
+    assert _verdict(_LowMoveRestores, caps, config, low_move, "core") >= {"INV-TIER-5"}
+    assert _verdict(factory, caps, config, low_move, "core") == set()

@@ -129,6 +129,7 @@ __all__ = [
     "factory",
     "factory_load_locked",
     "factory_priority",
+    "factory_priority_flow",
     "factory_priority_load_locked",
 ]
 
@@ -701,4 +702,25 @@ factory_priority_load_locked.capabilities = replace(  # type: ignore[attr-define
     factory_priority.capabilities,  # type: ignore[attr-defined]
     name=factory_priority.capabilities.name + ", pending loads reported host-locked (H1)",  # type: ignore[attr-defined]
     notes=factory_priority.capabilities.notes + (_H1_NOTE,),  # type: ignore[attr-defined]
+)
+
+
+def factory_priority_flow(config: CacheConfig) -> Any:
+    """`... refaware_hicache:factory_priority_flow`: as `factory_priority`, driven only as the fork's own scheduler
+    drives it: no lock on a host-only node (its scheduler locks device nodes; H3 is what such a lock does) and
+    no write-back cells (H2: its write-back host eviction reclaims no duplicate backup)."""
+    return factory_priority(config)
+
+
+factory_priority_flow.capabilities = replace(  # type: ignore[attr-defined]
+    factory_priority.capabilities,  # type: ignore[attr-defined]
+    name=factory_priority.capabilities.name + ", the fork's flow (no host-only locks, write-through)",  # type: ignore[attr-defined]
+    write_policies=tuple(w for w in WRITE_POLICIES if w != "write_back"),
+    locks_host_only=False,
+    notes=factory_priority.capabilities.notes  # type: ignore[attr-defined]
+    + (
+        "no lock on a host-only node: the fork's scheduler locks req.last_node, a device node (H3: such a lock "
+        "drives evictable_size_ negative)",
+        "write_back not declared: H2 (no duplicate reclaim) fails every write-back cell",
+    ),
 )

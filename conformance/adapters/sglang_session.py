@@ -278,9 +278,10 @@ def _make(requested_core: str, planned: bool, moves: bool = False) -> Any:
         + (", re-register = close + reopen" if moves else "")
         + ")",
         priority_refs=True,
-        # One ref class, no scoped eviction, no update_ref; admission only where kvcert plans it (S2, S3, S9):
-        # the suite sends none of the rest, and the certificate lists each as not declared.
-        priority_parts=("scope", "admission") if planned else (),
+        # One ref class, no scoped eviction, no update_ref; admission only where kvcert plans it (S2, S3, S9);
+        # moves only where the adapter composes one (S4: SGLang's registration adds a frontier path, it does not
+        # move the session): the suite sends none of the rest, and the certificate lists each as not declared.
+        priority_parts=(("scope", "admission") if planned else ()) + (("move",) if moves else ()),
         reports_metadata=True,
         notes=base.notes[:2]
         + (
