@@ -266,7 +266,15 @@ class Steering:
         victims = sorted(self.host_victims(), key=path_order)
         if len(victims) < 2:
             return [None]
-        return [None, *itertools.islice(itertools.permutations(victims), 24)]
+        # Dropped backups first, each order of them before the next order of the removed host-only nodes: which
+        # duplicate a write-back backup reclaims first decides whether a victim still on the device loses its copy
+        # (and is backed up and stored again) or keeps it, so those orders are the ones worth trying first.
+        dropped = [v for v in victims if v in self.dropped()]
+        removed = [v for v in victims if v not in self.dropped()]
+        orders = (
+            (*d, *r) for r in itertools.permutations(removed) for d in itertools.permutations(dropped)
+        )
+        return [None, *itertools.islice(orders, 24)]
 
     def follow_host(
         self, oracle: RefCache, tail: bool = False, order: Optional[tuple[contracts.Path, ...]] = None

@@ -444,3 +444,24 @@ def test_the_tokens_of_a_node_that_came_from_storage_are_known(factory: Any) -> 
 
     trace = Trace.from_json(FROM_STORAGE.read_text())
     run_trace(factory(trace.config), trace.config, factory.capabilities, list(trace.ops))
+
+
+RECLAIM_CASCADE = Path(__file__).parent / "traces" / "core-reclaim-cascade.json"
+
+
+@pytest.mark.parametrize("profile", ["core", "sglang-0.5.23"])
+@pytest.mark.parametrize("factory", [factory_storage, factory_rust_storage], ids=["python", "rust"])
+def test_a_reclaim_cascade_is_seated_under_the_core(factory: Any, profile: str) -> None:
+    """Found by the ten-times `factory_rust_storage` run under the core (a harness error, not SGLang's): a
+    write-back eviction of five nodes with the host full, three of them settled duplicates. SGLang reclaims all
+    three duplicates for the first backups, so each is backed up and stored again when it is evicted. The
+    profile's oracle does the same; the core's search tried 24 orders of all five host victims, never one that
+    reclaims the right duplicate first, and failed INV-COPY-1. The core now tries each order of the dropped
+    backups first."""
+    from dataclasses import replace
+
+    from kvcert.spec.ops import Trace
+
+    trace = Trace.from_json(RECLAIM_CASCADE.read_text())
+    caps = replace(factory.capabilities, profile=profile)
+    run_trace(factory(trace.config), trace.config, caps, list(trace.ops))
