@@ -260,21 +260,23 @@ class Steering:
 
     def host_orders(self) -> list[Optional[tuple[contracts.Path, ...]]]:
         """The core's orders of host victims to try (the order decides which backups a write-back eviction
-        can still make): the oracle's rank order first, then each order of them, at most 24."""
+        can still make): the oracle's rank order first, then at most 24 others."""
         if not self.config.host_capacity or self.reported() is not None:
             return [None]
         victims = sorted(self.host_victims(), key=path_order)
         if len(victims) < 2:
             return [None]
-        # Dropped backups first, each order of them before the next order of the removed host-only nodes: which
-        # duplicate a write-back backup reclaims first decides whether a victim still on the device loses its copy
-        # (and is backed up and stored again) or keeps it, so those orders are the ones worth trying first.
+        # First (up to 12) the orders that drop every dropped backup before any removed host-only node, each order
+        # of the dropped ones before the next of the removed: which duplicate a write-back backup reclaims first
+        # decides whether a victim still on the device loses its copy (to be backed up and stored again) or
+        # keeps it, as SGLang's reclaim-first eviction does. Then any order (the core lets the two interleave).
         dropped = [v for v in victims if v in self.dropped()]
         removed = [v for v in victims if v not in self.dropped()]
-        orders = (
-            (*d, *r) for r in itertools.permutations(removed) for d in itertools.permutations(dropped)
-        )
-        return [None, *itertools.islice(orders, 24)]
+        first = ((*d, *r) for r in itertools.permutations(removed) for d in itertools.permutations(dropped))
+        orders = list(itertools.islice(first, 12)) if dropped else []
+        tried = set(orders)
+        orders += itertools.islice((o for o in itertools.permutations(victims) if o not in tried), 24 - len(orders))
+        return [None, *orders]
 
     def follow_host(
         self, oracle: RefCache, tail: bool = False, order: Optional[tuple[contracts.Path, ...]] = None

@@ -211,3 +211,19 @@ def test_priority_factory_demotes_restores_and_scopes(tmp_path: Path) -> None:
     for call in ("_adaptive_demote", "scoped_evict", "evict_host"):
         assert counts.get(call, 0) > 0, (call, counts)
     assert _failed_rules(cert) <= CALIBRATED, _failed_rules(cert)
+
+
+def test_the_fork_as_its_scheduler_drives_it_passes(tmp_path: Path) -> None:
+    """`factory_priority_flow` (no lock on a host-only node, no write-back: H3 and H2 out of its flow), page size
+    1, both write-through policies: every cell passes, the fork's own demotion ran, and the certificate lists
+    the two parts it leaves out as not checked."""
+    _environment()
+    cells = ("--write-policy", "write_through", "--write-policy", "write_through_selective")
+    done = _run(["-W", "ignore", "-c", COUNTED, *_certify("factory_priority_flow", tmp_path, *cells)])
+    assert done.returncode == 0, done.stderr[-3000:]
+    counts = json.loads(done.stdout.split("COUNTS ")[-1].strip())
+    cert = json.loads((tmp_path / "factory_priority_flow.json").read_text())
+    assert [c["failure"] for c in cert["cells"] if c["failure"]] == []
+    assert counts.get("_adaptive_demote", 0) > 0 and counts.get("scoped_evict", 0) > 0, counts
+    gaps = " | ".join(cert["not_checked"])
+    assert "locks on host-only nodes" in gaps and "write policies write_back" in gaps, gaps

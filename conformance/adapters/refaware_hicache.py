@@ -2,6 +2,7 @@
 
     .venv-refaware/bin/kvcert certify kvcert.conformance.adapters.refaware_hicache:factory --policy lru
     .venv-refaware/bin/kvcert certify kvcert.conformance.adapters.refaware_hicache:factory_priority --policy lru
+    .venv-refaware/bin/kvcert certify kvcert.conformance.adapters.refaware_hicache:factory_priority_flow
 
 Runs only in the fork's own environment (`.venv-refaware`, `scripts/install_refaware.sh`). Host-tier cells
 (`host_capacity > 0`) build a real `RefAwareHiRadixCache` over real CPU pools (`MHATokenToKVPool` +
@@ -48,6 +49,12 @@ Mapping (SPEC.md §9, §11):
   listed in the order of the adapter's own (re-)registrations (R9: the fork's demotion tie-break reads
   `(cached_tokens, rid)`, not that order, so the listing hides nothing).
 * `plan_admission`: SPEC.md §11.5 (`kvcert.gpu.admission`) over the fork's counters (R8).
+* `factory_priority_flow`: `factory_priority` driven only as the fork's own scheduler drives it: no lock on a
+  host-only node (`Capabilities.locks_host_only = False`: its scheduler locks `req.last_node`, a device node;
+  H3 is what such a lock does to its counters) and no write-back cells (H2: the fork's write-back host
+  eviction reclaims no duplicate backup). The fork itself is unchanged; the certificate lists both as not
+  checked. This is the target that certifies the fork's host tier with §11 (demotion, restore, scoped
+  eviction) for what its flow sends.
 * `factory_load_locked` / `factory_priority_load_locked`: as `factory` / `factory_priority`, but a pending
   load's anchor (and the halves a split cut from it) is reported host-locked, as SPEC.md §9.1 has it; the
   fork releases that protection before `load_back` returns (H1, an engine choice: no fork path can free
