@@ -105,14 +105,11 @@ from kvcert.conformance.adapters._refaware_env import (
 )
 from kvcert.conformance.adapters._sglang_env import OrderedSet
 from kvcert.conformance.adapters._sglang_kv import (
-    HEAD_DIM,
-    HEAD_NUM,
-    KV_DTYPE,
     entries_of,
     read_pool,
     write_pool,
 )
-from kvcert.conformance.adapters.refaware_radix import RefAwareRadixBackend, free_slots, node_view
+from kvcert.conformance.adapters.refaware_radix import RefAwareRadixBackend, device_pools, free_slots, node_view
 from kvcert.spec.types import (
     POLICIES,
     WRITE_POLICIES,
@@ -147,15 +144,12 @@ from sglang.srt.managers import cache_controller as _cc  # noqa: E402
 from sglang.srt.mem_cache import hiradix_cache as _hiradix  # noqa: E402
 from sglang.srt.mem_cache import radix_cache as _radix_cache  # noqa: E402
 from sglang.srt.mem_cache import ref_aware_cache_core as _core  # noqa: E402
-from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator  # noqa: E402
 from sglang.srt.mem_cache.base_prefix_cache import (  # noqa: E402
     EvictParams,
     InitLoadBackParams,
     InsertParams,
     MatchPrefixParams,
 )
-from sglang.srt.mem_cache.cache_init_params import CacheInitParams  # noqa: E402
-from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool  # noqa: E402
 
 FORK = "Zhangmj0621/sglang@48ae513a"
 
@@ -270,28 +264,7 @@ class RefAwareHiRadixBackend(RadixTreeAdapter):
         self._ledger = _Ledger()
         self._loading: Optional[tuple[list[int], set[int]]] = None
         """The nodes (deepest first) and root path of the load `load_back` is about to queue."""
-        self.kv_pool = kv = MHATokenToKVPool(
-            config.capacity,
-            ps,
-            KV_DTYPE,
-            HEAD_NUM,
-            HEAD_DIM,
-            config.kv_layers,
-            device="cpu",
-            enable_memory_saver=False,
-            enable_alt_stream=False,
-        )
-        if ps == 1:
-            self.allocator: Any = TokenToKVPoolAllocator(config.capacity, torch.float32, "cpu", kv, need_sort=False)
-        else:
-            self.allocator = PagedTokenToKVPoolAllocator(config.capacity, ps, torch.float32, "cpu", kv, need_sort=False)
-        params = CacheInitParams(
-            disable=False,
-            req_to_token_pool=None,  # only the request-level helpers read it
-            token_to_kv_pool_allocator=self.allocator,
-            page_size=ps,
-            eviction_policy=config.policy,
-        )
+        self.kv_pool, self.allocator, params = device_pools(config)
         # What RefAwareHiRadixCache / HiRadixCache read off ServerArgs (REFAWARE_NOTES.md "Constructors").
         server_args = SimpleNamespace(
             enable_priority_scheduling=True,

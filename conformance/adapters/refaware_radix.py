@@ -119,6 +119,35 @@ class _OrderedRefInfo(_core.RefInfo):
         self.nodes = OrderedSet(self.nodes)
 
 
+def device_pools(config: CacheConfig) -> tuple[Any, Any, Any]:
+    """What the fork's scheduler builds for one cache on the device, on CPU: the KV pool, its allocator
+    (paged above page size 1) and the `CacheInitParams` over them (both RefAware adapters)."""
+    ps = config.page_size
+    kv = MHATokenToKVPool(
+        config.capacity,
+        ps,
+        KV_DTYPE,
+        HEAD_NUM,
+        HEAD_DIM,
+        config.kv_layers,
+        device="cpu",
+        enable_memory_saver=False,
+        enable_alt_stream=False,
+    )
+    if ps == 1:
+        allocator: Any = TokenToKVPoolAllocator(config.capacity, torch.float32, "cpu", kv, need_sort=False)
+    else:
+        allocator = PagedTokenToKVPoolAllocator(config.capacity, ps, torch.float32, "cpu", kv, need_sort=False)
+    params = CacheInitParams(
+        disable=False,
+        req_to_token_pool=None,  # only the request-level helpers read it
+        token_to_kv_pool_allocator=allocator,
+        page_size=ps,
+        eviction_policy=config.policy,
+    )
+    return kv, allocator, params
+
+
 class RefAwareRadixBackend(RadixTreeAdapter):
     """One `RefAwareRadixCache` over real CPU pools; node handles are `TreeNode.id`."""
 
@@ -137,35 +166,14 @@ class RefAwareRadixBackend(RadixTreeAdapter):
         self.moves = moves
         """Registering a registered session first releases it: "all" always (`factory_priority_moves`), "class"
         only when its class changes (`factory_priority_class_moves`), "" never (the fork's own call)."""
-        self.page_size = ps = config.page_size
+        self.page_size = config.page_size
         self.priority_refs = priority_refs
         self._now = 0
         self._next_node_id = 0
         self._nodes: dict[int, Any] = {}
         self._registered: dict[str, None] = {}
         """Session ids in (re-)registration order: the fork keeps none (see `_sessions`)."""
-        self.kv_pool = kv = MHATokenToKVPool(
-            config.capacity,
-            ps,
-            KV_DTYPE,
-            HEAD_NUM,
-            HEAD_DIM,
-            config.kv_layers,
-            device="cpu",
-            enable_memory_saver=False,
-            enable_alt_stream=False,
-        )
-        if ps == 1:
-            self.allocator: Any = TokenToKVPoolAllocator(config.capacity, torch.float32, "cpu", kv, need_sort=False)
-        else:
-            self.allocator = PagedTokenToKVPoolAllocator(config.capacity, ps, torch.float32, "cpu", kv, need_sort=False)
-        params = CacheInitParams(
-            disable=False,
-            req_to_token_pool=None,  # only the request-level helpers read it
-            token_to_kv_pool_allocator=self.allocator,
-            page_size=ps,
-            eviction_policy=config.policy,
-        )
+        self.kv_pool, self.allocator, params = device_pools(config)
         # What the fork reads off ServerArgs, through getattr only (ref_aware_cache_core.py:55-61).
         server_args = SimpleNamespace(
             enable_priority_scheduling=True, high_priority_threshold=config.high_priority_threshold
