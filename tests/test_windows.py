@@ -51,6 +51,12 @@ def test_a_lock_before_a_loads_ack_and_a_split_under_it() -> None:
     assert "split-under-load" in split[6]
 
 
+def test_a_lock_on_a_host_only_node() -> None:
+    got = windows_of(HOST, [Insert(None, K), Complete(0), Poll(), Evict(24), Lock(0)])  # its node left the device
+    assert "lock-host-only" in got[4]
+    assert "lock-host-only" not in windows_of(HOST, [Insert(None, K), Lock(0)])[1]  # on the device
+
+
 def test_an_insert_over_a_host_only_node() -> None:
     got = windows_of(HOST, [Insert(None, K), Complete(0), Poll(), Evict(24), Insert(None, K)])
     assert "insert-over-host" in got[4] and got[3] == []
