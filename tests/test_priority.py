@@ -362,7 +362,7 @@ def test_a_backend_without_moves_is_sent_none_and_the_certificate_says_so(tmp_pa
         return certify(
             "kvcert.refimpl:factory",
             factory=make,
-            examples=40,
+            examples=20,
             seed=1,
             page_sizes=[1],
             policies=["priority"],

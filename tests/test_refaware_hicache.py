@@ -193,8 +193,8 @@ def test_plain_factory_exercises_the_host_tier(tmp_path: Path) -> None:
 def test_priority_factory_demotes_restores_and_scopes(tmp_path: Path) -> None:
     """`factory_priority`, page size 1, write_through and write_through_selective: sessions were registered,
     host eviction ran, and the fork's own demotion and scoped eviction were called (counted in the fork's
-    process); what failed is calibrated. Restores are counted on the calibration traces (H6, H9): a run here
-    stops at the first demotion the spec would not make (H4) before a high session ends."""
+    process); what failed is calibrated. Restores are counted on the calibration traces (H6, H9) and in the
+    `factory_priority_flow` tests: a run this small seldom gets a high session to end after a demotion."""
     _environment()
     cells = ("--write-policy", "write_through", "--write-policy", "write_through_selective")
     done = _run(["-W", "ignore", "-c", COUNTED, *_certify("factory_priority", tmp_path, *cells)])
