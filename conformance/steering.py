@@ -270,8 +270,9 @@ class Steering:
         # of the dropped ones before the next of the removed: which duplicate a write-back backup reclaims first
         # decides whether a victim still on the device loses its copy (to be backed up and stored again) or
         # keeps it, as SGLang's reclaim-first eviction does. Then any order (the core lets the two interleave).
-        dropped = [v for v in victims if v in self.dropped()]
-        removed = [v for v in victims if v not in self.dropped()]
+        gone = self.dropped()
+        dropped = [v for v in victims if v in gone]
+        removed = [v for v in victims if v not in gone]
         first = ((*d, *r) for r in itertools.permutations(removed) for d in itertools.permutations(dropped))
         orders = list(itertools.islice(first, 12)) if dropped else []
         tried = set(orders)

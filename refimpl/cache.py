@@ -776,14 +776,8 @@ class RefCache:
         assert self.host is not None
         if reclaim_all:
             self._make_room(n)
-        elif len(self.host.free_list) < n:  # a backup: the shortfall (SGLang), or the whole size, or as seated (ROOM)
-            ask = n if self.backup_room == "whole" else n - len(self.host.free_list)
-            if self.host_ask is not None:
-                ask = min(self.host_ask, n)
-            if ask:
-                freed = self.evict_host(ask, choose=self.host_steer or self.steer)
-                if self.host_ask is not None:  # the room the backend made this step, spent backup by backup
-                    self.host_ask = max(0, self.host_ask - freed)
+        else:  # a node's backup: the shortfall (SGLang) or the whole size (ROOM), the seated room spent backup by backup
+            self._make_room(n, whole=self.backup_room == "whole", spend=True)
         if self.armed_faults.get("host_alloc"):
             self.armed_faults["host_alloc"] -= 1
             return None
@@ -793,18 +787,23 @@ class RefCache:
         self.host.adopt(slots)
         return slots
 
-    def _make_room(self, size: int) -> None:
-        """Host room for a prefetch or a retraction backup of `size` tokens that does not fit: host eviction asks for
-        all of it (SGLang), or the shortfall, or what the harness seats (`host_ask`, at most `size`)."""
+    def _make_room(self, size: int, whole: Optional[bool] = None, spend: bool = False) -> None:
+        """Host room for `size` tokens that do not fit: host eviction asks for all of them (`whole`; by default as
+        `host_room` says for a prefetch or a retraction backup, SGLang's), or the shortfall, or what the harness
+        seats (`host_ask`, at most `size`; with `spend`, what this eviction freed is taken off it)."""
         assert self.host is not None
         free = len(self.host.free_list)
         if free >= size:
             return
-        ask = size if self.host_room == "whole" else size - free
+        if whole is None:
+            whole = self.host_room == "whole"
+        ask = size if whole else size - free
         if self.host_ask is not None:
             ask = min(self.host_ask, size)
         if ask:
-            self.evict_host(ask, choose=self.host_steer or self.steer)
+            freed = self.evict_host(ask, choose=self.host_steer or self.steer)
+            if spend and self.host_ask is not None:
+                self.host_ask = max(0, self.host_ask - freed)
 
     def inject_fault(self, kind: str) -> None:
         """Arm one fault: the next allocation of `kind` fails (SPEC.md §10.5)."""
