@@ -310,6 +310,15 @@ bench_app = typer.Typer(
 app.add_typer(bench_app, name="bench")
 
 
+def _bench_policy() -> None:
+    from kvcert.sim.cli import policy_cmd
+
+    bench_app.command("policy")(policy_cmd)
+
+
+_bench_policy()
+
+
 @bench_app.command("meta")
 def bench_meta_cmd(
     page_size: list[int] = typer.Option([1, 64], "--page-size", help="one run per page size"),

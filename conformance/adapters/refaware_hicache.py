@@ -427,6 +427,14 @@ class RefAwareHiRadixBackend(RadixTreeAdapter):
             raise UnknownCopy(f"no pending unfinished copy {copy!r}")
         got.released = True
 
+    def in_flight(self) -> list[int]:
+        """Pending copies not yet finished, oldest first (what `Snapshot.pending` lists, without a tree walk)."""
+        return [c.id for c, _ in self._live_copies() if not c.released]
+
+    def free_count(self) -> int:
+        """Free device slots (`Snapshot.free_slots`' length, without listing them)."""
+        return int(len(self.allocator.free_pages) + len(self.allocator.release_pages)) * self.page_size
+
     def poll(self) -> int:
         before = {c.id for c, _ in self._live_copies()}
         with self._in_fork():

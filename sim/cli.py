@@ -1,0 +1,212 @@
+"""`kvcert bench policy`: the command (registered on `kvcert bench` by `conformance.cli`)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, Optional
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from kvcert.sim import policy, report
+from kvcert.sim.costs import Costs, with_overrides
+from kvcert.sim.targets import CONTENDERS, DEFAULT
+from kvcert.sim.workload import GroupsSpec, StressSpec, TraceError, Workload, groups, read_trace, stress
+
+console = Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 160)
+
+TABLE_HP = (64, 96, 128)
+_CACHE_HELP = f"contenders (default: {', '.join(DEFAULT)}); known: {', '.join(CONTENDERS)}"
+_SWEEP_HELP = f"sensitivity sweep at the first --hp: {', '.join(policy.SWEEPS)}"
+
+
+def _progress() -> Progress:
+    return Progress(
+        TextColumn("{task.description:<34}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("turns"),
+        TimeElapsedColumn(),
+        console=console,
+        transient=True,
+        disable=not sys.stdout.isatty(),
+    )
+
+
+def _row(t: Table, s: dict[str, Any], base: Optional[dict[str, Any]], lead: list[str]) -> None:
+    if "unavailable" in s:
+        t.add_row(*lead, s["contender"], *["-"] * 8, "unavailable here (below)")
+        return
+    hp, lp = s["high"], s["low"]
+    p90 = hp["ttft"]["p90"]
+    vs = f" ({base['high']['ttft']['p90'] / p90:.1f}x)" if base and "high" in base and p90 else ""
+    bad = policy.failed(s)
+    t.add_row(
+        *lead,
+        s["contender"],
+        f"{hp['turn1_cache_hit']:.4f}",
+        f"{s['hp_min_turn_hit']:.2f}",
+        f"{p90:.1f}{vs}",
+        f"{lp['turn1_cache_hit']:.4f}",
+        f"{lp['ttft']['p90']:.1f}",
+        f"{lp['out_tok_per_s']:.0f}",
+        str(hp["retractions"] + lp["retractions"]),
+        str(s["counters"].get("demotions", "-")),
+        "ok" if not bad else f"[red]{len(bad)} FAILED[/]: {bad[0]}",
+    )
+
+
+def _table(title: str, lead: list[str]) -> Table:
+    t = Table(title=title)
+    for col in (
+        *lead,
+        "contender",
+        "HP hit t>=1",
+        "HP min turn",
+        "HP TTFT p90 s (baseline/it)",
+        "LP hit t>=1",
+        "LP TTFT p90 s",
+        "LP out tok/s",
+        "retractions",
+        "demotions",
+        "checks",
+    ):
+        t.add_column(col, justify="left" if col in ("contender", "checks") else "right")
+    return t
+
+
+def policy_cmd(
+    hp: list[int] = typer.Option([128], "--hp", help="high-priority clients (the seed: 64, 96, 128); one run each"),
+    cache: Optional[list[str]] = typer.Option(None, "--cache", help=_CACHE_HELP),
+    table_: bool = typer.Option(False, "--table", help="the 3 x N grid: every contender at 64, 96 and 128 HP clients"),
+    sweep_: Optional[str] = typer.Option(None, "--sweep", help=_SWEEP_HELP),
+    workload: str = typer.Option("stress", help="stress | groups-10x50 | groups-50x10"),
+    trace: Optional[Path] = typer.Option(None, "--trace", help="a JSONL trace of sessions (docs/bench_policy.md)"),
+    min_turns: int = typer.Option(5, help="stress: fewest turns per client (the fork's --min-turns)"),
+    max_turns: int = typer.Option(20, help="stress: most turns per client"),
+    request_length: int = typer.Option(15360, help="stress: first prompt, tokens"),
+    sub_question_length: int = typer.Option(1024, help="stress: tokens appended each later turn"),
+    output_length: int = typer.Option(256, help="stress: output tokens per turn"),
+    think_min: float = typer.Option(5.0, help="stress: think time between turns, seconds (min)"),
+    think_max: float = typer.Option(10.0, help="stress: think time between turns, seconds (max)"),
+    workload_seed: int = typer.Option(42, help="the workload's seed (turn counts, think times; the fork's --seed)"),
+    seed: int = typer.Option(0, help="the simulator's seed (token ids)"),
+    set_: list[str] = typer.Option([], "--set", help="override an engine cost or limit: NAME=VALUE (kvcert.sim.costs)"),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="write every run's figures as JSON"),
+    plots: Optional[Path] = typer.Option(None, "--plots", help="write PNG plots into this directory"),
+    breakdown: bool = typer.Option(True, help="print each run's metric block and per-turn breakdown"),
+) -> None:
+    """Serve the seed's stress test (or another workload) from real caches on a simulated engine; print the seed's
+    metric block per run and a comparison table. Exits 1 if any run fails its cache's end checks or the accounting."""
+    try:
+        costs = with_overrides(Costs(), set_)
+        spec = StressSpec(
+            hp[0],
+            min_turns,
+            max_turns,
+            request_length,
+            sub_question_length,
+            output_length,
+            think_min,
+            think_max,
+            workload_seed,
+        )
+        stress(spec)  # validates the spec before any run
+    except ValueError as e:
+        console.print(f"[red]error:[/] {e}")
+        raise typer.Exit(2) from None
+    names = list(cache or DEFAULT)
+    unknown = [n for n in names if n not in CONTENDERS]
+    if unknown:
+        console.print(f"[red]error:[/] unknown contender(s) {unknown}; known: {', '.join(CONTENDERS)}")
+        raise typer.Exit(2)
+    if sweep_ is not None and sweep_ not in policy.SWEEPS:
+        console.print(f"[red]error:[/] --sweep {sweep_!r}: one of {', '.join(policy.SWEEPS)}")
+        raise typer.Exit(2)
+    if plots is not None:
+        plots.mkdir(parents=True, exist_ok=True)
+    console.print(f"engine: {costs}")
+    results: list[dict[str, Any]] = []
+    with _progress() as bar:
+
+        def on_run(tag: object, name: str, w: Workload) -> Any:
+            task = bar.add_task(f"{name} @ {tag}", total=w.turns)
+            return lambda n: bar.advance(task, n)
+
+        if sweep_ is not None:
+            results = policy.sweep(sweep_, names, hp[0], costs, spec, seed, on_run)
+        elif table_:
+            results = policy.table(names, TABLE_HP, costs, spec, seed, on_run)
+        else:
+            workloads: list[Workload] = []
+            try:
+                if trace is not None:
+                    workloads = [read_trace(trace)]
+                elif workload == "stress":
+                    workloads = [stress(replace(spec, hp_clients=h)) for h in hp]
+                elif workload in ("groups-10x50", "groups-50x10"):
+                    g, p = (10, 50) if workload == "groups-10x50" else (50, 10)
+                    workloads = [groups(GroupsSpec(groups=g, prompts=p, hp_groups=g // 2, seed=workload_seed))]
+                else:
+                    raise ValueError(f"--workload {workload!r}: stress, groups-10x50 or groups-50x10")
+            except (TraceError, ValueError, OSError) as e:
+                console.print(f"[red]error:[/] {e}")
+                raise typer.Exit(2) from None
+            for w in workloads:
+                for name in names:
+                    s = policy.run_one(name, w, costs, seed, on_run(w.name, name, w))
+                    s["hp_clients"] = sum(1 for x in w.sessions if w.high(x))
+                    results.append(s)
+    _print(results, names, sweep_, breakdown and sweep_ is None and not table_)
+    if plots is not None:
+        for path in _plots(results, plots, sweep_):
+            console.print(f"plot: {path}")
+    if json_out is not None:
+        json_out.write_text(json.dumps({"costs": costs.__dict__, "stress": spec.__dict__, "runs": results}, indent=1))
+        console.print(f"figures: {json_out}")
+    if any(policy.failed(r) for r in results):
+        raise typer.Exit(1)
+
+
+def _print(results: list[dict[str, Any]], names: list[str], sweep_: Optional[str], breakdown: bool) -> None:
+    if breakdown:
+        for s in results:
+            if "unavailable" in s:
+                continue
+            console.print(f"\n[bold]{s['contender']}[/]: {s['about']}  ({s['workload']}, {s['wall_s']:.1f}s wall)")
+            console.print(report.text_block(s, True))
+            console.print(report.text_block(s, False))
+    lead = ["value"] if sweep_ else ["HP clients"]
+    title = (
+        f"sweep: {policy.SWEEPS[sweep_].label}"
+        if sweep_
+        else "HP = high priority, LP = low; turn>=1 hit token-weighted"
+    )
+    t = _table(title, lead)
+    key = "value" if sweep_ else "hp_clients"
+    for group in dict.fromkeys(r[key] for r in results):
+        rows = [r for r in results if r[key] == group]
+        base = next((r for r in rows if r["contender"] == "baseline"), None)
+        for r in rows:
+            _row(t, r, base, [f"{group}"])
+    console.print(t)
+    for r in results:
+        if "unavailable" in r:
+            console.print(f"{r['contender']}: {r['unavailable']}")
+        for msg in policy.failed(r):
+            console.print(f"[red]FAILED[/] {r['contender']} ({r['workload']}): {msg}")
+
+
+def _plots(results: list[dict[str, Any]], where: Path, sweep_: Optional[str]) -> list[Path]:
+    if sweep_ is not None:
+        return [policy.plot_sweep(results, where / f"sweep-{sweep_}.png")]
+    out = []
+    for group in dict.fromkeys((r["workload"], r.get("hp_clients")) for r in results):
+        rows = [r for r in results if (r["workload"], r.get("hp_clients")) == group]
+        out.append(policy.plot_turns(rows, where / f"turns-{group[0]}.png", f"{group[0]}: per-turn, high priority"))
+    return out

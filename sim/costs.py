@@ -1,0 +1,91 @@
+"""The engine's costs and limits: every figure the simulator's clock advances by, with its reason.
+
+The defaults describe an 8B-class dense model (32 layers, 8 KV heads of 128, bf16: about 128 KiB
+of KV per token) on one H200-class GPU, sized so that the seed's regime holds: the first turns of
+192 clients (2.9M prompt tokens) take on the order of the seed's turn-0 TTFT (78-86 s), and the
+high-priority working set of 128 clients does not fit device + host beside 64 low-priority
+clients while that of 96 does beside 48 (the seed's 96-client run keeps every turn's hit). They
+are parameters, not measurements: `kvcert bench policy --set NAME=VALUE` changes any of them and
+the sensitivity sweep (`--sweep`) shows where the verdict depends on them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+__all__ = ["Costs", "with_overrides"]
+
+
+@dataclass(frozen=True)
+class Costs:
+    page_tokens: int = 64
+    """Tokens per cache slot. Caches are keyed by pages (SGLang's `page_size` 64 is common), so pools
+    and trees are metadata-sized: a 1M-token device pool is 16,384 slots."""
+    device_tokens: int = 1_048_576
+    """Device KV pool: ~128 GiB of KV at 128 KiB per token would be 1M tokens on a 141 GB GPU
+    after weights and activations."""
+    host_tokens: int = 3_145_728
+    """Host KV pool (HiCache's `hicache_ratio` 3): 384 GiB of pinned DRAM."""
+    prefill_token_s: float = 20e-6
+    """Linear prefill cost per uncached token: 2 x 8B FLOP at ~800 TFLOP/s effective."""
+    attention_pair_s: float = 1.0e-12
+    """Prefill attention per (new token, context token) pair: 4 x layers x hidden FLOP at ~500 TFLOP/s."""
+    decode_step_s: float = 0.010
+    """Fixed cost of one decode step: weights read once (16 GB at 4.8 TB/s) plus launch overhead."""
+    decode_request_s: float = 50e-6
+    """Per running request per decode step (sampling, scheduler bookkeeping)."""
+    decode_context_s: float = 2.0e-8
+    """Per context token per decode step: its KV read from HBM (128 KiB at ~6 TB/s)."""
+    load_token_s: float = 4e-6
+    """Host->device load per token: 128 KiB over PCIe at ~32 GB/s. Charged to the prefill that needs it."""
+    chunked_prefill_tokens: int = 8192
+    """New tokens per prefill step (SGLang's `chunked_prefill_size`); a longer prompt takes several."""
+    max_running: int = 256
+    """Requests running at once (SGLang's `max_running_requests`); device memory usually binds first."""
+    decode_block: int = 8
+    """Decode steps simulated as one event: the clock's resolution while decoding."""
+    load_back_threshold: int = 1
+    """Pages a host hit must reach before it is loaded back (SGLang's default is 10 tokens: one page)."""
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
+                raise ValueError(f"Costs.{f.name} must be a non-negative number, got {v!r}")
+        for name in ("page_tokens", "device_tokens", "chunked_prefill_tokens", "max_running", "decode_block"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"Costs.{name} must be positive")
+        if self.device_tokens % self.page_tokens or self.host_tokens % self.page_tokens:
+            raise ValueError("device_tokens and host_tokens must be whole pages")
+
+    @property
+    def device_pages(self) -> int:
+        return self.device_tokens // self.page_tokens
+
+    @property
+    def host_pages(self) -> int:
+        return self.host_tokens // self.page_tokens
+
+    def prefill_s(self, new: int, context: int) -> float:
+        """`new` tokens computed after `context` cached ones."""
+        return new * self.prefill_token_s + self.attention_pair_s * new * (context + new / 2)
+
+    def decode_s(self, steps: int, running: int, context: int) -> float:
+        """`steps` decode steps of `running` requests holding `context` tokens in all."""
+        return steps * (self.decode_step_s + running * self.decode_request_s + context * self.decode_context_s)
+
+
+def with_overrides(costs: Costs, pairs: list[str]) -> Costs:
+    """`NAME=VALUE` pairs applied to `costs` (ValueError naming the bad pair)."""
+    known = {f.name: f.type for f in fields(Costs)}
+    changes: dict[str, Any] = {}
+    for pair in pairs:
+        name, eq, value = pair.partition("=")
+        if not eq or name not in known:
+            raise ValueError(f"--set {pair!r}: expected NAME=VALUE with NAME one of {sorted(known)}")
+        try:
+            changes[name] = int(value) if known[name] in (int, "int") else float(value)
+        except ValueError:
+            raise ValueError(f"--set {pair!r}: {value!r} is not a {known[name]}") from None
+    return replace(costs, **changes)

@@ -1,0 +1,289 @@
+"""`kvcert bench policy`'s simulator: workloads, traces and their errors, the engine's accounting, the caches'
+end checks, and a tiny end-to-end run of the command. The figures are measured, not asserted (docs/bench_policy.md);
+what is asserted is what must hold whatever the figures: every turn reported, tokens conserved, nothing held
+after the run, the bound's hits exactly the reusable history, the same run twice."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from kvcert.conformance.cli import app
+from kvcert.sim import caches, engine, policy, workload
+from kvcert.sim.costs import Costs, with_overrides
+from kvcert.sim.targets import build
+from kvcert.sim.workload import StressSpec, TraceError, read_trace, stress, write_trace
+
+TINY = Costs(device_tokens=64 * 256, host_tokens=64 * 512)
+SPEC = StressSpec(
+    hp_clients=4,
+    min_turns=2,
+    max_turns=4,
+    request_length=2048,
+    sub_question_length=512,
+    output_length=128,
+    think_min=0.5,
+    think_max=1.0,
+)
+
+
+def _run(name: str, w: workload.Workload, costs: Costs = TINY, **kw: object) -> engine.Run:
+    future: dict[str, float] = {}
+    cache = build(name, costs, w, future)
+    try:
+        return engine.simulate(w, cache, costs, future=future, **kw)  # type: ignore[arg-type]
+    finally:
+        cache.close()
+
+
+# --------------------------------------------------------------------------- workloads
+
+
+def test_the_stress_workload_follows_the_forks_script() -> None:
+    w = stress(StressSpec(hp_clients=64))
+    assert len(w.sessions) == 96 and sum(w.high(s) for s in w.sessions) == 64  # the fixed 2:1 split
+    assert w.max_in_flight == 64 + 100
+    for s in w.sessions:
+        assert 5 <= len(s.turns) <= 20 and s.arrival == 0.0
+        assert s.turns[0].new_tokens == 15360 and all(t.new_tokens == 1024 for t in s.turns[1:])
+        assert all(t.output_tokens == 256 and 5 <= t.think <= 10 for t in s.turns[1:])
+    assert stress(StressSpec(hp_clients=64)) == w  # seeded
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        dict(hp_clients=3),
+        dict(hp_clients=0),
+        dict(min_turns=0),
+        dict(min_turns=6, max_turns=5),
+        dict(think_min=3.0, think_max=2.0),
+    ],
+)
+def test_a_bad_stress_spec_is_refused(bad: dict[str, object]) -> None:
+    with pytest.raises(ValueError):
+        stress(replace(SPEC, **bad))  # type: ignore[arg-type]
+
+
+def test_a_trace_round_trips(tmp_path: Path) -> None:
+    w = stress(SPEC)
+    write_trace(w, tmp_path / "t.jsonl")
+    back = read_trace(tmp_path / "t.jsonl")
+    assert back.sessions == w.sessions
+    g = workload.groups(workload.GroupsSpec(groups=3, prompts=2))
+    write_trace(g, tmp_path / "g.jsonl")
+    assert read_trace(tmp_path / "g.jsonl").sessions == g.sessions
+
+
+GOOD = '{"session": "a", "priority": 1, "new_tokens": 128, "output_tokens": 64}'
+
+
+@pytest.mark.parametrize(
+    ("lines", "line", "words"),
+    [
+        ([GOOD, "{not json"], 2, "not JSON"),
+        ([GOOD, "[1, 2]"], 2, "JSON object"),
+        ([GOOD, '{"session": "b", "new_tokens": 1, "output_tokens": 1, "colour": 3}'], 2, "unknown field"),
+        (['{"session": "", "new_tokens": 1, "output_tokens": 1}'], 1, "non-empty string"),
+        (['{"session": "a", "output_tokens": 1}'], 1, "missing field 'new_tokens'"),
+        (['{"session": "a", "new_tokens": -1, "output_tokens": 1}'], 1, ">= 0"),
+        (['{"session": "a", "new_tokens": 1.5, "output_tokens": 1}'], 1, "an integer"),
+        (['{"session": "a", "new_tokens": true, "output_tokens": 1}'], 1, "an integer"),
+        (['{"session": "a", "new_tokens": 1, "output_tokens": 0}'], 1, "> 0"),
+        (['{"session": "a", "new_tokens": 0, "output_tokens": 1}'], 1, "needs tokens"),
+        ([GOOD, '{"session": "a", "priority": 0, "new_tokens": 1, "output_tokens": 1}'], 2, "changes priority"),
+        ([GOOD, '{"session": "a", "priority": 1, "new_tokens": 1, "output_tokens": 1, "at": 3}'], 2, "first line"),
+        (['{"session": "a", "new_tokens": 1, "output_tokens": 1, "think": 3}'], 1, "later lines"),
+        (['{"session": "a", "new_tokens": 1, "output_tokens": 1, "prefix": "p"}'], 1, "come together"),
+        (
+            [
+                '{"session": "a", "new_tokens": 1, "output_tokens": 1, "prefix": "p", "prefix_tokens": 64}',
+                '{"session": "b", "new_tokens": 1, "output_tokens": 1, "prefix": "p", "prefix_tokens": 128}',
+            ],
+            2,
+            "another length",
+        ),
+        (['{"session": "a", "new_tokens": 1, "output_tokens": 1, "at": NaN}'], 1, "finite"),
+        (["# only a comment", ""], 0, "no requests"),
+    ],
+)
+def test_a_bad_trace_line_is_named(lines: list[str], line: int, words: str) -> None:
+    with pytest.raises(TraceError) as err:
+        read_trace("t.jsonl", lines)
+    assert err.value.line == line and words in str(err.value) and f"t.jsonl:{line}:" in str(err.value)
+
+
+def test_the_command_refuses_a_bad_trace_before_simulating_anything(tmp_path: Path) -> None:
+    trace = tmp_path / "bad.jsonl"
+    trace.write_text(GOOD + "\n" + '{"session": "b", "new_tokens": "x", "output_tokens": 1}\n')
+    out = tmp_path / "out.json"
+    res = CliRunner().invoke(app, ["bench", "policy", "--trace", str(trace), "--cache", "infinite", "--json", str(out)])
+    assert res.exit_code == 2 and "bad.jsonl:2:" in res.output and "an integer" in res.output
+    assert not out.exists()
+
+
+def test_a_bad_cost_override_is_named() -> None:
+    assert with_overrides(Costs(), ["host_tokens=128"]).host_tokens == 128
+    for bad in (["nope=1"], ["host_tokens"], ["host_tokens=x"], ["host_tokens=100"], ["decode_block=0"]):
+        with pytest.raises(ValueError):
+            with_overrides(Costs(), bad)
+
+
+# --------------------------------------------------------------------------- the engine
+
+
+def test_the_infinite_bound_hits_exactly_the_reusable_history() -> None:
+    """Turn k's prompt is everything before plus its new tokens: an infinite cache hits all but the new tokens."""
+    w = stress(SPEC)
+    run = _run("infinite", w)
+    assert not run.accounting(w, TINY) and not run.checks
+    for r in run.records:
+        assert r.outcome == "finished"
+        new = SPEC.request_length if r.turn == 0 else SPEC.sub_question_length
+        assert r.cached_tokens == r.prompt_tokens - new
+
+
+@pytest.mark.parametrize("name", ["proactive", "blind", "offline", "infinite"])
+def test_every_turn_is_reported_and_nothing_is_held_after_the_run(name: str) -> None:
+    w = stress(replace(SPEC, hp_clients=8))
+    run = _run(name, w)
+    assert run.accounting(w, TINY) == []
+    assert run.checks == []
+    assert all(r.outcome == "finished" for r in run.records)
+    assert len(run.records) == w.turns
+
+
+def test_the_same_seed_gives_the_same_run() -> None:
+    w = stress(SPEC)
+    a, b = _run("proactive", w), _run("proactive", w)
+    assert a.records == b.records and a.duration == b.duration and a.counters == b.counters
+
+
+def test_pressure_makes_the_caches_evict_and_the_proactive_one_plan() -> None:
+    """The tiny pools are too small for the workload: the run must reach eviction, load-back and planning (else the
+    tests above would certify an engine that never exercises the cache)."""
+    w = stress(replace(SPEC, hp_clients=8))
+    tight = replace(TINY, device_tokens=64 * 160, host_tokens=64 * 200)
+    run = _run("proactive", w, tight)
+    assert run.counters["evicted"] > 0 and run.counters["loads"] > 0 and run.counters["plans"] > 0
+    assert not run.accounting(w, tight) and not run.checks
+
+
+def test_the_accounting_catches_a_lost_turn_and_a_wrong_count() -> None:
+    w = stress(SPEC)
+    run = _run("infinite", w)
+    lost = replace(run, records=run.records[1:])
+    assert any("never reported" in m for m in lost.accounting(w, TINY))
+    r = run.records[3]
+    bad = replace(run, records=[*run.records[:3], replace(r, cached_tokens=r.prompt_tokens + 1), *run.records[4:]])
+    assert any("cached" in m for m in bad.accounting(w, TINY))
+    early = replace(run, records=[*run.records[:3], replace(r, first_token=r.arrival - 1), *run.records[4:]])
+    assert any("first token" in m for m in early.accounting(w, TINY))
+
+
+class _LeakyDriver(caches.ProtocolDriver):
+    """Forgets to return a finished request's lock: the end checks must say so."""
+
+    def finish(self, key, hold, session, prio):  # type: ignore[no-untyped-def]
+        hold.lock_kept = hold.lock  # type: ignore[attr-defined]
+        self.c.inc_lock_ref(hold.lock)
+        super().finish(key, hold, session, prio)
+
+
+def test_the_end_checks_catch_a_leaked_lock() -> None:
+    from kvcert.gpu import factory
+
+    w = stress(SPEC)
+    cache = _LeakyDriver("leaky", factory(caches._config(TINY)), True, 1)
+    run = engine.simulate(w, cache, TINY)
+    assert any("still locked" in m or "INV-" in m for m in run.checks)
+
+
+def test_an_unservable_request_is_reported_and_ends_its_session() -> None:
+    w = stress(replace(SPEC, request_length=64 * 300))  # larger than the 256-page device pool
+    run = _run("proactive", w)
+    assert not run.accounting(w, TINY) and not run.checks
+    firsts = [r for r in run.records if r.turn == 0]
+    assert all(r.outcome == "unservable" for r in firsts)
+    assert all(r.outcome == "not-run" for r in run.records if r.turn > 0)
+
+
+def test_the_offline_bound_is_no_better_than_the_infinite_one() -> None:
+    w = stress(replace(SPEC, hp_clients=8))
+    tight = replace(TINY, device_tokens=64 * 400, host_tokens=64 * 64)
+    inf, off = _run("infinite", w, tight), _run("offline", w, tight)
+    hit = lambda run: sum(r.cached_tokens for r in run.records)  # noqa: E731
+    assert hit(off) <= hit(inf)
+    assert off.counters["evicted"] > 0  # the pool was too small: the bound had to choose
+
+
+def test_a_shared_prefix_is_a_hit_for_the_groups_later_prompts() -> None:
+    g = workload.groups(workload.GroupsSpec(groups=2, prompts=3, prefix_length=1024, rate=0.5))
+    run = _run("proactive", g)
+    assert not run.accounting(g, TINY) and not run.checks
+    by_group: dict[str, list[engine.Record]] = {}
+    for r in sorted(run.records, key=lambda r: r.arrival):
+        by_group.setdefault(r.session.split("-")[0], []).append(r)
+    for recs in by_group.values():
+        assert recs[0].cached_tokens == 0 and all(r.cached_tokens == 1024 for r in recs[1:])
+
+
+# --------------------------------------------------------------------------- the command
+
+
+def test_the_command_runs_end_to_end(tmp_path: Path) -> None:
+    """What CI runs: a tiny configuration through the command, JSON and plots written, accounting clean."""
+    out = tmp_path / "out.json"
+    args = [
+        "bench",
+        "policy",
+        "--hp",
+        "4",
+        "--min-turns",
+        "2",
+        "--max-turns",
+        "3",
+        "--request-length",
+        "2048",
+        "--set",
+        "device_tokens=16384",
+        "--set",
+        "host_tokens=32768",
+        "--cache",
+        "proactive",
+        "--cache",
+        "blind",
+        "--cache",
+        "infinite",
+        "--cache",
+        "offline",
+        "--json",
+        str(out),
+        "--plots",
+        str(tmp_path),
+    ]
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 0, res.output
+    assert "High-priority turn>=1 cache hit" in res.output and "Turn  1:" in res.output
+    runs = json.loads(out.read_text())["runs"]
+    assert [r["contender"] for r in runs] == ["proactive", "blind", "infinite", "offline"]
+    for r in runs:
+        assert r["accounting"] == [] and r["checks"] == []
+        assert r["high"]["clients"] == 4 and r["low"]["clients"] == 2
+        assert not math.isnan(r["high"]["turn1_cache_hit"])
+    png = tmp_path / "turns-stress-hp4.png"
+    assert png.stat().st_size > 10_000
+
+
+def test_the_sweep_and_table_run_and_plot(tmp_path: Path) -> None:
+    small = replace(SPEC, hp_clients=2)
+    rows = policy.sweep("host", ["infinite", "blind"], 2, TINY, small)
+    assert {r["value"] for r in rows} == set(policy.SWEEPS["host"].values)
+    assert policy.plot_sweep(rows, tmp_path / "s.png").stat().st_size > 10_000
+    grid = policy.table(["infinite"], (2, 4), TINY, small)
+    assert [r["hp_clients"] for r in grid] == [2, 4]
