@@ -44,15 +44,21 @@ def _row(t: Table, s: dict[str, Any], base: Optional[dict[str, Any]], lead: list
         return
     hp, lp = s["high"], s["low"]
     p90 = hp["ttft"]["p90"]
+    # one-turn workloads (groups) have no turn >= 1: their hit over every turn, marked *
+    later = any(p["turn"] > 0 for p in hp["per_turn"] + lp["per_turn"])
+
+    def hit(b: dict[str, Any]) -> str:
+        return f"{b['turn1_cache_hit']:.4f}" if later else f"{b['cache_hit']:.4f}*"
+
     vs = f" ({base['high']['ttft']['p90'] / p90:.1f}x)" if base and "high" in base and p90 else ""
     bad = policy.failed(s)
     t.add_row(
         *lead,
         s["contender"],
-        f"{hp['turn1_cache_hit']:.4f}",
-        f"{s['hp_min_turn_hit']:.2f}",
+        hit(hp),
+        f"{s['hp_min_turn_hit']:.2f}" if later else "-",
         f"{p90:.1f}{vs}",
-        f"{lp['turn1_cache_hit']:.4f}",
+        hit(lp),
         f"{lp['ttft']['p90']:.1f}",
         f"{lp['out_tok_per_s']:.0f}",
         str(hp["retractions"] + lp["retractions"]),
@@ -94,6 +100,7 @@ def policy_cmd(
     output_length: int = typer.Option(256, help="stress: output tokens per turn"),
     think_min: float = typer.Option(5.0, help="stress: think time between turns, seconds (min)"),
     think_max: float = typer.Option(10.0, help="stress: think time between turns, seconds (max)"),
+    rate: float = typer.Option(4.0, help="groups: prompts arriving per second (Poisson)"),
     workload_seed: int = typer.Option(42, help="the workload's seed (turn counts, think times; the fork's --seed)"),
     seed: int = typer.Option(0, help="the simulator's seed (token ids)"),
     set_: list[str] = typer.Option([], "--set", help="override an engine cost or limit: NAME=VALUE (kvcert.sim.costs)"),
@@ -151,7 +158,9 @@ def policy_cmd(
                     workloads = [stress(replace(spec, hp_clients=h)) for h in hp]
                 elif workload in ("groups-10x50", "groups-50x10"):
                     g, p = (10, 50) if workload == "groups-10x50" else (50, 10)
-                    workloads = [groups(GroupsSpec(groups=g, prompts=p, hp_groups=g // 2, seed=workload_seed))]
+                    workloads = [
+                        groups(GroupsSpec(groups=g, prompts=p, hp_groups=g // 2, rate=rate, seed=workload_seed))
+                    ]
                 else:
                     raise ValueError(f"--workload {workload!r}: stress, groups-10x50 or groups-50x10")
             except (TraceError, ValueError, OSError) as e:
@@ -185,7 +194,7 @@ def _print(results: list[dict[str, Any]], names: list[str], sweep_: Optional[str
     title = (
         f"sweep: {policy.SWEEPS[sweep_].label}"
         if sweep_
-        else "HP = high priority, LP = low; turn>=1 hit token-weighted"
+        else "HP = high priority, LP = low; turn>=1 hit token-weighted (* a one-turn workload: the hit over every turn)"
     )
     t = _table(title, lead)
     key = "value" if sweep_ else "hp_clients"

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Every figure of docs/bench_policy.md, printed by the command that makes it: the 3 x N table, the three
+# sensitivity sweeps at 128 HP clients, and both shared-prefix workloads. Each run's text, JSON and plots go to
+# OUT. About 15 minutes on 2 cores; needs SGLang (KVCERT_SGLANG=1) and, for the fork's rows, .venv-refaware.
+#
+#   KVCERT_SGLANG=1 scripts/bench_policy_docs.sh [OUT]
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+OUT="${1:-bench-policy}"
+mkdir -p "$OUT"
+K=("$ROOT/kvcert" bench policy)
+ALL=(--cache baseline --cache baseline-hp --cache proactive --cache refaware --cache blind --cache infinite --cache offline)
+echo "== table"
+/usr/bin/time -f "table: %e s wall" "${K[@]}" --table "${ALL[@]}" --json "$OUT/table.json" --plots "$OUT" > "$OUT/table.txt" 2> "$OUT/table.time"
+cat "$OUT/table.time"
+for s in host think speed; do
+    echo "== sweep $s"
+    "${K[@]}" --hp 128 --sweep "$s" --cache baseline --cache baseline-hp --cache proactive --cache refaware --cache infinite \
+        --json "$OUT/sweep-$s.json" --plots "$OUT" > "$OUT/sweep-$s.txt"
+done
+for g in groups-10x50 groups-50x10; do
+    echo "== $g (default pools; then a quarter of them, 8 prompts/s)"
+    "${K[@]}" --workload "$g" "${ALL[@]}" --no-breakdown --json "$OUT/$g.json" > "$OUT/$g.txt"
+    "${K[@]}" --workload "$g" "${ALL[@]}" --no-breakdown --set device_tokens=262144 --set host_tokens=786432 --rate 8 \
+        --json "$OUT/$g-small.json" > "$OUT/$g-small.txt"
+done
