@@ -13,6 +13,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from kvcert.conformance import explain, reports
 from kvcert.conformance.certify import CellResult, Certificate, certify, judged_as, load_factory
 from kvcert.conformance.driver import ConformanceFailure, Outcome, run_trace
 from kvcert.conformance.windows import SHORT, WINDOWS
@@ -96,6 +97,8 @@ def certify_cmd(
     page_size: Optional[list[int]] = typer.Option(None, "--page-size", help="restrict to these page sizes"),
     policy: Optional[list[str]] = typer.Option(None, "--policy", help="restrict to these policies"),
     json_path: Optional[Path] = typer.Option(None, "--json", help="write the certificate as JSON"),
+    junit_path: Optional[Path] = typer.Option(None, "--junit", help="write the certificate as JUnit XML"),
+    markdown_path: Optional[Path] = typer.Option(None, "--markdown", help="write the certificate as Markdown"),
     out: Path = typer.Option(Path("kvcert-failures"), help="where minimal traces are saved"),
     write_policy: Optional[list[str]] = typer.Option(
         None, "--write-policy", help="host-tier cells: these write policies"
@@ -135,7 +138,33 @@ def certify_cmd(
     print_certificate(cert)
     if json_path is not None:
         json_path.write_text(cert.to_json())
+    if junit_path is not None:
+        junit_path.write_text(reports.junit_xml(cert), encoding="utf-8")
+    if markdown_path is not None:
+        markdown_path.write_text(reports.markdown(cert), encoding="utf-8")
     raise typer.Exit(0 if cert.passed else 1)
+
+
+@app.command("explain")
+def explain_cmd(
+    inv_id: Optional[str] = typer.Argument(None, metavar="INV-ID", help="an invariant ID, e.g. INV-ACCT-3 (any case)"),
+    list_ids: bool = typer.Option(False, "--list", help="print every ID with its one-line rule"),
+) -> None:
+    """Print what an invariant ID means: its SPEC.md text and section, and its checker's docstring."""
+    if list_ids:
+        for inv in explain.invariant_ids():
+            console.print(f"{inv:<14} {explain.summary(inv)}", markup=False, emoji=False)
+        return
+    if inv_id is None:
+        typer.echo("error: give an invariant ID (e.g. INV-ACCT-3), or --list", err=True)
+        raise typer.Exit(2)
+    try:
+        console.print(explain.explain(inv_id), markup=False, emoji=False, end="")
+    except KeyError:
+        close = explain.suggestions(inv_id)
+        hint = f"; did you mean {', '.join(close)}?" if close else ""
+        typer.echo(f"error: unknown invariant ID {explain.normalize(inv_id)}{hint} (kvcert explain --list)", err=True)
+        raise typer.Exit(2) from None
 
 
 def _describe(outcome: Outcome) -> str:
