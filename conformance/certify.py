@@ -22,6 +22,7 @@ from hypothesis.errors import Flaky
 from kvcert.conformance.backend import Factory, capabilities_of
 from kvcert.conformance.determinism import fixed_generation
 from kvcert.conformance.driver import ConformanceFailure, Harness, run_trace
+from kvcert.conformance.fuzz import run_random
 from kvcert.conformance.machine import CacheMachine
 from kvcert.conformance.runner import run_machine
 from kvcert.conformance.running import TraceInvalid
@@ -135,6 +136,9 @@ def _slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", text)
 
 
+DRIVERS = ("hypothesis", "random")
+
+
 def run_cell(
     factory: Factory,
     capabilities: Capabilities,
@@ -146,10 +150,16 @@ def run_cell(
     target: str,
     out_dir: Path,
     bad_input: Optional[bool] = None,
+    driver: str = "hypothesis",
+    seconds: Optional[float] = None,
 ) -> CellResult:
+    """One cell: examples of the machine under `driver` ("hypothesis", or "random": `conformance.fuzz`'s seeded
+    walk, for `seconds` when given, else `examples`); a failure is shrunk, replayed and saved either way."""
+    if driver not in DRIVERS:
+        raise ValueError(f"driver {driver!r}: one of {', '.join(DRIVERS)}")
     machine = CacheMachine.bind(factory, config, capabilities, bad_input)
     conf = settings(
-        max_examples=examples,
+        max_examples=max(1, examples),  # (unused by the random driver, whose budget may be seconds alone)
         stateful_step_count=steps,
         deadline=None,
         database=None,
@@ -163,8 +173,11 @@ def run_cell(
     start = time.perf_counter()
     result = CellResult(config.page_size, config.policy, True, 0, 0, 0.0, write_policy=_tier(config))
     try:
-        with fixed_generation():
-            run_machine(machine, conf, seed)
+        if driver == "random":
+            run_random(machine, steps, seed, examples=None if seconds is not None else examples, seconds=seconds)
+        else:
+            with fixed_generation():
+                run_machine(machine, conf, seed)
     except ConformanceFailure as original:
         ops = shrink(machine.last_trace(), guarded(failure_ids, factory, capabilities, config, bad_input), config.page_size)
         failure = replay_failure(factory, capabilities, config, ops)
@@ -179,7 +192,8 @@ def run_cell(
         trace = Trace(config=config, ops=tuple(ops), target=target, note=note, profile=capabilities.profile)
         out_dir.mkdir(parents=True, exist_ok=True)
         tier = f"-{_tier(config)}" if config.host_capacity else ""
-        path = out_dir / f"{_slug(target)}-ps{config.page_size}-{config.policy}{tier}-seed{seed}.json"
+        how = "-fuzz" if driver == "random" else ""
+        path = out_dir / f"{_slug(target)}-ps{config.page_size}-{config.policy}{tier}{how}-seed{seed}.json"
         path.write_text(trace.to_json())
         result.passed, result.failure, result.trace_path, result.trace_len = False, report, str(path), len(ops)
         result.reproduced = failure is not None
@@ -505,9 +519,13 @@ def certify(
     prefetch_policies: Optional[Iterable[str]] = None,
     host_cells: bool = True,
     profile: Optional[str] = None,
+    driver: str = "hypothesis",
+    seconds: Optional[float] = None,
 ) -> Certificate:
     """Run every cell; the certificate passes only if every cell does. `fail_fast` stops at the first failing cell.
-    `profile` holds the backend to that profile instead of the one it declares (SPEC.md §6)."""
+    `profile` holds the backend to that profile instead of the one it declares (SPEC.md §6). `driver` "random"
+    walks each cell with `conformance.fuzz` instead of Hypothesis; `seconds` (random only) is split evenly
+    across the cells and replaces `examples` as the budget."""
     factory = factory or load_factory(target)
     caps = capabilities_of(factory)
     if profile is not None:
@@ -516,6 +534,9 @@ def certify(
         caps, page_sizes, policies, bad_input, write_policies, device_cells, prefetch_policies, host_cells
     )
     cert = Certificate(target, caps.name, seed, examples, steps, caps.strict_input, caps.profile, skipped=skipped)
+    if seconds is not None and driver != "random":
+        raise ValueError("a time budget (seconds) is the random driver's; Hypothesis runs a number of examples")
+    per_cell = seconds / max(1, len(configs)) if seconds is not None else None
     for config in configs:
         cell = run_cell(
             factory,
@@ -527,6 +548,8 @@ def certify(
             target=target,
             out_dir=out_dir,
             bad_input=bad_input,
+            driver=driver,
+            seconds=per_cell,
         )
         cert.cells.append(cell)
         if on_cell is not None:

@@ -6,16 +6,21 @@ import json
 import statistics
 import sys
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from kvcert.conformance import explain, reports
+from kvcert.conformance.backend import Factory
 from kvcert.conformance.certify import CellResult, Certificate, certify, judged_as, load_factory
-from kvcert.conformance.driver import ConformanceFailure, Outcome, run_trace
+from kvcert.conformance.diff import NODE_FIELDS, snapshot_rows
+from kvcert.conformance.driver import ConformanceFailure, Harness, Outcome, run_trace
+from kvcert.conformance.running import lent
 from kvcert.conformance.windows import SHORT, WINDOWS
 from kvcert.spec.ops import Evict, Match, Op, RegisterRef, ReleaseRef, Trace, UpdateRef, op_to_json
 from kvcert.spec.types import MatchOut
@@ -145,6 +150,55 @@ def certify_cmd(
     raise typer.Exit(0 if cert.passed else 1)
 
 
+@app.command("fuzz")
+def fuzz_cmd(
+    target: str = typer.Argument(..., help="MODULE:FACTORY, e.g. kvcert.gpu:factory"),
+    seconds: Optional[float] = typer.Option(None, help="time budget for the whole run, split evenly across the cells"),
+    examples: Optional[int] = typer.Option(None, help="examples per cell instead of a time budget (an exact run)"),
+    steps: int = typer.Option(50, help="maximum operations per example"),
+    seed: int = typer.Option(0, help="same seed, same walk: example k of a cell draws from (seed, k)"),
+    page_size: Optional[list[int]] = typer.Option(None, "--page-size", help="restrict to these page sizes"),
+    policy: Optional[list[str]] = typer.Option(None, "--policy", help="restrict to these policies"),
+    write_policy: Optional[list[str]] = typer.Option(None, "--write-policy", help="host cells: these write policies"),
+    device_only: bool = typer.Option(False, "--device-only", help="skip the host-tier and storage cells"),
+    json_path: Optional[Path] = typer.Option(None, "--json", help="write the certificate as JSON"),
+    junit_path: Optional[Path] = typer.Option(None, "--junit", help="write the certificate as JUnit XML"),
+    markdown_path: Optional[Path] = typer.Option(None, "--markdown", help="write the certificate as Markdown"),
+    out: Path = typer.Option(Path("kvcert-failures"), help="where minimal traces are saved"),
+    profile: Optional[str] = typer.Option(
+        None, "--profile", help="hold the backend to this profile (core, sglang-0.5.23)"
+    ),
+) -> None:
+    """Walk every cell with a seeded random driver instead of Hypothesis: same ops, checks and failure path
+    (shrunk, replayed, saved), for long runs. Exit 1 if a cell fails."""
+    if (seconds is None) == (examples is None):
+        console.print("[red]error:[/] give exactly one budget: --seconds or --examples")
+        raise typer.Exit(2)
+    cert = certify(
+        target,
+        examples=examples or 0,
+        steps=steps,
+        seed=seed,
+        page_sizes=page_size,
+        policies=policy,
+        out_dir=out,
+        on_cell=lambda c: console.print(_cell_line(c)),
+        write_policies=[] if device_only else write_policy,
+        prefetch_policies=[] if device_only else None,
+        profile=profile,
+        driver="random",
+        seconds=seconds,
+    )
+    print_certificate(cert)
+    if json_path is not None:
+        json_path.write_text(cert.to_json())
+    if junit_path is not None:
+        junit_path.write_text(reports.junit_xml(cert), encoding="utf-8")
+    if markdown_path is not None:
+        markdown_path.write_text(reports.markdown(cert), encoding="utf-8")
+    raise typer.Exit(0 if cert.passed else 1)
+
+
 @app.command("explain")
 def explain_cmd(
     inv_id: Optional[str] = typer.Argument(None, metavar="INV-ID", help="an invariant ID, e.g. INV-ACCT-3 (any case)"),
@@ -182,13 +236,27 @@ def replay_cmd(
         "--versus-plain",
         help="also replay it ref-blind (no sessions, full-scope evictions) and compare the matches",
     ),
+    diff_at: Optional[int] = typer.Option(
+        None,
+        "--diff-at",
+        metavar="N",
+        help="after step N (as numbered below), print the backend's snapshot beside the oracle's; "
+        "at the failing step instead if the trace fails first",
+    ),
 ) -> None:
     """Re-run a saved trace step by step; exit 1 if it still breaks the spec."""
     trace = Trace.from_json(trace_file.read_text())
     name = target or trace.target
+    if diff_at is not None and (diff_at < 0 or versus_plain):
+        why = "--diff-at and --versus-plain cannot be combined" if versus_plain else "--diff-at must be >= 0"
+        typer.echo(f"error: {why}", err=True)
+        raise typer.Exit(2)
     factory = load_factory(name)
     if trace.note:
         console.print(trace.note)
+    if diff_at is not None:
+        _replay_diff(factory, trace, name, diff_at)
+        return
     runs = [("proactive" if versus_plain else "", list(trace.ops))]
     if versus_plain:
         runs.append(("plain LRU", plain_ops(trace.ops)))
@@ -220,6 +288,88 @@ def replay_cmd(
             if isinstance(op, Match) and op.tokens:
                 table.add_row(str(i), str(len(op.tokens)), *(str(hits[label].get(i, "-")) for label, _ in runs))
         console.print(table)
+
+
+def _replay_diff(factory: Factory, trace: Trace, name: str, at: int) -> None:
+    """`replay --diff-at`: the harness's own loop (`run_trace`'s), with the harness at hand so the diff shows
+    the oracle exactly as the checks saw it, steered to the backend's choices."""
+    console.print(f"replaying {len(trace.ops)} ops on {name} ({trace.config}), diff at step {at}")
+    h: Optional[Harness] = None
+    shown = False
+
+    def show(i: int, op: Optional[Op], why: str = "") -> None:
+        nonlocal shown
+        shown = True
+        assert h is not None
+        print_diff(h, i, op, why)
+
+    def hook(i: int, op: Op, outcome: Outcome) -> None:
+        console.print(f"  {i:>3} {op_to_json(op)} -> {_describe(outcome)}")
+        if i == at:  # after the op and the oracle's steered step, before the checks: a failing step shows too
+            show(i, op)
+
+    caps = judged_as(factory.capabilities, trace)  # type: ignore[attr-defined]
+    try:
+        h = Harness(factory(trace.config), trace.config, caps, trace_hook=hook)
+        for op in trace.ops:
+            h.step(op)
+            if not shown and len(h.ops) - 1 == at:  # a storage-side op (no hook call) at step N
+                show(at, op)
+        h.quiesce()
+    except ConformanceFailure as failure:
+        if h is None:
+            console.print("the trace fails in the initial state, before any step: no diff")
+        elif not shown:
+            before = f", before step {at}" if failure.step < at else ""
+            show(failure.step, failure.op, f"the trace failed at step {failure.step}{before}")
+        console.print(f"[red]FAIL[/] {failure}")
+        raise typer.Exit(1) from None
+    finally:
+        if h is not None:
+            h.close()
+    if not shown:
+        typer.echo(f"error: step {at} is past the end: the replay ran steps 0..{len(h.ops) - 1}", err=True)
+        raise typer.Exit(2)
+    console.print("[green]PASS[/]: the trace satisfies the spec")
+
+
+def print_diff(h: Harness, i: int, op: Optional[Op], why: str = "") -> None:
+    """The backend's snapshot beside the oracle's at step `i` (`conformance.diff`): nodes by path, then the
+    scalar fields; what differs in red. Cells that differ read `backend / oracle`."""
+    try:
+        # The harness's view of the backend: the snapshot with the caller's lent slots filled in.
+        mine = h._snapshot(i, op)
+    except ConformanceFailure as err:
+        console.print(f"  no diff at step {i}: {err.violations[0]}")
+        return
+    spec = h.spec_snapshot()
+    if h.ledger.running:  # the oracle's half of the running requests, as the backend's half is filled in
+        spec = replace(spec, lent_slots=lent(h.ledger.running, 1))
+    rows = snapshot_rows(mine, spec)
+    differing = [r for r in rows if r.differs]
+    title = f"step {i}: backend ({h.capabilities.name}) / oracle (kvcert.refimpl)"
+    if why:
+        console.print(f"[yellow]{why}[/]: the diff at step {i}")
+    nodes = Table(title=f"{title}: nodes by path", caption="cells that differ read backend / oracle")
+    for col in ("", "path", *NODE_FIELDS):
+        nodes.add_column(col, no_wrap=col != "path")
+    for r in (r for r in rows if r.section == "node"):
+        cells = [b if b == o else f"[red]{b} / {o}[/]" for _, b, o in r.cells]
+        nodes.add_row("[red]≠[/]" if r.differs else "", escape(r.key), *cells)
+    console.print(nodes)
+    state = Table(title=f"{title}: state")
+    for col in ("", "field", "backend", "oracle"):
+        state.add_column(col)
+    for r in (r for r in rows if r.section == "state"):
+        ((_, b, o),) = r.cells
+        style = "red" if r.differs else ""
+        state.add_row("[red]≠[/]" if r.differs else "", r.key, escape(b), escape(o), style=style)
+    console.print(state)
+    console.print(
+        f"{len(differing)} rows differ: {', '.join(escape(r.key) for r in differing)}"
+        if differing
+        else "backend and oracle agree on every row"
+    )
 
 
 def plain_ops(ops: Sequence[Op]) -> list[Op]:

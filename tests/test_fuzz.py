@@ -1,0 +1,78 @@
+"""`kvcert fuzz`'s random walk: the certification machine without Hypothesis. Same seed, same run; it finds what
+the suite finds (a zoo mutant), shrinks and saves it like certify; a clean cache passes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvcert.conformance import zoo
+from kvcert.conformance.certify import certify
+from kvcert.conformance.fuzz import RandomChoices, run_random
+from kvcert.spec.ops import Trace
+
+CELL = dict(page_sizes=[1], policies=["lru"], write_policies=[], prefetch_policies=[])
+
+
+def test_the_same_seed_gives_the_same_walk(tmp_path: Path) -> None:
+    a = certify("kvcert.refimpl:factory", examples=20, steps=30, seed=3, out_dir=tmp_path, driver="random", **CELL)
+    b = certify("kvcert.refimpl:factory", examples=20, steps=30, seed=3, out_dir=tmp_path, driver="random", **CELL)
+    c = certify("kvcert.refimpl:factory", examples=20, steps=30, seed=4, out_dir=tmp_path, driver="random", **CELL)
+    assert a.passed and a.cells[0].examples == 20 and a.total_steps > 100
+    assert [x.digest for x in a.cells] == [x.digest for x in b.cells]
+    assert [x.digest for x in a.cells] != [x.digest for x in c.cells]
+
+
+def test_a_time_budget_runs_whole_examples(tmp_path: Path) -> None:
+    cert = certify("kvcert.gpu:factory", seconds=1.0, steps=30, seed=0, out_dir=tmp_path, driver="random", **CELL)
+    assert cert.passed and cert.cells[0].examples >= 1 and cert.cells[0].steps > 0
+
+
+def test_the_walk_finds_a_mutant_and_saves_a_replayable_trace(tmp_path: Path) -> None:
+    (mutant,) = [m for m in zoo.MUTANTS if m.name == "lock_skips_self"]
+    cert = certify(
+        f"kvcert.conformance.zoo:{mutant.name}",
+        factory=zoo.build(mutant),
+        examples=200,
+        steps=50,
+        seed=0,
+        page_sizes=mutant.page_sizes,
+        policies=mutant.policies,
+        write_policies=[],
+        prefetch_policies=[],
+        out_dir=tmp_path,
+        fail_fast=True,
+        driver="random",
+    )
+    (cell,) = [c for c in cert.cells if not c.passed]
+    assert cell.reproduced and cell.trace_path is not None and "-fuzz-" in cell.trace_path
+    assert "INV-" in (cell.failure or "")
+    trace = Trace.from_json(Path(cell.trace_path).read_text())
+    assert 0 < len(trace.ops) == cell.trace_len
+
+
+def test_choices_are_in_range_and_bounded_runs_are_required() -> None:
+    cd = RandomChoices("x")
+    assert {cd.draw_integer(2, 4) for _ in range(200)} == {2, 3, 4}
+    assert all(cd.draw_integer(7, 7) == 7 for _ in range(10))
+    assert not any(cd.draw_boolean(0.0) for _ in range(100)) and all(cd.draw_boolean(1.0) for _ in range(100))
+    with pytest.raises(ValueError):
+        run_random(object, 10, 0)
+    with pytest.raises(ValueError):
+        certify("kvcert.refimpl:factory", seconds=1.0, **CELL)  # a time budget is the random driver's
+
+
+def test_the_fuzz_command_runs_and_wants_one_budget(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from kvcert.conformance.cli import app
+
+    junit = tmp_path / "fuzz.xml"
+    args = ["fuzz", "kvcert.gpu:factory", "--examples", "5", "--device-only", "--page-size", "1", "--policy", "lru"]
+    res = CliRunner().invoke(app, [*args, "--out", str(tmp_path), "--junit", str(junit)])
+    assert res.exit_code == 0, res.output
+    assert "CERTIFIED" in res.output and "<testcase" in junit.read_text()
+    both = CliRunner().invoke(app, ["fuzz", "kvcert.gpu:factory", "--examples", "5", "--seconds", "1"])
+    neither = CliRunner().invoke(app, ["fuzz", "kvcert.gpu:factory"])
+    assert both.exit_code == neither.exit_code == 2

@@ -1,0 +1,66 @@
+"""The pytest plugin: `pytest --kvcert-target MODULE:FACTORY` runs one test per certification cell."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvcert.conformance.certify import cells_for
+from kvcert.conformance.pytest_plugin import cell_id
+from kvcert.refimpl import RefCache
+
+pytest_plugins = ["pytester"]
+
+CELL = "page_size:1-lru-device"
+BUDGET = ["--kvcert-examples", "3", "--kvcert-steps", "8", "-p", "no:cacheprovider"]
+
+
+def test_one_test_per_certify_cell_named_by_the_cell() -> None:
+    configs, _ = cells_for(RefCache.capabilities, None, None)
+    ids = [cell_id(c) for c in configs]
+    assert len(set(ids)) == len(ids)
+    assert {"page_size:1-lru-device", "page_size:4-lru-write_back", "page_size:4-lru-write_back+timeout"} <= set(ids)
+
+
+def test_selected_cell_runs_and_passes_on_the_model(pytester: pytest.Pytester) -> None:
+    result = pytester.runpytest("--kvcert-target", "kvcert.refimpl:factory", *BUDGET, "-k", CELL)
+    result.assert_outcomes(passed=1, deselected=len(cells_for(RefCache.capabilities, None, None)[0]) - 1)
+
+
+def test_keyword_selection_by_policy_and_page_size(pytester: pytest.Pytester) -> None:
+    result = pytester.runpytest(
+        "--kvcert-target", "kvcert.refimpl:factory", "--collect-only", "-q", "-k", "page_size:4- and write_back"
+    )
+    lines = [line for line in result.outlines if "test_cell[" in line]
+    assert lines and all("page_size:4-" in line and "write_back" in line for line in lines)
+    assert any(line.endswith("[page_size:4-lru-write_back]") for line in lines)
+
+
+def test_a_failing_cell_fails_with_the_invariant_and_the_saved_trace(pytester: pytest.Pytester) -> None:
+    """evict_locked (a device-tier zoo mutant: eviction ignores locks) dies within a few examples."""
+    out = pytester.path / "failures"
+    result = pytester.runpytest(
+        "--kvcert-target",
+        "kvcert.conformance.zoo:evict_locked",
+        "--kvcert-examples",
+        "100",
+        "--kvcert-steps",
+        "20",
+        "--kvcert-out",
+        str(out),
+        "-p",
+        "no:cacheprovider",
+        "-k",
+        CELL,
+    )
+    result.assert_outcomes(failed=1, deselected=len(cells_for(RefCache.capabilities, None, None)[0]) - 1)
+    text = result.stdout.str()
+    assert "INV-EVICT-3" in text and "kvcert replay" in text
+    assert list(out.glob("*.json"))
+
+
+def test_without_a_target_the_plugin_adds_nothing(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile("def test_plain():\n    pass\n")
+    result = pytester.runpytest("-p", "no:cacheprovider", "--collect-only", "-q")
+    assert [line for line in result.outlines if "::" in line] == [
+        "test_without_a_target_the_plugin_adds_nothing.py::test_plain"
+    ]
