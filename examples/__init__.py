@@ -1,0 +1,1 @@
+"""Examples: caches written outside kvcert, with the adapters that certify them."""

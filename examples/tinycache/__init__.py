@@ -1,0 +1,1 @@
+"""tinycache: an example third-party prefix KV cache and its kvcert adapter."""
