@@ -11,8 +11,10 @@ mkdir -p "$OUT"
 K=("$ROOT/kvcert" bench policy)
 ALL=(--cache baseline --cache baseline-hp --cache proactive --cache refaware --cache blind --cache infinite --cache offline)
 echo "== table"
-/usr/bin/time -f "table: %e s wall" "${K[@]}" --table "${ALL[@]}" --json "$OUT/table.json" --plots "$OUT" > "$OUT/table.txt" 2> "$OUT/table.time"
+/usr/bin/time -f "table: %e s wall" -o "$OUT/table.time" "${K[@]}" --table "${ALL[@]}" --json "$OUT/table.json" --plots "$OUT" > "$OUT/table.txt"
 cat "$OUT/table.time"
+echo "== 128 HP clients: every run's metric block and per-turn breakdown"
+"${K[@]}" --hp 128 --json "$OUT/hp128.json" > "$OUT/hp128.txt"
 for s in host think speed; do
     echo "== sweep $s"
     "${K[@]}" --hp 128 --sweep "$s" --cache baseline --cache baseline-hp --cache proactive --cache refaware --cache infinite \

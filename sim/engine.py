@@ -269,10 +269,12 @@ def simulate(
             queue.popleft()
             r.hold = hold
             cached = min(r.rec.prompt_tokens, hold.cached * pt)
-            r.rec.cached_tokens, r.rec.loaded_tokens = cached, min(cached, hold.loaded * pt)
+            loaded = min(cached, hold.loaded * pt)
+            if not r.rec.retractions:  # a retracted request's hit stays its first admission's (the prompt it
+                r.rec.cached_tokens, r.rec.loaded_tokens = cached, loaded  # computed then is not a cache hit)
             r.prefill_left = max(1, r.rec.prompt_tokens - cached)  # the last token is always computed
             r.done_prompt = cached if cached < r.rec.prompt_tokens else r.rec.prompt_tokens - 1
-            r.load_due = r.rec.loaded_tokens
+            r.load_due = loaded
             prefilling.append(r)
         if prefilling:
             budget, cost, done = costs.chunked_prefill_tokens, 0.0, []
