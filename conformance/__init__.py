@@ -13,9 +13,11 @@ Which module owns what:
 | `queries` | the narrow, per-step cached questions the generator may ask |
 | `machine`, `draws`, `runner` | the state machine: the rules that choose ops, what they draw from, and the loop that runs them on Hypothesis's choices |
 | `certify` | cells, runs, certificates, scope (`NOT CHECKED`) |
+| `fuzz` | the machine on a seeded random walk instead of Hypothesis (`kvcert fuzz`) |
+| `reports`, `explain`, `diff`, `pytest_plugin` | JUnit and Markdown certificates; an invariant's rule from SPEC.md; backend vs model snapshots side by side (`replay --diff-at`); certification cells as pytest tests |
 | `shrink`, `determinism` | trace shrinking; same seed, same run |
 | `storage` | L3 stores with fault injection, storage-side trace events |
 | `zoo`, `selftest` | planted bugs and the suite's measured power on them |
 | `bench`, `cli` | `kvcert bench meta`; the command line |
-| `adapters/` | SGLang's RadixCache and UnifiedRadixCache + HiCache (with L3) |
+| `adapters/` | SGLang's RadixCache and UnifiedRadixCache + HiCache (with L3), its session-ref mode, the RefAware fork's caches |
 """

@@ -141,13 +141,20 @@ def certify_cmd(
         profile=profile,
     )
     print_certificate(cert)
+    _write_reports(cert, json_path, junit_path, markdown_path)
+    raise typer.Exit(0 if cert.passed else 1)
+
+
+def _write_reports(
+    cert: Certificate, json_path: Optional[Path], junit_path: Optional[Path], markdown_path: Optional[Path]
+) -> None:
+    """The certificate in each format asked for (JSON, JUnit XML, Markdown)."""
     if json_path is not None:
         json_path.write_text(cert.to_json())
     if junit_path is not None:
         junit_path.write_text(reports.junit_xml(cert), encoding="utf-8")
     if markdown_path is not None:
         markdown_path.write_text(reports.markdown(cert), encoding="utf-8")
-    raise typer.Exit(0 if cert.passed else 1)
 
 
 @app.command("fuzz")
@@ -190,12 +197,7 @@ def fuzz_cmd(
         seconds=seconds,
     )
     print_certificate(cert)
-    if json_path is not None:
-        json_path.write_text(cert.to_json())
-    if junit_path is not None:
-        junit_path.write_text(reports.junit_xml(cert), encoding="utf-8")
-    if markdown_path is not None:
-        markdown_path.write_text(reports.markdown(cert), encoding="utf-8")
+    _write_reports(cert, json_path, junit_path, markdown_path)
     raise typer.Exit(0 if cert.passed else 1)
 
 

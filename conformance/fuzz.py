@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable
 from typing import Any, Optional
 
-from kvcert.conformance.runner import STOP_EARLY, SWARM_LEVELS, rules_of
+from kvcert.conformance.runner import rules_of, run_example
 
 __all__ = ["RandomChoices", "run_random"]
 
@@ -70,20 +70,6 @@ def run_random(
     deadline = time.perf_counter() + seconds if seconds is not None else float("inf")
     k = 0
     while (examples is None or k < examples) and time.perf_counter() < deadline:
-        cd = RandomChoices(f"kvcert-fuzz/{seed}/{k}")
+        run_example(machine, RandomChoices(f"kvcert-fuzz/{seed}/{k}"), init, rules, steps)
         k += 1
-        m = machine()
-        try:
-            if init is not None:
-                init.run(m, cd)
-            p_off = cd.draw_integer(0, SWARM_LEVELS - 1) / SWARM_LEVELS
-            on = [r for r in rules if not cd.draw_boolean(p_off)] or [rules[cd.draw_integer(0, len(rules) - 1)]]
-            for _ in range(steps):
-                ready = [r for r in on if r.ready(m)]
-                if not ready or cd.draw_boolean(STOP_EARLY):
-                    break
-                chosen = ready[cd.draw_integer(0, len(ready) - 1)] if len(ready) > 1 else ready[0]
-                chosen.run(m, cd)
-        finally:
-            m.teardown()
     return k

@@ -125,25 +125,30 @@ def run_machine(machine: Callable[[], Any], conf: settings, seed_value: int) -> 
     @conf
     @given(EXAMPLE)
     def example(d: Draws) -> None:
-        cd = d._data
-        m = machine()
-        try:
-            if init is not None:
-                init.run(m, cd)
-            p_off = cd.draw_integer(0, SWARM_LEVELS - 1) / SWARM_LEVELS
-            on = [r for r in rules if not cd.draw_boolean(p_off)] or [rules[cd.draw_integer(0, len(rules) - 1)]]
-            for _ in range(steps):
-                ready = [r for r in on if r.ready(m)]
-                if not ready:
-                    break
-                cd.start_span(STEP_LABEL)
-                if cd.draw_boolean(STOP_EARLY):  # Hypothesis's novelty search explores both branches: examples of
-                    cd.stop_span()  # every length, not only the full `steps`
-                    break
-                chosen = ready[cd.draw_integer(0, len(ready) - 1)] if len(ready) > 1 else ready[0]
-                chosen.run(m, cd)
-                cd.stop_span()
-        finally:
-            m.teardown()
+        run_example(machine, d._data, init, rules, steps)
 
     example()
+
+
+def run_example(machine: Callable[[], Any], cd: Any, init: Optional[Rule], rules: list[Rule], steps: int) -> None:
+    """One example: a fresh machine, its initialize rule, the swarm, then up to `steps` steps, every choice drawn
+    from `cd` (Hypothesis's `ConjectureData`, or `conformance.fuzz.RandomChoices`: the same draws either way)."""
+    m = machine()
+    try:
+        if init is not None:
+            init.run(m, cd)
+        p_off = cd.draw_integer(0, SWARM_LEVELS - 1) / SWARM_LEVELS
+        on = [r for r in rules if not cd.draw_boolean(p_off)] or [rules[cd.draw_integer(0, len(rules) - 1)]]
+        for _ in range(steps):
+            ready = [r for r in on if r.ready(m)]
+            if not ready:
+                break
+            cd.start_span(STEP_LABEL)
+            if cd.draw_boolean(STOP_EARLY):  # Hypothesis's novelty search explores both branches: examples of
+                cd.stop_span()  # every length, not only the full `steps`
+                break
+            chosen = ready[cd.draw_integer(0, len(ready) - 1)] if len(ready) > 1 else ready[0]
+            chosen.run(m, cd)
+            cd.stop_span()
+    finally:
+        m.teardown()
