@@ -146,7 +146,8 @@ class ProtocolDriver:
         self.c.poll()
 
     def _watch_demotions(self) -> None:
-        """Sessions newly demoted since the last call (demotions and restores both happen inside calls)."""
+        """Count sessions found demoted after a call that were not before it (one demoted and restored within
+        a single call goes uncounted)."""
         if not self._sees_demotions:
             return
         now = set(self.c.demotions)
@@ -175,7 +176,7 @@ class ProtocolDriver:
             self._evict(need - free, high)
         return self._free() >= need
 
-    # -- the four calls
+    # -- the calls the engine makes
     def admit(
         self,
         key: Sequence[int],
