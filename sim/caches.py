@@ -47,6 +47,8 @@ class Hold:
     """Of those, pages loaded back from the host."""
     own: list[int] = field(default_factory=list)
     """Slots the request owns: its uncached prompt pages and its output pages."""
+    reserved: int = 0
+    """A bound's device room for the request, in pages (a bound has no slots to hand out)."""
 
 
 Retract = Callable[[Sequence[int]], None]
@@ -403,20 +405,20 @@ class InfiniteBound:
         if self.used + need > self.device_pages:
             return None
         self.used += need
-        return Hold(need, [], self._hit(key), 0)
+        return Hold(None, [], self._hit(key), 0, reserved=need)
 
     def checkpoint(self, key: Sequence[int], hold: Hold, session: str) -> None:
         self._keep(key, session)
 
     def finish(self, key: Sequence[int], hold: Hold, session: str, prio: int) -> None:
-        self.used -= hold.lock
+        self.used -= hold.reserved
         self._keep(key, session)
 
     def _keep(self, key: Sequence[int], session: str) -> None:
         self.seen.update(self._chain(key))
 
     def drop(self, hold: Hold) -> None:
-        self.used -= hold.lock
+        self.used -= hold.reserved
 
     def end_session(self, session: str) -> None:
         pass
