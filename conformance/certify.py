@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import importlib
 import json
+import multiprocessing
 import re
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 from hypothesis import HealthCheck, Phase, Verbosity, settings
 from hypothesis.errors import Flaky
@@ -179,7 +180,9 @@ def run_cell(
             with fixed_generation():
                 run_machine(machine, conf, seed)
     except ConformanceFailure as original:
-        ops = shrink(machine.last_trace(), guarded(failure_ids, factory, capabilities, config, bad_input), config.page_size)
+        ops = shrink(
+            machine.last_trace(), guarded(failure_ids, factory, capabilities, config, bad_input), config.page_size
+        )
         failure = replay_failure(factory, capabilities, config, ops)
         if failure is None:  # the run failed, a fresh backend given the same ops does not: not deterministic
             report = (
@@ -483,7 +486,8 @@ def scope_gaps(capabilities: Capabilities, cells: list[CellResult], bad_input: O
         "priority_host": capabilities.priority_refs and bool(capabilities.write_policies),
         "retraction": capabilities.retraction,
         "storage": bool(capabilities.prefetch_policies),
-        "host_room": bool(capabilities.prefetch_policies) or (capabilities.retraction and bool(capabilities.write_policies)),
+        "host_room": bool(capabilities.prefetch_policies)
+        or (capabilities.retraction and bool(capabilities.write_policies)),
     }
     for choice in profiles.CHOICES:
         if has[choice.needs] and not held.pinned(choice):
@@ -521,11 +525,17 @@ def certify(
     profile: Optional[str] = None,
     driver: str = "hypothesis",
     seconds: Optional[float] = None,
+    jobs: int = 1,
+    on_progress: Optional[Callable[[Certificate], None]] = None,
 ) -> Certificate:
     """Run every cell; the certificate passes only if every cell does. `fail_fast` stops at the first failing cell.
     `profile` holds the backend to that profile instead of the one it declares (SPEC.md §6). `driver` "random"
     walks each cell with `conformance.fuzz` instead of Hypothesis; `seconds` (random only) is split evenly
-    across the cells and replaces `examples` as the budget."""
+    across the cells and replaces `examples` as the budget. `jobs` > 1 runs cells in that many spawned interpreters
+    (a target loaded by name: each worker imports it); a cell's result does not depend on where it ran, so the
+    certificate is the same. `on_progress(cert)` sees the certificate after each cell (an interrupted run keeps
+    what it did)."""
+    given_factory = factory is not None
     factory = factory or load_factory(target)
     caps = capabilities_of(factory)
     if profile is not None:
@@ -536,25 +546,53 @@ def certify(
     cert = Certificate(target, caps.name, seed, examples, steps, caps.strict_input, caps.profile, skipped=skipped)
     if seconds is not None and driver != "random":
         raise ValueError("a time budget (seconds) is the random driver's; Hypothesis runs a number of examples")
-    per_cell = seconds / max(1, len(configs)) if seconds is not None else None
-    for config in configs:
-        cell = run_cell(
-            factory,
-            caps,
-            config,
-            examples=examples,
-            steps=steps,
-            seed=seed,
-            target=target,
-            out_dir=out_dir,
-            bad_input=bad_input,
-            driver=driver,
-            seconds=per_cell,
-        )
+    # a time budget is wall time: `jobs` workers spend it on `jobs` cells at once
+    per_cell = seconds * min(max(1, jobs), len(configs)) / max(1, len(configs)) if seconds is not None else None
+    run = dict(
+        examples=examples,
+        steps=steps,
+        seed=seed,
+        target=target,
+        out_dir=out_dir,
+        bad_input=bad_input,
+        driver=driver,
+        seconds=per_cell,
+    )
+    if jobs > 1 and len(configs) > 1:
+        if given_factory:
+            raise ValueError("jobs > 1 needs a target loaded by name (each worker imports it), not a factory object")
+        # spawned workers, reused across cells: a cell's run does not depend on what its process ran before
+        with multiprocessing.get_context("spawn").Pool(min(jobs, len(configs))) as pool:
+            pending = [pool.apply_async(_cell_by_name, (caps.profile, config), run) for config in configs]
+            cells = (p.get() for p in pending)
+            _collect(cert, cells, on_cell, on_progress, fail_fast)  # (leaving the block ends any still running)
+    else:
+        cells = (run_cell(factory, caps, config, **run) for config in configs)  # type: ignore[arg-type]
+        _collect(cert, cells, on_cell, on_progress, fail_fast)
+    cert.not_checked = scope_gaps(caps, cert.cells, bad_input)
+    return cert
+
+
+def _collect(
+    cert: Certificate,
+    cells: Iterable[CellResult],
+    on_cell: Optional[Callable[[CellResult], None]],
+    on_progress: Optional[Callable[[Certificate], None]],
+    fail_fast: bool,
+) -> None:
+    """Cells into the certificate in cell order, reporting each; stop at the first failure with `fail_fast`."""
+    for cell in cells:
         cert.cells.append(cell)
         if on_cell is not None:
             on_cell(cell)
+        if on_progress is not None:
+            on_progress(cert)
         if fail_fast and not cell.passed:
             break
-    cert.not_checked = scope_gaps(caps, cert.cells, bad_input)
-    return cert
+
+
+def _cell_by_name(profile: str, config: CacheConfig, **run: Any) -> CellResult:
+    """One cell in a worker: the target imported by name, held to `profile` as the parent holds it."""
+    factory = load_factory(run["target"])
+    caps = replace(capabilities_of(factory), profile=profile)
+    return run_cell(factory, caps, config, **run)

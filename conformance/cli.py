@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import statistics
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Optional
@@ -122,6 +122,7 @@ def certify_cmd(
     profile: Optional[str] = typer.Option(
         None, "--profile", help="hold the backend to this profile (core, sglang-0.5.23) instead of the one it declares"
     ),
+    jobs: int = typer.Option(1, "--jobs", help="run cells in this many processes (the same certificate)"),
 ) -> None:
     """Run the conformance suite against a backend and print its certificate."""
     cert = certify(
@@ -139,10 +140,19 @@ def certify_cmd(
         device_cells=not storage_only,
         host_cells=not storage_only,
         profile=profile,
+        jobs=jobs,
+        on_progress=_progress_json(json_path),
     )
     print_certificate(cert)
     _write_reports(cert, json_path, junit_path, markdown_path)
     raise typer.Exit(0 if cert.passed else 1)
+
+
+def _progress_json(json_path: Optional[Path]) -> Optional[Callable[[Certificate], None]]:
+    """Rewrite the JSON certificate after every cell, so an interrupted run keeps the cells it finished."""
+    if json_path is None:
+        return None
+    return lambda cert: json_path.write_text(cert.to_json())
 
 
 def _write_reports(
@@ -175,6 +185,7 @@ def fuzz_cmd(
     profile: Optional[str] = typer.Option(
         None, "--profile", help="hold the backend to this profile (core, sglang-0.5.23)"
     ),
+    jobs: int = typer.Option(1, "--jobs", help="walk cells in this many processes (--seconds is wall time)"),
 ) -> None:
     """Walk every cell with a seeded random driver instead of Hypothesis: same ops, checks and failure path
     (shrunk, replayed, saved), for long runs. Exit 1 if a cell fails."""
@@ -195,6 +206,8 @@ def fuzz_cmd(
         profile=profile,
         driver="random",
         seconds=seconds,
+        jobs=jobs,
+        on_progress=_progress_json(json_path),
     )
     print_certificate(cert)
     _write_reports(cert, json_path, junit_path, markdown_path)

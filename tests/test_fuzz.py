@@ -76,3 +76,27 @@ def test_the_fuzz_command_runs_and_wants_one_budget(tmp_path: Path) -> None:
     both = CliRunner().invoke(app, ["fuzz", "kvcert.gpu:factory", "--examples", "5", "--seconds", "1"])
     neither = CliRunner().invoke(app, ["fuzz", "kvcert.gpu:factory"])
     assert both.exit_code == neither.exit_code == 2
+
+
+def test_cells_in_parallel_give_the_same_certificate(tmp_path: Path) -> None:
+    """`jobs` only moves cells to other interpreters: every cell's steps and digest are the same, in cell order."""
+    cells = dict(page_sizes=[1, 4], policies=["lru", "fifo"], write_policies=[], prefetch_policies=[])
+    seen: list[int] = []
+    one = certify("kvcert.gpu:factory", examples=10, steps=20, seed=1, out_dir=tmp_path, driver="random", **cells)
+    two = certify(
+        "kvcert.gpu:factory",
+        examples=10,
+        steps=20,
+        seed=1,
+        out_dir=tmp_path,
+        driver="random",
+        jobs=2,
+        on_progress=lambda cert: seen.append(len(cert.cells)),
+        **cells,
+    )
+    assert len(one.cells) == 4 and seen == [1, 2, 3, 4]
+    assert [(c.page_size, c.policy, c.steps, c.digest) for c in one.cells] == [
+        (c.page_size, c.policy, c.steps, c.digest) for c in two.cells
+    ]
+    with pytest.raises(ValueError):  # a factory object cannot be sent to a worker by name
+        certify("x:y", factory=zoo.build(zoo.MUTANTS[0]), examples=2, jobs=2, **cells)
