@@ -31,7 +31,7 @@ from kvcert.conformance.shrink import shrink
 from kvcert.conformance.windows import WINDOWS
 from kvcert.refimpl import RefCache
 from kvcert.spec import profiles
-from kvcert.spec.ops import Op, Trace
+from kvcert.spec.ops import Op, Trace, op_to_json
 from kvcert.spec.types import (
     FAULTS,
     ONE_CLASS_THRESHOLD,
@@ -92,6 +92,8 @@ class CellResult:
     """Steps per op kind (`RunStats.ops`): what the cell exercised, in the JSON certificate."""
     digest: str = ""
     """SHA-256 of every op the cell's examples executed, in order (`StepDigest`): equal digests, same run."""
+    failures: list[dict[str, Any]] = field(default_factory=list)
+    """The failure, structured: one `{invariant, step, op, message, trace}` per broken rule (`failure` is its text)."""
 
 
 @dataclass
@@ -200,6 +202,20 @@ def run_cell(
         path.write_text(trace.to_json())
         result.passed, result.failure, result.trace_path, result.trace_len = False, report, str(path), len(ops)
         result.reproduced = failure is not None
+        result.failures = (
+            [
+                {
+                    "invariant": v.inv,
+                    "step": failure.step,
+                    "op": None if failure.op is None else op_to_json(failure.op),
+                    "message": v.message,
+                    "trace": str(path),
+                }
+                for v in failure.violations
+            ]
+            if failure is not None
+            else [{"invariant": "INV-DET-1", "step": None, "op": None, "message": report, "trace": str(path)}]
+        )
     except Flaky as flaky:
         # Hypothesis replayed the failing example and it passed: same ops, different outcome.
         seen = [e for e in getattr(flaky, "exceptions", ()) if isinstance(e, ConformanceFailure)]
@@ -208,6 +224,9 @@ def run_cell(
             "INV-DET-1: the backend is not deterministic under a fixed trace (the failing example passed when "
             f"Hypothesis replayed it); the run reported:\n{seen[0] if seen else str(flaky).splitlines()[0]}"
         )
+        result.failures = [
+            {"invariant": "INV-DET-1", "step": None, "op": None, "message": result.failure, "trace": None}
+        ]
     result.seconds = time.perf_counter() - start
     result.examples, result.steps = machine.stats.examples, machine.stats.steps
     result.ops = dict(sorted(machine.stats.ops.items()))

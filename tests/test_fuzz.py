@@ -3,6 +3,7 @@ the suite finds (a zoo mutant), shrinks and saves it like certify; a clean cache
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -50,6 +51,13 @@ def test_the_walk_finds_a_mutant_and_saves_a_replayable_trace(tmp_path: Path) ->
     assert "INV-" in (cell.failure or "")
     trace = Trace.from_json(Path(cell.trace_path).read_text())
     assert 0 < len(trace.ops) == cell.trace_len
+    # the failure, structured (as the JSON certificate carries it): each broken rule, where, on which op
+    assert cell.failures and all(f["trace"] == cell.trace_path for f in cell.failures)
+    first = cell.failures[0]
+    assert first["invariant"].startswith("INV-") and first["invariant"] in (cell.failure or "")
+    assert isinstance(first["step"], int) and first["op"] is not None and first["message"]
+    at = cert.cells.index(cell)
+    assert json.loads(cert.to_json())["cells"][at]["failures"][0]["invariant"] == first["invariant"]
 
 
 def test_choices_are_in_range_and_bounded_runs_are_required() -> None:
