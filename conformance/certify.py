@@ -142,6 +142,22 @@ def _slug(text: str) -> str:
 DRIVERS = ("hypothesis", "random")
 
 
+def _settings(examples: int, steps: int) -> settings:
+    """Hypothesis's settings for one cell (the random driver takes none)."""
+    return settings(
+        max_examples=examples,
+        stateful_step_count=steps,
+        deadline=None,
+        database=None,
+        derandomize=False,
+        suppress_health_check=list(HealthCheck),
+        verbosity=Verbosity.quiet,
+        print_blob=False,
+        report_multiple_bugs=False,
+        phases=(Phase.explicit, Phase.reuse, Phase.generate),  # shrinking happens on the trace: conformance/shrink.py
+    )
+
+
 def run_cell(
     factory: Factory,
     capabilities: Capabilities,
@@ -161,18 +177,6 @@ def run_cell(
     if driver not in DRIVERS:
         raise ValueError(f"driver {driver!r}: one of {', '.join(DRIVERS)}")
     machine = CacheMachine.bind(factory, config, capabilities, bad_input)
-    conf = settings(
-        max_examples=max(1, examples),  # (unused by the random driver, whose budget may be seconds alone)
-        stateful_step_count=steps,
-        deadline=None,
-        database=None,
-        derandomize=False,
-        suppress_health_check=list(HealthCheck),
-        verbosity=Verbosity.quiet,
-        print_blob=False,
-        report_multiple_bugs=False,
-        phases=(Phase.explicit, Phase.reuse, Phase.generate),  # shrinking happens on the trace: conformance/shrink.py
-    )
     start = time.perf_counter()
     result = CellResult(config.page_size, config.policy, True, 0, 0, 0.0, write_policy=_tier(config))
     try:
@@ -180,7 +184,7 @@ def run_cell(
             run_random(machine, steps, seed, examples=None if seconds is not None else examples, seconds=seconds)
         else:
             with fixed_generation():
-                run_machine(machine, conf, seed)
+                run_machine(machine, _settings(examples, steps), seed)
     except ConformanceFailure as original:
         ops = shrink(
             machine.last_trace(), guarded(failure_ids, factory, capabilities, config, bad_input), config.page_size
