@@ -22,6 +22,7 @@ from kvcert.conformance.diff import NODE_FIELDS, snapshot_rows
 from kvcert.conformance.driver import ConformanceFailure, Harness, Outcome, run_trace
 from kvcert.conformance.running import lent
 from kvcert.conformance.windows import SHORT, WINDOWS
+from kvcert.sim.cli import policy_cmd
 from kvcert.spec.ops import Evict, Match, Op, RegisterRef, ReleaseRef, Trace, UpdateRef, op_to_json
 from kvcert.spec.types import MatchOut
 
@@ -152,7 +153,11 @@ def _progress_json(json_path: Optional[Path]) -> Optional[Callable[[Certificate]
     """Rewrite the JSON certificate after every cell, so an interrupted run keeps the cells it finished."""
     if json_path is None:
         return None
-    return lambda cert: json_path.write_text(cert.to_json())
+
+    def write(cert: Certificate) -> None:
+        json_path.write_text(cert.to_json())
+
+    return write
 
 
 def _write_reports(
@@ -504,13 +509,7 @@ bench_app = typer.Typer(
 app.add_typer(bench_app, name="bench")
 
 
-def _bench_policy() -> None:
-    from kvcert.sim.cli import policy_cmd
-
-    bench_app.command("policy")(policy_cmd)
-
-
-_bench_policy()
+bench_app.command("policy")(policy_cmd)  # kvcert bench policy: the serving simulator (kvcert.sim)
 
 
 @bench_app.command("meta")
