@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Protocol
 
 from kvcert.spec.invariants import check_snapshot
-from kvcert.spec.types import CacheConfig, PoolExhausted, Running, Snapshot
+from kvcert.spec.types import CacheConfig, InsertOut, PoolExhausted, Running, Snapshot
 
 __all__ = ["CacheDriver", "Hold", "InfiniteBound", "OfflineBound", "ProtocolDriver", "SGLangDriver", "quiescent"]
 
@@ -215,12 +215,18 @@ class ProtocolDriver:
         self._watch_demotions()
         return Hold(lock, list(m.slots), m.length, loaded, own)
 
-    def checkpoint(self, key: Sequence[int], hold: Hold, session: str) -> None:
-        n = len(key) - hold.cached
-        out = self.c.insert(None, key, hold.prefix + hold.own[:n])
+    def _insert(self, key: Sequence[int], hold: Hold, own: list[int]) -> InsertOut:
+        """`key` into the tree over the held prefix and `own` (the request's slots for the rest); the pages
+        another request inserted meanwhile are duplicates, so ours for them go back to the pool."""
+        out: InsertOut = self.c.insert(None, key, hold.prefix + own)
         dup = out.prefix_len - hold.cached
         if dup > 0:
-            self.c.free(hold.own[:dup])
+            self.c.free(own[:dup])
+        return out
+
+    def checkpoint(self, key: Sequence[int], hold: Hold, session: str) -> None:
+        n = len(key) - hold.cached
+        self._insert(key, hold, hold.own[:n])
         m = self.c.match_prefix(None, key)
         self.c.inc_lock_ref(m.node)
         self.c.dec_lock_ref(hold.lock)
@@ -228,10 +234,7 @@ class ProtocolDriver:
         hold.lock, hold.prefix, hold.cached, hold.own = m.node, list(m.slots), m.length, hold.own[n:]
 
     def finish(self, key: Sequence[int], hold: Hold, session: str, prio: int) -> None:
-        out = self.c.insert(None, key, hold.prefix + hold.own)
-        dup = out.prefix_len - hold.cached  # pages another request inserted meanwhile: ours are duplicates
-        if dup > 0:
-            self.c.free(hold.own[:dup])
+        out = self._insert(key, hold, hold.own)
         self.c.dec_lock_ref(hold.lock)
         self.settle()
         if self.priority:

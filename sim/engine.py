@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -152,9 +153,7 @@ def simulate(
     current with each session's next use (the offline bound reads it). `priority_first`: high-priority requests
     are admitted before low ones (SGLang's `--enable-priority-scheduling`); else one queue in arrival order
     (SGLang's default, FCFS)."""
-    import time as _time
-
-    wall = _time.perf_counter()
+    wall = time.perf_counter()
     pt = costs.page_tokens
     sessions = workload.sessions
     keys = [session_keys(s, seed, pt) for s in sessions]
@@ -330,7 +329,7 @@ def simulate(
         cache.counters(),
         checks,
         steps,
-        _time.perf_counter() - wall,
+        time.perf_counter() - wall,
     )
 
 

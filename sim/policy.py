@@ -7,7 +7,6 @@ accounting is reported as such, and the command exits 1.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -190,7 +189,3 @@ def plot_sweep(results: Sequence[dict[str, Any]], path: Path) -> Path:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
-
-
-def ratio(a: float, b: float) -> float:
-    return a / b if b else math.inf
