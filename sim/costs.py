@@ -29,8 +29,10 @@ class Costs:
     """Host KV pool (HiCache's `hicache_ratio` 3): 384 GiB of pinned DRAM."""
     prefill_token_s: float = 20e-6
     """Linear prefill cost per uncached token: 2 x 8B FLOP at ~800 TFLOP/s effective."""
-    attention_pair_s: float = 1.0e-12
-    """Prefill attention per (new token, context token) pair: 4 x layers x hidden FLOP at ~500 TFLOP/s."""
+    attention_pair_s: float = 4 * 32 * 4096 / 500e12
+    """Prefill attention per (new token, context token) pair: 4 x layers x hidden FLOP (QK^T and AV, 32 x 4096
+    for an 8B model) at ~500 TFLOP/s: 1.05e-9 s, so a 15k-token prompt's attention costs about 40% of its
+    linear part and a miss on a 30k-token history costs more than its length alone."""
     decode_step_s: float = 0.010
     """Fixed cost of one decode step: weights read once (16 GB at 4.8 TB/s) plus launch overhead."""
     decode_request_s: float = 50e-6
