@@ -7,12 +7,13 @@ reproduce before anyone reads it.
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import json
-import multiprocessing
 import re
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
+from contextlib import closing
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Optional
@@ -21,6 +22,7 @@ from hypothesis import HealthCheck, Phase, Verbosity, settings
 from hypothesis.errors import Flaky
 
 from kvcert.conformance.backend import Factory, capabilities_of
+from kvcert.conformance.cluster import map_ordered
 from kvcert.conformance.determinism import fixed_generation
 from kvcert.conformance.driver import ConformanceFailure, Harness, run_trace
 from kvcert.conformance.fuzz import run_random
@@ -94,6 +96,12 @@ class CellResult:
     """SHA-256 of every op the cell's examples executed, in order (`StepDigest`): equal digests, same run."""
     failures: list[dict[str, Any]] = field(default_factory=list)
     """The failure, structured: one `{invariant, step, op, message, trace}` per broken rule (`failure` is its text)."""
+    corpus_replayed: int = 0
+    """Traces of the shared failure corpus replayed before the walk: those recorded on this cell's config."""
+    from_corpus: bool = False
+    """The failure is a corpus trace's, failing again (the walk did not run)."""
+    trace_json: Optional[str] = field(default=None, repr=False)
+    """The saved trace's text, carried back from a worker that may run on another machine (not in the JSON)."""
 
 
 @dataclass
@@ -127,6 +135,8 @@ class Certificate:
 
     def to_json(self) -> str:
         body = asdict(self)
+        for cell in body["cells"]:
+            del cell["trace_json"]
         body.update(
             passed=self.passed,
             total_steps=self.total_steps,
@@ -171,14 +181,31 @@ def run_cell(
     bad_input: Optional[bool] = None,
     driver: str = "hypothesis",
     seconds: Optional[float] = None,
+    corpus: tuple[str, ...] = (),
 ) -> CellResult:
-    """One cell: examples of the machine under `driver` ("hypothesis", or "random": `conformance.fuzz`'s seeded
-    walk, for `seconds` when given, else `examples`); a failure is shrunk, replayed and saved either way."""
+    """One cell: first every `corpus` trace (JSON text) recorded on this config, replayed on a fresh backend (the
+    first that fails is the cell's failure, as found); then examples of the machine under `driver`
+    ("hypothesis", or "random": `conformance.fuzz`'s seeded walk, for `seconds` when given, else `examples`). A
+    failure of the walk is shrunk, replayed and saved either way."""
     if driver not in DRIVERS:
         raise ValueError(f"driver {driver!r}: one of {', '.join(DRIVERS)}")
     machine = CacheMachine.bind(factory, config, capabilities, bad_input)
     start = time.perf_counter()
     result = CellResult(config.page_size, config.policy, True, 0, 0, 0.0, write_policy=_tier(config))
+    tier = f"-{_tier(config)}" if config.host_capacity else ""
+    name = f"{_slug(target)}-ps{config.page_size}-{config.policy}{tier}"
+    for text in corpus:
+        known = Trace.from_json(text)
+        if known.config != config:
+            continue
+        result.corpus_replayed += 1
+        failure = replay_failure(factory, capabilities, config, list(known.ops))
+        if failure is not None:
+            digest = hashlib.sha256(text.encode()).hexdigest()[:12]
+            _failed(result, config, capabilities, target, out_dir / f"{name}-corpus-{digest}.json", known.ops, failure)
+            result.from_corpus = True
+            result.seconds = time.perf_counter() - start
+            return result
     try:
         if driver == "random":
             run_random(machine, steps, seed, examples=None if seconds is not None else examples, seconds=seconds)
@@ -189,37 +216,9 @@ def run_cell(
         ops = shrink(
             machine.last_trace(), guarded(failure_ids, factory, capabilities, config, bad_input), config.page_size
         )
-        failure = replay_failure(factory, capabilities, config, ops)
-        if failure is None:  # the run failed, a fresh backend given the same ops does not: not deterministic
-            report = (
-                f"INV-DET-1: the failure did not replay on a fresh backend from the same {len(ops)} ops; "
-                f"the run reported:\n{original}"
-            )
-        else:
-            report = str(failure)
-        note = report.splitlines()[-1].strip()
-        trace = Trace(config=config, ops=tuple(ops), target=target, note=note, profile=capabilities.profile)
-        out_dir.mkdir(parents=True, exist_ok=True)
-        tier = f"-{_tier(config)}" if config.host_capacity else ""
         how = "-fuzz" if driver == "random" else ""
-        path = out_dir / f"{_slug(target)}-ps{config.page_size}-{config.policy}{tier}{how}-seed{seed}.json"
-        path.write_text(trace.to_json())
-        result.passed, result.failure, result.trace_path, result.trace_len = False, report, str(path), len(ops)
-        result.reproduced = failure is not None
-        result.failures = (
-            [
-                {
-                    "invariant": v.inv,
-                    "step": failure.step,
-                    "op": None if failure.op is None else op_to_json(failure.op),
-                    "message": v.message,
-                    "trace": str(path),
-                }
-                for v in failure.violations
-            ]
-            if failure is not None
-            else [{"invariant": "INV-DET-1", "step": None, "op": None, "message": report, "trace": str(path)}]
-        )
+        replayed = replay_failure(factory, capabilities, config, ops)
+        _failed(result, config, capabilities, target, out_dir / f"{name}{how}-seed{seed}.json", ops, replayed, original)
     except Flaky as flaky:
         # Hypothesis replayed the failing example and it passed: same ops, different outcome.
         seen = [e for e in getattr(flaky, "exceptions", ()) if isinstance(e, ConformanceFailure)]
@@ -236,6 +235,48 @@ def run_cell(
     result.ops = dict(sorted(machine.stats.ops.items()))
     result.digest = machine.stats.digest.hexdigest()
     return result
+
+
+def _failed(
+    result: CellResult,
+    config: CacheConfig,
+    capabilities: Capabilities,
+    target: str,
+    path: Path,
+    ops: Sequence[Op],
+    failure: Optional[ConformanceFailure],
+    original: Optional[ConformanceFailure] = None,
+) -> None:
+    """Record a failing cell: `ops` saved as a trace at `path`, and `failure`, their replay on a fresh backend (None
+    when that replay passed although the run that found them, `original`, failed: not deterministic)."""
+    if failure is None:
+        report = (
+            f"INV-DET-1: the failure did not replay on a fresh backend from the same {len(ops)} ops; "
+            f"the run reported:\n{original}"
+        )
+    else:
+        report = str(failure)
+    note = report.splitlines()[-1].strip()
+    trace = Trace(config=config, ops=tuple(ops), target=target, note=note, profile=capabilities.profile)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    result.trace_json = trace.to_json()
+    path.write_text(result.trace_json)
+    result.passed, result.failure, result.trace_path, result.trace_len = False, report, str(path), len(ops)
+    result.reproduced = failure is not None
+    result.failures = (
+        [
+            {
+                "invariant": v.inv,
+                "step": failure.step,
+                "op": None if failure.op is None else op_to_json(failure.op),
+                "message": v.message,
+                "trace": str(path),
+            }
+            for v in failure.violations
+        ]
+        if failure is not None
+        else [{"invariant": "INV-DET-1", "step": None, "op": None, "message": report, "trace": str(path)}]
+    )
 
 
 def replay_failure(
@@ -550,14 +591,18 @@ def certify(
     seconds: Optional[float] = None,
     jobs: int = 1,
     on_progress: Optional[Callable[[Certificate], None]] = None,
+    ray: Optional[str] = None,
+    corpus: Optional[Path] = None,
 ) -> Certificate:
     """Run every cell; the certificate passes only if every cell does. `fail_fast` stops at the first failing cell.
     `profile` holds the backend to that profile instead of the one it declares (SPEC.md §6). `driver` "random"
     walks each cell with `conformance.fuzz` instead of Hypothesis; `seconds` (random only) is split evenly
-    across the cells and replaces `examples` as the budget. `jobs` > 1 runs cells in that many spawned interpreters
-    (a target loaded by name: each worker imports it); a cell's result does not depend on where it ran, so the
-    certificate is the same. `on_progress(cert)` sees the certificate after each cell (an interrupted run keeps
-    what it did)."""
+    across the cells and replaces `examples` as the budget. `jobs` > 1 runs cells in that many spawned interpreters,
+    `ray` (an address, or "local") as tasks on a Ray cluster (`conformance.cluster`); either needs a target loaded
+    by name (each worker imports it), and a cell's result does not depend on where it ran, so the certificate is
+    the same. `corpus` is a shared failure corpus, a directory of traces: every cell replays those recorded on its
+    config before its walk, and each new failure's trace is added to it. `on_progress(cert)` sees the certificate
+    after each cell (an interrupted run keeps what it did)."""
     given_factory = factory is not None
     factory = factory or load_factory(target)
     caps = capabilities_of(factory)
@@ -569,31 +614,53 @@ def certify(
     cert = Certificate(target, caps.name, seed, examples, steps, caps.strict_input, caps.profile, skipped=skipped)
     if seconds is not None and driver != "random":
         raise ValueError("a time budget (seconds) is the random driver's; Hypothesis runs a number of examples")
-    # a time budget is wall time: `jobs` workers spend it on `jobs` cells at once
-    per_cell = seconds * min(max(1, jobs), len(configs)) / max(1, len(configs)) if seconds is not None else None
+    elsewhere = ray is not None or (jobs > 1 and len(configs) > 1)
+    if elsewhere and given_factory:
+        raise ValueError("jobs > 1 or ray needs a target loaded by name (each worker imports it), not a factory object")
+    # a time budget is wall time: `jobs` workers spend it on `jobs` cells at once (a Ray run's budget is per cell)
+    workers = len(configs) if ray is not None else min(max(1, jobs), len(configs))
+    per_cell = seconds * workers / max(1, len(configs)) if seconds is not None else None
     run = dict(
         examples=examples,
         steps=steps,
         seed=seed,
         target=target,
-        out_dir=out_dir,
+        out_dir=out_dir.resolve(),  # absolute: a worker's working directory is not the caller's
         bad_input=bad_input,
         driver=driver,
         seconds=per_cell,
+        corpus=load_corpus(corpus) if corpus is not None else (),
     )
-    if jobs > 1 and len(configs) > 1:
-        if given_factory:
-            raise ValueError("jobs > 1 needs a target loaded by name (each worker imports it), not a factory object")
-        # spawned workers, reused across cells: a cell's run does not depend on what its process ran before
-        with multiprocessing.get_context("spawn").Pool(min(jobs, len(configs))) as pool:
-            pending = [pool.apply_async(_cell_by_name, (caps.profile, config), run) for config in configs]
-            cells = (p.get() for p in pending)
-            _collect(cert, cells, on_cell, on_progress, fail_fast)  # (leaving the block ends any still running)
+    if elsewhere:
+        cells = map_ordered(_cell_by_name, [((caps.profile, config), run) for config in configs], jobs=jobs, ray=ray)
     else:
         cells = (run_cell(factory, caps, config, **run) for config in configs)  # type: ignore[arg-type]
-        _collect(cert, cells, on_cell, on_progress, fail_fast)
+    with closing(cells):  # a fail-fast stop ends the workers still running
+        _collect(cert, cells, on_cell, on_progress, fail_fast, corpus)
     cert.not_checked = scope_gaps(caps, cert.cells, bad_input)
     return cert
+
+
+class CorpusError(ValueError):
+    """A file of the failure corpus is not a kvcert trace."""
+
+
+def load_corpus(directory: Path) -> tuple[str, ...]:
+    """Every trace of a failure corpus (`*.json` in `directory`, in name order) as JSON text, each parsed once here
+    so a bad file stops the run before any cell starts. A directory that does not exist yet is an empty corpus."""
+    if not directory.exists():
+        return ()
+    if not directory.is_dir():
+        raise CorpusError(f"{directory}: the failure corpus is a directory of traces")
+    texts = []
+    for path in sorted(directory.glob("*.json")):
+        text = path.read_text()
+        try:
+            Trace.from_json(text)
+        except (ValueError, KeyError, TypeError) as e:
+            raise CorpusError(f"{path}: not a kvcert trace ({type(e).__name__}: {e})") from e
+        texts.append(text)
+    return tuple(texts)
 
 
 def _collect(
@@ -602,10 +669,20 @@ def _collect(
     on_cell: Optional[Callable[[CellResult], None]],
     on_progress: Optional[Callable[[Certificate], None]],
     fail_fast: bool,
+    corpus: Optional[Path] = None,
 ) -> None:
-    """Cells into the certificate in cell order, reporting each; stop at the first failure with `fail_fast`."""
+    """Cells into the certificate in cell order, reporting each; stop at the first failure with `fail_fast`. A
+    failing cell's trace is written here too (its worker may have written it on another machine), and added to
+    the `corpus`."""
     for cell in cells:
         cert.cells.append(cell)
+        if cell.trace_path and cell.trace_json is not None:
+            path = Path(cell.trace_path)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(cell.trace_json)
+            if corpus is not None and not cell.from_corpus:
+                corpus.mkdir(parents=True, exist_ok=True)
+                (corpus / path.name).write_text(cell.trace_json)
         if on_cell is not None:
             on_cell(cell)
         if on_progress is not None:

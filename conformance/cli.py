@@ -8,7 +8,7 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import typer
 from rich.console import Console
@@ -17,7 +17,8 @@ from rich.table import Table
 
 from kvcert.conformance import explain, reports
 from kvcert.conformance.backend import Factory
-from kvcert.conformance.certify import CellResult, Certificate, certify, judged_as, load_factory
+from kvcert.conformance.certify import CellResult, Certificate, CorpusError, certify, judged_as, load_factory
+from kvcert.conformance.cluster import RayUnavailable
 from kvcert.conformance.diff import NODE_FIELDS, snapshot_rows
 from kvcert.conformance.driver import ConformanceFailure, Harness, Outcome, run_trace
 from kvcert.conformance.running import lent
@@ -94,6 +95,10 @@ def print_certificate(cert: Certificate) -> None:
         console.print(f"  not checked: {gap}")
 
 
+RAY_HELP = "run cells as tasks on this Ray cluster ('local' starts one here for the run)"
+CORPUS_HELP = "shared failure corpus: every cell replays its traces first; new failures are added"
+
+
 @app.command("certify")
 def certify_cmd(
     target: str = typer.Argument(..., help="MODULE:FACTORY, e.g. kvcert.refimpl:factory"),
@@ -124,9 +129,11 @@ def certify_cmd(
         None, "--profile", help="hold the backend to this profile (core, sglang-0.5.23) instead of the one it declares"
     ),
     jobs: int = typer.Option(1, "--jobs", help="run cells in this many processes (the same certificate)"),
+    ray: Optional[str] = typer.Option(None, "--ray", metavar="ADDRESS", help=RAY_HELP),
+    corpus: Optional[Path] = typer.Option(None, "--corpus", metavar="DIR", help=CORPUS_HELP),
 ) -> None:
     """Run the conformance suite against a backend and print its certificate."""
-    cert = certify(
+    cert = _certify(
         target,
         examples=examples,
         steps=steps,
@@ -142,11 +149,22 @@ def certify_cmd(
         host_cells=not storage_only,
         profile=profile,
         jobs=jobs,
+        ray=ray,
+        corpus=corpus,
         on_progress=_progress_json(json_path),
     )
     print_certificate(cert)
     _write_reports(cert, json_path, junit_path, markdown_path)
     raise typer.Exit(0 if cert.passed else 1)
+
+
+def _certify(target: str, **kwargs: Any) -> Certificate:
+    """`certify`, with the errors a user can fix before anything runs (no Ray, a bad corpus file) as exit 2."""
+    try:
+        return certify(target, **kwargs)
+    except (RayUnavailable, CorpusError) as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from e
 
 
 def _progress_json(json_path: Optional[Path]) -> Optional[Callable[[Certificate], None]]:
@@ -155,7 +173,7 @@ def _progress_json(json_path: Optional[Path]) -> Optional[Callable[[Certificate]
         return None
 
     def write(cert: Certificate) -> None:
-        json_path.write_text(cert.to_json())
+        _write(json_path, cert.to_json())
 
     return write
 
@@ -165,11 +183,16 @@ def _write_reports(
 ) -> None:
     """The certificate in each format asked for (JSON, JUnit XML, Markdown)."""
     if json_path is not None:
-        json_path.write_text(cert.to_json())
+        _write(json_path, cert.to_json())
     if junit_path is not None:
-        junit_path.write_text(reports.junit_xml(cert), encoding="utf-8")
+        _write(junit_path, reports.junit_xml(cert))
     if markdown_path is not None:
-        markdown_path.write_text(reports.markdown(cert), encoding="utf-8")
+        _write(markdown_path, reports.markdown(cert))
+
+
+def _write(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text, encoding="utf-8")
 
 
 @app.command("fuzz")
@@ -191,13 +214,15 @@ def fuzz_cmd(
         None, "--profile", help="hold the backend to this profile (core, sglang-0.5.23)"
     ),
     jobs: int = typer.Option(1, "--jobs", help="walk cells in this many processes (--seconds is wall time)"),
+    ray: Optional[str] = typer.Option(None, "--ray", metavar="ADDRESS", help=RAY_HELP + " (--seconds per cell)"),
+    corpus: Optional[Path] = typer.Option(None, "--corpus", metavar="DIR", help=CORPUS_HELP),
 ) -> None:
     """Walk every cell with a seeded random driver instead of Hypothesis: same ops, checks and failure path
     (shrunk, replayed, saved), for long runs. Exit 1 if a cell fails."""
     if (seconds is None) == (examples is None):
         console.print("[red]error:[/] give exactly one budget: --seconds or --examples")
         raise typer.Exit(2)
-    cert = certify(
+    cert = _certify(
         target,
         examples=examples or 0,
         steps=steps,
@@ -212,6 +237,8 @@ def fuzz_cmd(
         driver="random",
         seconds=seconds,
         jobs=jobs,
+        ray=ray,
+        corpus=corpus,
         on_progress=_progress_json(json_path),
     )
     print_certificate(cert)

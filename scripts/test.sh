@@ -5,6 +5,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 export KVCERT_SGLANG="${KVCERT_SGLANG:-1}"  # the SGLang tests then fail, not skip, if SGLang cannot import
 export KVCERT_REFAWARE="${KVCERT_REFAWARE:-1}"  # likewise the RefAware fork's (.venv-refaware)
+export KVCERT_RAY="${KVCERT_RAY:-1}"  # and the Ray path's (a local cluster)
 scripts/bootstrap.sh
 V="$ROOT/.venv/bin"
 if [[ "$KVCERT_REFAWARE" == "1" ]]; then
