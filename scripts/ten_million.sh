@@ -5,6 +5,7 @@
 # certificate goes to OUT as JSON and Markdown, with its terminal log. About two hours on one core.
 #
 #   scripts/ten_million.sh [OUT] [EXAMPLES]      # EXAMPLES per cell, default 1,500 (~10.5M steps in all)
+#   KVCERT=path/to/kvcert scripts/ten_million.sh  # another kvcert than ./kvcert (an installed one)
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 OUT="${1:-kvcert-10m}"
@@ -14,7 +15,7 @@ status=0
 for factory in factory factory_page_first; do
     echo "== kvcert.gpu:$factory  ($(date -u +%FT%TZ))"
     /usr/bin/time -f "$factory: %e s wall" -o "$OUT/$factory.time" \
-        "$ROOT/kvcert" fuzz "kvcert.gpu:$factory" --examples "$EXAMPLES" --seed 0 --out "$OUT/failures" \
+        "${KVCERT:-$ROOT/kvcert}" fuzz "kvcert.gpu:$factory" --examples "$EXAMPLES" --seed 0 --out "$OUT/failures" \
         --json "$OUT/$factory.json" --markdown "$OUT/$factory.md" > "$OUT/$factory.log" 2>&1 || status=1
     cat "$OUT/$factory.time"
     grep -E "CERTIFIED|FAILED" "$OUT/$factory.log" || true
