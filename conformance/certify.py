@@ -182,6 +182,7 @@ def run_cell(
     driver: str = "hypothesis",
     seconds: Optional[float] = None,
     corpus: tuple[str, ...] = (),
+    on_example: Optional[Callable[[CacheConfig, int, int], None]] = None,
 ) -> CellResult:
     """One cell: first every `corpus` trace (JSON text) recorded on this config, replayed on a fresh backend (the
     first that fails is the cell's failure, as found); then examples of the machine under `driver`
@@ -190,6 +191,8 @@ def run_cell(
     if driver not in DRIVERS:
         raise ValueError(f"driver {driver!r}: one of {', '.join(DRIVERS)}")
     machine = CacheMachine.bind(factory, config, capabilities, bad_input)
+    if on_example is not None:
+        machine.stats.on_example = lambda stats: on_example(config, stats.examples, stats.steps)
     start = time.perf_counter()
     result = CellResult(config.page_size, config.policy, True, 0, 0, 0.0, write_policy=_tier(config))
     tier = f"-{_tier(config)}" if config.host_capacity else ""
@@ -593,6 +596,7 @@ def certify(
     on_progress: Optional[Callable[[Certificate], None]] = None,
     ray: Optional[str] = None,
     corpus: Optional[Path] = None,
+    on_example: Optional[Callable[[CacheConfig, int, int], None]] = None,
 ) -> Certificate:
     """Run every cell; the certificate passes only if every cell does. `fail_fast` stops at the first failing cell.
     `profile` holds the backend to that profile instead of the one it declares (SPEC.md §6). `driver` "random"
@@ -602,7 +606,8 @@ def certify(
     by name (each worker imports it), and a cell's result does not depend on where it ran, so the certificate is
     the same. `corpus` is a shared failure corpus, a directory of traces: every cell replays those recorded on its
     config before its walk, and each new failure's trace is added to it. `on_progress(cert)` sees the certificate
-    after each cell (an interrupted run keeps what it did)."""
+    after each cell (an interrupted run keeps what it did); `on_example(config, examples, steps)` sees each example
+    start inside a cell, in a run in this process (workers report per cell only)."""
     given_factory = factory is not None
     factory = factory or load_factory(target)
     caps = capabilities_of(factory)
@@ -634,7 +639,7 @@ def certify(
     if elsewhere:
         cells = map_ordered(_cell_by_name, [((caps.profile, config), run) for config in configs], jobs=jobs, ray=ray)
     else:
-        cells = (run_cell(factory, caps, config, **run) for config in configs)  # type: ignore[arg-type]
+        cells = (run_cell(factory, caps, config, on_example=on_example, **run) for config in configs)  # type: ignore[arg-type,call-arg]
     with closing(cells):  # a fail-fast stop ends the workers still running
         _collect(cert, cells, on_cell, on_progress, fail_fast, corpus)
     cert.not_checked = scope_gaps(caps, cert.cells, bad_input)

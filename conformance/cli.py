@@ -13,6 +13,7 @@ from typing import Any, Optional
 import typer
 from rich.console import Console
 from rich.markup import escape
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from kvcert.conformance import explain, reports
@@ -25,7 +26,7 @@ from kvcert.conformance.running import lent
 from kvcert.conformance.windows import SHORT, WINDOWS
 from kvcert.sim.cli import policy_cmd
 from kvcert.spec.ops import Evict, Match, Op, RegisterRef, ReleaseRef, Trace, UpdateRef, op_to_json
-from kvcert.spec.types import MatchOut
+from kvcert.spec.types import CacheConfig, MatchOut
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
 console = Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 160)
@@ -95,6 +96,49 @@ def print_certificate(cert: Certificate) -> None:
         console.print(f"  not checked: {gap}")
 
 
+class _CellProgress:
+    """A progress bar inside the running cell: examples started and steps so far. Shown on a terminal, for a run in
+    this process (cells in workers report when they end); elsewhere the per-cell lines are the progress."""
+
+    def __init__(self, examples: Optional[int], shown: bool) -> None:
+        self.examples = examples
+        self.bar: Optional[Progress] = None
+        if shown and console.is_terminal:
+            self.bar = Progress(
+                TextColumn("{task.description}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeElapsedColumn(),
+                console=console,
+                transient=True,
+            )
+        self.task: Optional[TaskID] = None
+
+    def __enter__(self) -> _CellProgress:
+        if self.bar is not None:
+            self.bar.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+    def example(self, config: CacheConfig, examples: int, steps: int) -> None:
+        if self.bar is None:
+            return
+        tier = f" {config.write_policy}" + (f"+{config.prefetch_policy}" if config.prefetch_policy else "")
+        what = f"  page_size={config.page_size} {config.policy}{tier if config.host_capacity else ''}: {steps:,} steps"
+        if self.task is None:
+            self.task = self.bar.add_task(what, total=self.examples)
+        self.bar.update(self.task, completed=examples - 1, description=what)
+
+    def cell(self, cell: CellResult) -> None:
+        if self.bar is not None and self.task is not None:
+            self.bar.remove_task(self.task)
+            self.task = None
+        console.print(_cell_line(cell))
+
+
 RAY_HELP = "run cells as tasks on this Ray cluster ('local' starts one here for the run)"
 CORPUS_HELP = "shared failure corpus: every cell replays its traces first; new failures are added"
 
@@ -133,26 +177,28 @@ def certify_cmd(
     corpus: Optional[Path] = typer.Option(None, "--corpus", metavar="DIR", help=CORPUS_HELP),
 ) -> None:
     """Run the conformance suite against a backend and print its certificate."""
-    cert = _certify(
-        target,
-        examples=examples,
-        steps=steps,
-        seed=seed,
-        page_sizes=page_size,
-        policies=policy,
-        out_dir=out,
-        on_cell=lambda c: console.print(_cell_line(c)),
-        bad_input=bad_input,
-        write_policies=[] if device_only else write_policy,
-        prefetch_policies=[] if device_only or no_storage else prefetch_policy,
-        device_cells=not storage_only,
-        host_cells=not storage_only,
-        profile=profile,
-        jobs=jobs,
-        ray=ray,
-        corpus=corpus,
-        on_progress=_progress_json(json_path),
-    )
+    with _CellProgress(examples, shown=jobs <= 1 and ray is None) as progress:
+        cert = _certify(
+            target,
+            examples=examples,
+            steps=steps,
+            seed=seed,
+            page_sizes=page_size,
+            policies=policy,
+            out_dir=out,
+            on_cell=progress.cell,
+            on_example=progress.example,
+            bad_input=bad_input,
+            write_policies=[] if device_only else write_policy,
+            prefetch_policies=[] if device_only or no_storage else prefetch_policy,
+            device_cells=not storage_only,
+            host_cells=not storage_only,
+            profile=profile,
+            jobs=jobs,
+            ray=ray,
+            corpus=corpus,
+            on_progress=_progress_json(json_path),
+        )
     print_certificate(cert)
     _write_reports(cert, json_path, junit_path, markdown_path)
     raise typer.Exit(0 if cert.passed else 1)
@@ -222,25 +268,27 @@ def fuzz_cmd(
     if (seconds is None) == (examples is None):
         console.print("[red]error:[/] give exactly one budget: --seconds or --examples")
         raise typer.Exit(2)
-    cert = _certify(
-        target,
-        examples=examples or 0,
-        steps=steps,
-        seed=seed,
-        page_sizes=page_size,
-        policies=policy,
-        out_dir=out,
-        on_cell=lambda c: console.print(_cell_line(c)),
-        write_policies=[] if device_only else write_policy,
-        prefetch_policies=[] if device_only else None,
-        profile=profile,
-        driver="random",
-        seconds=seconds,
-        jobs=jobs,
-        ray=ray,
-        corpus=corpus,
-        on_progress=_progress_json(json_path),
-    )
+    with _CellProgress(examples, shown=jobs <= 1 and ray is None) as progress:
+        cert = _certify(
+            target,
+            examples=examples or 0,
+            steps=steps,
+            seed=seed,
+            page_sizes=page_size,
+            policies=policy,
+            out_dir=out,
+            on_cell=progress.cell,
+            on_example=progress.example,
+            write_policies=[] if device_only else write_policy,
+            prefetch_policies=[] if device_only else None,
+            profile=profile,
+            driver="random",
+            seconds=seconds,
+            jobs=jobs,
+            ray=ray,
+            corpus=corpus,
+            on_progress=_progress_json(json_path),
+        )
     print_certificate(cert)
     _write_reports(cert, json_path, junit_path, markdown_path)
     raise typer.Exit(0 if cert.passed else 1)

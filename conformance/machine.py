@@ -13,6 +13,7 @@ oracle's private state, and draw through `conformance.draws`.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -93,6 +94,8 @@ class RunStats:
     "<Op>:error" (steps the backend rejected): what a run actually exercised."""
     digest: StepDigest = field(default_factory=StepDigest)
     """Every op the run's rules executed, in order: equal digests, same run (SPEC.md §3, INV-DET-1)."""
+    on_example: Optional[Callable[[RunStats], None]] = None
+    """Called as each example starts, with the counts so far: progress inside a cell."""
 
 
 class CacheMachine(RunningRules, RaceRules):
@@ -110,8 +113,11 @@ class CacheMachine(RunningRules, RaceRules):
         self.h = Harness(type(self).factory(type(self).config), type(self).config, type(self).capabilities)
         self.h.count_windows = True  # the certificate reports, per cell, the race windows its steps entered
         type(self).last = self.h
-        type(self).stats.examples += 1
-        type(self).stats.digest.example()
+        stats = type(self).stats
+        stats.examples += 1
+        stats.digest.example()
+        if stats.on_example is not None:
+            stats.on_example(stats)
         self.namespaces = NAMESPACES if self.capabilities.namespaces else (None,)
         self.failed = False
         self.seen: list[tuple[Optional[str], list[int]]] = []

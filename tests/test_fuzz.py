@@ -108,3 +108,16 @@ def test_cells_in_parallel_give_the_same_certificate(tmp_path: Path) -> None:
     ]
     with pytest.raises(ValueError):  # a factory object cannot be sent to a worker by name
         certify("x:y", factory=zoo.build(zoo.MUTANTS[0]), examples=2, jobs=2, **cells)
+
+
+def test_progress_inside_a_cell_sees_every_example_start_and_changes_nothing(tmp_path: Path) -> None:
+    seen: list[tuple[int, int, int]] = []
+    run = dict(examples=12, steps=30, seed=2, out_dir=tmp_path, driver="random", **{**CELL, "page_sizes": [1, 4]})
+    watched = certify("kvcert.refimpl:factory", on_example=lambda c, k, s: seen.append((c.page_size, k, s)), **run)  # type: ignore[arg-type]
+    plain = certify("kvcert.refimpl:factory", **run)  # type: ignore[arg-type]
+    assert [c.digest for c in watched.cells] == [c.digest for c in plain.cells]
+    for cell in watched.cells:
+        mine = [(k, s) for ps, k, s in seen if ps == cell.page_size]
+        assert [k for k, _ in mine] == list(range(1, 13))  # each example, as it starts
+        steps = [s for _, s in mine]
+        assert steps == sorted(steps) and steps[0] == 0 and 0 < steps[-1] < cell.steps
