@@ -76,7 +76,10 @@ class Rule:
     preconditions: tuple[Callable[[Any], bool], ...]
 
     def ready(self, machine: Any) -> bool:
-        return all(check(machine) for check in self.preconditions)
+        for check in self.preconditions:  # (a loop, not all() over a generator: asked of every rule, every step)
+            if not check(machine):
+                return False
+        return True
 
     def run(self, machine: Any, cd: Any) -> None:
         self.function(

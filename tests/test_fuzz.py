@@ -121,3 +121,22 @@ def test_progress_inside_a_cell_sees_every_example_start_and_changes_nothing(tmp
         assert [k for k, _ in mine] == list(range(1, 13))  # each example, as it starts
         steps = [s for _, s in mine]
         assert steps == sorted(steps) and steps[0] == 0 and 0 < steps[-1] < cell.steps
+
+
+def test_a_steps_digest_bytes_are_its_json_encoding(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`step_bytes` skips `asdict`; every op kind, from a walk over every tier with bad input, encodes as before."""
+    from kvcert.conformance import determinism
+    from kvcert.spec.ops import OP_TYPES, op_to_json
+
+    fast, kinds = determinism.step_bytes, set()
+
+    def both(op: object) -> bytes:
+        got = fast(op)  # type: ignore[arg-type]
+        assert got == json.dumps(op_to_json(op), sort_keys=True, default=repr).encode()  # type: ignore[arg-type]
+        kinds.add(type(op).__name__)
+        return got
+
+    monkeypatch.setattr(determinism, "step_bytes", both)
+    cells = dict(page_sizes=[1, 4], policies=["priority"], write_policies=["write_back"], prefetch_policies=["timeout"])
+    cert = certify("kvcert.gpu:factory", examples=40, steps=50, seed=0, out_dir=tmp_path, driver="random", **cells)  # type: ignore[arg-type]
+    assert cert.passed and kinds == set(OP_TYPES), sorted(set(OP_TYPES) - kinds)
