@@ -8,7 +8,7 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, NoReturn, Optional
 
 import typer
 from rich.console import Console
@@ -177,40 +177,50 @@ def certify_cmd(
     corpus: Optional[Path] = typer.Option(None, "--corpus", metavar="DIR", help=CORPUS_HELP),
 ) -> None:
     """Run the conformance suite against a backend and print its certificate."""
-    with _CellProgress(examples, shown=jobs <= 1 and ray is None) as progress:
-        cert = _certify(
-            target,
-            examples=examples,
-            steps=steps,
-            seed=seed,
-            page_sizes=page_size,
-            policies=policy,
-            out_dir=out,
-            on_cell=progress.cell,
-            on_example=progress.example,
-            bad_input=bad_input,
-            write_policies=[] if device_only else write_policy,
-            prefetch_policies=[] if device_only or no_storage else prefetch_policy,
-            device_cells=not storage_only,
-            host_cells=not storage_only,
-            profile=profile,
-            jobs=jobs,
-            ray=ray,
-            corpus=corpus,
-            on_progress=_progress_json(json_path),
-        )
+    _certify_and_report(
+        target,
+        (json_path, junit_path, markdown_path),
+        examples=examples,
+        steps=steps,
+        seed=seed,
+        page_sizes=page_size,
+        policies=policy,
+        out_dir=out,
+        bad_input=bad_input,
+        write_policies=[] if device_only else write_policy,
+        prefetch_policies=[] if device_only or no_storage else prefetch_policy,
+        device_cells=not storage_only,
+        host_cells=not storage_only,
+        profile=profile,
+        jobs=jobs,
+        ray=ray,
+        corpus=corpus,
+    )
+
+
+def _certify_and_report(
+    target: str, reports_to: tuple[Optional[Path], Optional[Path], Optional[Path]], **kwargs: Any
+) -> NoReturn:
+    """`certify` with a line per cell (and a bar inside it), the certificate printed and written as JSON (after
+    every cell), JUnit and Markdown where `reports_to` names a path; exit 0 if it passed, 1 if not, 2 on an error
+    a user can fix before anything runs (no Ray, a bad corpus file)."""
+    json_path, junit_path, markdown_path = reports_to
+    budget = kwargs["examples"] if kwargs.get("seconds") is None else None
+    with _CellProgress(budget, shown=kwargs.get("jobs", 1) <= 1 and kwargs.get("ray") is None) as progress:
+        try:
+            cert = certify(
+                target,
+                on_cell=progress.cell,
+                on_example=progress.example,
+                on_progress=_progress_json(json_path),
+                **kwargs,
+            )
+        except (RayUnavailable, CorpusError) as e:
+            typer.echo(f"error: {e}", err=True)
+            raise typer.Exit(2) from e
     print_certificate(cert)
     _write_reports(cert, json_path, junit_path, markdown_path)
     raise typer.Exit(0 if cert.passed else 1)
-
-
-def _certify(target: str, **kwargs: Any) -> Certificate:
-    """`certify`, with the errors a user can fix before anything runs (no Ray, a bad corpus file) as exit 2."""
-    try:
-        return certify(target, **kwargs)
-    except (RayUnavailable, CorpusError) as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2) from e
 
 
 def _progress_json(json_path: Optional[Path]) -> Optional[Callable[[Certificate], None]]:
@@ -268,30 +278,24 @@ def fuzz_cmd(
     if (seconds is None) == (examples is None):
         console.print("[red]error:[/] give exactly one budget: --seconds or --examples")
         raise typer.Exit(2)
-    with _CellProgress(examples, shown=jobs <= 1 and ray is None) as progress:
-        cert = _certify(
-            target,
-            examples=examples or 0,
-            steps=steps,
-            seed=seed,
-            page_sizes=page_size,
-            policies=policy,
-            out_dir=out,
-            on_cell=progress.cell,
-            on_example=progress.example,
-            write_policies=[] if device_only else write_policy,
-            prefetch_policies=[] if device_only else None,
-            profile=profile,
-            driver="random",
-            seconds=seconds,
-            jobs=jobs,
-            ray=ray,
-            corpus=corpus,
-            on_progress=_progress_json(json_path),
-        )
-    print_certificate(cert)
-    _write_reports(cert, json_path, junit_path, markdown_path)
-    raise typer.Exit(0 if cert.passed else 1)
+    _certify_and_report(
+        target,
+        (json_path, junit_path, markdown_path),
+        examples=examples or 0,
+        steps=steps,
+        seed=seed,
+        page_sizes=page_size,
+        policies=policy,
+        out_dir=out,
+        write_policies=[] if device_only else write_policy,
+        prefetch_policies=[] if device_only else None,
+        profile=profile,
+        driver="random",
+        seconds=seconds,
+        jobs=jobs,
+        ray=ray,
+        corpus=corpus,
+    )
 
 
 @app.command("explain")
