@@ -26,3 +26,4 @@ for g in groups-10x50 groups-50x10; do
     "${K[@]}" --workload "$g" "${ALL[@]}" --no-breakdown --set device_tokens=262144 --set host_tokens=786432 --rate 8 \
         --json "$OUT/$g-small.json" > "$OUT/$g-small.txt"
 done
+"$ROOT/scripts/bench_policy_seed.sh" "$OUT"

@@ -14,7 +14,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from kvcert.sim import policy, report
-from kvcert.sim.costs import Costs, with_overrides
+from kvcert.sim.costs import engine, with_overrides
 from kvcert.sim.targets import CONTENDERS, DEFAULT
 from kvcert.sim.workload import GroupsSpec, StressSpec, TraceError, Workload, groups, read_trace, stress
 
@@ -103,6 +103,11 @@ def policy_cmd(
     rate: float = typer.Option(4.0, help="groups: prompts arriving per second (Poisson)"),
     workload_seed: int = typer.Option(42, help="the workload's seed (turn counts, think times; the fork's --seed)"),
     seed: int = typer.Option(0, help="the simulator's seed (token ids)"),
+    engine_: str = typer.Option(
+        "physical",
+        "--engine",
+        help="physical (costs derived from an 8B model on an H200-class GPU) or seed (prefill at the seed's measured rate)",
+    ),
     set_: list[str] = typer.Option([], "--set", help="override an engine cost or limit: NAME=VALUE (kvcert.sim.costs)"),
     json_out: Optional[Path] = typer.Option(None, "--json", help="write every run's figures as JSON"),
     plots: Optional[Path] = typer.Option(None, "--plots", help="write PNG plots into this directory"),
@@ -111,7 +116,7 @@ def policy_cmd(
     """Serve the seed's stress test (or another workload) from real caches on a simulated engine; print the seed's
     metric block per run and a comparison table. Exits 1 if any run fails its cache's end checks or the accounting."""
     try:
-        costs = with_overrides(Costs(), set_)
+        costs = with_overrides(engine(engine_), set_)
         spec = StressSpec(
             hp[0],
             min_turns,

@@ -15,7 +15,8 @@ from typer.testing import CliRunner
 
 from kvcert.conformance.cli import app
 from kvcert.sim import caches, engine, policy, workload
-from kvcert.sim.costs import Costs, with_overrides
+from kvcert.sim.costs import SEED_PREFILL_SLOWDOWN, Costs, with_overrides
+from kvcert.sim.costs import engine as named_engine
 from kvcert.sim.targets import build
 from kvcert.sim.workload import StressSpec, TraceError, read_trace, stress, write_trace
 
@@ -132,6 +133,19 @@ def test_a_bad_cost_override_is_named() -> None:
     for bad in (["nope=1"], ["host_tokens"], ["host_tokens=x"], ["host_tokens=100"], ["decode_block=0"]):
         with pytest.raises(ValueError):
             with_overrides(Costs(), bad)
+
+
+def test_the_seed_engine_only_slows_prefill() -> None:
+    physical, seed = named_engine("physical"), named_engine("seed")
+    assert physical == Costs()
+    assert math.isclose(seed.prefill_s(15360, 4096), SEED_PREFILL_SLOWDOWN * physical.prefill_s(15360, 4096))
+    assert (
+        replace(seed, prefill_token_s=physical.prefill_token_s, attention_pair_s=physical.attention_pair_s) == physical
+    )
+    with pytest.raises(ValueError, match="physical, seed"):
+        named_engine("fast")
+    res = CliRunner().invoke(app, ["bench", "policy", "--engine", "fast", "--cache", "infinite"])
+    assert res.exit_code == 2 and "--engine 'fast'" in res.output
 
 
 # --------------------------------------------------------------------------- the engine

@@ -1,0 +1,97 @@
+"""The simulator beside the seed's own measurements: each figure the seed's stress test printed, for its baseline
+and its proactive manager at 64/96/128 HP clients, next to the same figure of a `kvcert bench policy --table
+--json` run (baseline and proactive contenders).
+
+    python scripts/seed_compare.py docs/runs/2026-12-03-issue15/table.json [SEED_TEXT]
+
+SEED_TEXT defaults to ../shared/seeds/000_*.txt (the proactive manager's write-up). Its figures are read from its
+metric blocks ("High-priority TTFT mean/p90/p99: ..."), never typed here. Measured, never asserted
+(docs/bench_policy.md).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+SECTIONS = {"baseline": "baseline", "Proactive KVcache manager": "proactive"}
+# (label, the seed's line, which number on it, where the simulator's JSON keeps it)
+FIGURES: list[tuple[str, str, int, tuple[str, ...]]] = [
+    ("HP turn>=1 hit", "High-priority turn>=1 cache hit", 0, ("high", "turn1_cache_hit")),
+    ("HP TTFT p90 s", "High-priority TTFT mean/p90/p99", 1, ("high", "ttft", "p90")),
+    ("HP TTFT mean s", "High-priority TTFT mean/p90/p99", 0, ("high", "ttft", "mean")),
+    ("HP turn0 TTFT p90 s", "High-priority turn0 TTFT p90/p99", 0, ("high", "turn0_ttft", "p90")),
+    ("HP turn>=1 TTFT p90 s", "High-priority turn>=1 TTFT p90/p99", 0, ("high", "turn1_ttft", "p90")),
+    ("HP out tok/s (wall)", "High-priority out tok (wall)", 0, ("high", "out_tok_per_s")),
+    ("HP makespan s", "High-priority makespan", 0, ("high", "makespan_s")),
+]
+
+
+def seed_blocks(text: str) -> dict[tuple[str, int], dict[str, list[float]]]:
+    """(contender, HP clients) -> {line label: its numbers}, from the seed's stress-test metric blocks."""
+    out: dict[tuple[str, int], dict[str, list[float]]] = {}
+    section, clients = None, None
+    for raw in text.splitlines():
+        line = raw.strip()
+        if line in SECTIONS:
+            section, clients = SECTIONS[line], None
+        elif section and re.fullmatch(r"\d+", line):
+            clients = int(line)
+            out.setdefault((section, clients), {})
+        elif section and clients is not None and line.startswith("High-priority") and ":" in line:
+            label, _, rest = line.partition(":")
+            numbers = [float(x) for x in re.findall(r"\d+(?:\.\d+)?", rest.split("tok/s")[0])]
+            out[(section, clients)].setdefault(label.strip(), numbers)
+    return out
+
+
+def pick(run: dict[str, Any], path: tuple[str, ...]) -> float:
+    value: Any = run
+    for key in path:
+        value = value[key]
+    return float(value)
+
+
+def main() -> None:
+    table = json.loads(Path(sys.argv[1]).read_text())
+    seed_path = Path(sys.argv[2]) if len(sys.argv) > 2 else next((ROOT.parent / "shared" / "seeds").glob("000_*.txt"))
+    seed = seed_blocks(seed_path.read_text())
+    runs = {(r["contender"], r["hp_clients"]): r for r in table["runs"]}
+    slower: list[float] = []
+    print(f"seed: {seed_path.name}; simulator: {sys.argv[1]}")
+    print(
+        f"{'HP':>4} {'figure':<24} {'seed baseline':>14} {'sim baseline':>13} {'seed proactive':>15} {'sim proactive':>14}"
+    )
+    for clients in sorted({c for _, c in seed}):
+        for label, line, at, path in FIGURES:
+            cells = []
+            for contender in ("baseline", "proactive"):
+                numbers = seed.get((contender, clients), {}).get(line)
+                run = runs.get((contender, clients))
+                cells += [f"{numbers[at]:,.4g}" if numbers else "-", f"{pick(run, path):,.4g}" if run else "-"]
+            print(f"{clients:>4} {label:<24} {cells[0]:>14} {cells[1]:>13} {cells[2]:>15} {cells[3]:>14}")
+        ratio = []
+        for src in ("seed", "sim"):
+            if src == "seed":
+                b = seed.get(("baseline", clients), {}).get(FIGURES[1][1])
+                p = seed.get(("proactive", clients), {}).get(FIGURES[1][1])
+                ratio.append(f"{b[1] / p[1]:.1f}x" if b and p else "-")
+            else:
+                rb, rp = runs.get(("baseline", clients)), runs.get(("proactive", clients))
+                ratio.append(f"{pick(rb, FIGURES[1][3]) / pick(rp, FIGURES[1][3]):.1f}x" if rb and rp else "-")
+        print(f"{clients:>4} {'HP TTFT p90 ratio':<24} {'seed ' + ratio[0]:>29} {'sim ' + ratio[1]:>30}")
+        cold, run = seed.get(("proactive", clients), {}).get(FIGURES[3][1]), runs.get(("proactive", clients))
+        if cold and run:  # turn 0 is all misses: the engine's cold prefill rate, whatever the cache
+            slower.append(cold[0] / pick(run, FIGURES[3][3]))
+            what = f"{slower[-1]:.2f}x slower in the seed (HP turn0 TTFT p90, HP first)"
+            print(f"{clients:>4} {'cold prefill, seed/sim':<24} {what:>60}")
+    if slower:
+        print(f"cold prefill: the seed's engine is {sum(slower) / len(slower):.2f}x slower than this run's, on average")
+
+
+if __name__ == "__main__":
+    main()
