@@ -630,7 +630,7 @@ def certify(
         steps=steps,
         seed=seed,
         target=target,
-        out_dir=out_dir.resolve(),  # absolute: a worker's working directory is not the caller's
+        out_dir=out_dir.resolve() if elsewhere else out_dir,  # a worker's working directory is not the caller's
         bad_input=bad_input,
         driver=driver,
         seconds=per_cell,

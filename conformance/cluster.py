@@ -25,7 +25,7 @@ Call = tuple[tuple[Any, ...], dict[str, Any]]
 
 
 class RayUnavailable(RuntimeError):
-    """`--ray` was asked for and Ray cannot be imported."""
+    """`--ray` was asked for and Ray cannot be imported, or has no cluster at the address given."""
 
 
 def map_ordered(fn: Callable[..., T], calls: Sequence[Call], *, jobs: int = 1, ray: str | None = None) -> Iterator[T]:
@@ -53,7 +53,10 @@ def _on_ray(fn: Callable[..., T], calls: Sequence[Call], address: str) -> Iterat
         raise RayUnavailable("--ray needs Ray on this machine: pip install -r requirements/ray.txt") from e
     started = not ray_.is_initialized()
     if started:
-        ray_.init(address=address, include_dashboard=False, log_to_driver=False)
+        try:
+            ray_.init(address=address, include_dashboard=False, log_to_driver=False)
+        except (ConnectionError, ValueError) as e:  # no cluster at that address, or not an address
+            raise RayUnavailable(f"--ray {address}: {e}") from e
     refs: list[Any] = []
     try:
         task = ray_.remote(num_cpus=1, max_retries=0)(fn)  # a cell that dies is an error, not a rerun
