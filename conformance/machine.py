@@ -162,7 +162,7 @@ class CacheMachine(RunningRules, RaceRules):
             stats.ops[f"window:{window}"] += 1
         for event in self.h.events:
             stats.ops[f"event:{event}"] += 1
-        if isinstance(op, InjectFault):
+        if isinstance(op, (InjectFault, StorageFault)):
             stats.ops[f"{name}:{op.kind}"] += 1  # which faults fired: the certificate's scope says
         if isinstance(got, KVCertError):
             stats.ops[f"{name}:error"] += 1

@@ -24,7 +24,8 @@ from kvcert.conformance.windows import SHORT, WINDOWS
 
 OPS_LEGEND = (
     "`<Op>:error`: steps the backend answered with a typed error; `LoadBack>0` / `Prefetch>0`: calls that moved "
-    "something; `InjectFault:<kind>`: faults injected, by kind; `event:<name>`: §11 events that happened."
+    "something; `InjectFault:<kind>` / `StorageFault:<kind>`: faults injected, by kind; `event:<name>`: §11 events "
+    "that happened."
 )
 
 
@@ -242,9 +243,13 @@ def markdown(cert: Certificate, env: Optional[dict[str, str]] = None) -> str:
                 ", ".join(
                     f"{k} {v}"
                     for k, v in sorted(c.ops.items())
-                    if not k.startswith(("window:", "event:", "InjectFault:"))
+                    if not k.startswith(("window:", "event:", "InjectFault:", "StorageFault:"))
                 ),
-                ", ".join(f"{k.split(':', 1)[1]} {v}" for k, v in sorted(c.ops.items()) if k.startswith("InjectFault:"))
+                ", ".join(
+                    f"{'storage ' if k.startswith('Storage') else ''}{k.split(':', 1)[1]} {v}"
+                    for k, v in sorted(c.ops.items())
+                    if k.startswith(("InjectFault:", "StorageFault:"))
+                )
                 or "none",
                 ", ".join(f"{k.split(':', 1)[1]} {v}" for k, v in sorted(c.ops.items()) if k.startswith("event:"))
                 or "none",

@@ -190,7 +190,7 @@ def failing_certificate(trace: Path) -> Certificate:
         trace_len=5,
         reproduced=True,
         write_policy="write_back+timeout",
-        ops={"Evict": 4, "Insert": 8, "InjectFault:copy": 1, "window:split-under-write": 2},
+        ops={"Evict": 4, "Insert": 8, "InjectFault:copy": 1, "StorageFault:corrupt": 3, "window:split-under-write": 2},
     )
     good = CellResult(1, "lru", True, 3, 20, 0.5, ops={"Insert": 20})
     return Certificate(
@@ -235,7 +235,7 @@ def test_a_failing_certificate_in_markdown(tmp_path: Path) -> None:
     assert len(re.split(r"(?<!\\)\|", row)) == 8 + 2, "the message's pipe must not add a column"
     assert "## Failures" in md and "minimal trace: 5 ops, replay reproduces: True" in md
     assert "| cell | split/write |" in md and "| page_size=1 policy=lru | 0 |" in md
-    assert "copy 1" in md
+    assert "copy 1, storage corrupt 3" in md and "StorageFault:corrupt" not in md  # in the faults column, by kind
     assert "- retraction (SPEC.md §9.11, INV-RETRACT-1/2): not declared by the backend" in md
     assert "- policy=lfu: not declared" in md
 
