@@ -15,7 +15,7 @@ import json
 import re
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 ROOT = Path(__file__).resolve().parent.parent
 SECTIONS = {"baseline": "baseline", "Proactive KVcache manager": "proactive"}
@@ -29,6 +29,8 @@ FIGURES: list[tuple[str, str, int, tuple[str, ...]]] = [
     ("HP out tok/s (wall)", "High-priority out tok (wall)", 0, ("high", "out_tok_per_s")),
     ("HP makespan s", "High-priority makespan", 0, ("high", "makespan_s")),
 ]
+TTFT_P90, TURN0_P90 = 1, 3
+"""FIGURES' rows the ratio and the cold prefill rate are taken from."""
 
 
 def seed_blocks(text: str) -> dict[tuple[str, int], dict[str, list[float]]]:
@@ -61,32 +63,32 @@ def main() -> None:
     seed_path = Path(sys.argv[2]) if len(sys.argv) > 2 else next((ROOT.parent / "shared" / "seeds").glob("000_*.txt"))
     seed = seed_blocks(seed_path.read_text())
     runs = {(r["contender"], r["hp_clients"]): r for r in table["runs"]}
+
+    def values(contender: str, clients: int, figure: int) -> tuple[Optional[float], Optional[float]]:
+        """FIGURES[figure] for one contender at one load: the seed's, the simulator's (None where absent)."""
+        _, line, at, path = FIGURES[figure]
+        numbers = seed.get((contender, clients), {}).get(line)
+        run = runs.get((contender, clients))
+        return (numbers[at] if numbers else None), (pick(run, path) if run else None)
+
+    def shown(x: Optional[float]) -> str:
+        return "-" if x is None else f"{x:,.4g}"
+
     slower: list[float] = []
     print(f"seed: {seed_path.name}; simulator: {sys.argv[1]}")
     print(
         f"{'HP':>4} {'figure':<24} {'seed baseline':>14} {'sim baseline':>13} {'seed proactive':>15} {'sim proactive':>14}"
     )
     for clients in sorted({c for _, c in seed}):
-        for label, line, at, path in FIGURES:
-            cells = []
-            for contender in ("baseline", "proactive"):
-                numbers = seed.get((contender, clients), {}).get(line)
-                run = runs.get((contender, clients))
-                cells += [f"{numbers[at]:,.4g}" if numbers else "-", f"{pick(run, path):,.4g}" if run else "-"]
-            print(f"{clients:>4} {label:<24} {cells[0]:>14} {cells[1]:>13} {cells[2]:>15} {cells[3]:>14}")
-        ratio = []
-        for src in ("seed", "sim"):
-            if src == "seed":
-                b = seed.get(("baseline", clients), {}).get(FIGURES[1][1])
-                p = seed.get(("proactive", clients), {}).get(FIGURES[1][1])
-                ratio.append(f"{b[1] / p[1]:.1f}x" if b and p else "-")
-            else:
-                rb, rp = runs.get(("baseline", clients)), runs.get(("proactive", clients))
-                ratio.append(f"{pick(rb, FIGURES[1][3]) / pick(rp, FIGURES[1][3]):.1f}x" if rb and rp else "-")
+        for k, (label, *_) in enumerate(FIGURES):
+            (sb, mb), (sp, mp) = values("baseline", clients, k), values("proactive", clients, k)
+            print(f"{clients:>4} {label:<24} {shown(sb):>14} {shown(mb):>13} {shown(sp):>15} {shown(mp):>14}")
+        (sb, mb), (sp, mp) = values("baseline", clients, TTFT_P90), values("proactive", clients, TTFT_P90)
+        ratio = [f"{b / p:.1f}x" if b is not None and p is not None else "-" for b, p in ((sb, sp), (mb, mp))]
         print(f"{clients:>4} {'HP TTFT p90 ratio':<24} {'seed ' + ratio[0]:>29} {'sim ' + ratio[1]:>30}")
-        cold, run = seed.get(("proactive", clients), {}).get(FIGURES[3][1]), runs.get(("proactive", clients))
-        if cold and run:  # turn 0 is all misses: the engine's cold prefill rate, whatever the cache
-            slower.append(cold[0] / pick(run, FIGURES[3][3]))
+        cold, sim_cold = values("proactive", clients, TURN0_P90)
+        if cold is not None and sim_cold is not None:  # turn 0 is all misses: the engine's cold prefill rate
+            slower.append(cold / sim_cold)
             what = f"{slower[-1]:.2f}x slower in the seed (HP turn0 TTFT p90, HP first)"
             print(f"{clients:>4} {'cold prefill, seed/sim':<24} {what:>60}")
     if slower:
