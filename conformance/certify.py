@@ -641,7 +641,7 @@ def certify(
     else:
         cells = (run_cell(factory, caps, config, on_example=on_example, **run) for config in configs)  # type: ignore[arg-type,call-arg]
     with closing(cells):  # a fail-fast stop ends the workers still running
-        _collect(cert, cells, on_cell, on_progress, fail_fast, corpus)
+        _collect(cert, cells, on_cell, on_progress, fail_fast, corpus, remote=ray is not None)
     cert.not_checked = scope_gaps(caps, cert.cells, bad_input)
     return cert
 
@@ -675,16 +675,18 @@ def _collect(
     on_progress: Optional[Callable[[Certificate], None]],
     fail_fast: bool,
     corpus: Optional[Path] = None,
+    remote: bool = False,
 ) -> None:
     """Cells into the certificate in cell order, reporting each; stop at the first failure with `fail_fast`. A
-    failing cell's trace is written here too (its worker may have written it on another machine), and added to
-    the `corpus`."""
+    failing cell's trace is added to the `corpus`, and with `remote` (Ray: its worker may have saved it on
+    another machine) written here too."""
     for cell in cells:
         cert.cells.append(cell)
         if cell.trace_path and cell.trace_json is not None:
             path = Path(cell.trace_path)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(cell.trace_json)
+            if remote:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_text(cell.trace_json)
             if corpus is not None and not cell.from_corpus:
                 corpus.mkdir(parents=True, exist_ok=True)
                 (corpus / path.name).write_text(cell.trace_json)
