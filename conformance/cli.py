@@ -18,7 +18,15 @@ from rich.table import Table
 
 from kvcert.conformance import explain, reports
 from kvcert.conformance.backend import Factory
-from kvcert.conformance.certify import CellResult, Certificate, CorpusError, certify, judged_as, load_factory
+from kvcert.conformance.certify import (
+    CellResult,
+    Certificate,
+    CorpusError,
+    _tier,
+    certify,
+    judged_as,
+    load_factory,
+)
 from kvcert.conformance.cluster import RayUnavailable
 from kvcert.conformance.diff import NODE_FIELDS, snapshot_rows
 from kvcert.conformance.driver import ConformanceFailure, Harness, Outcome, run_trace
@@ -126,8 +134,8 @@ class _CellProgress:
     def example(self, config: CacheConfig, examples: int, steps: int) -> None:
         if self.bar is None:
             return
-        tier = f" {config.write_policy}" + (f"+{config.prefetch_policy}" if config.prefetch_policy else "")
-        what = f"  page_size={config.page_size} {config.policy}{tier if config.host_capacity else ''}: {steps:,} steps"
+        tier = f" {_tier(config)}" if config.host_capacity else ""
+        what = f"  page_size={config.page_size} {config.policy}{tier}: {steps:,} steps"
         if self.task is None:
             self.task = self.bar.add_task(what, total=self.examples)
         self.bar.update(self.task, completed=examples - 1, description=what)
