@@ -44,6 +44,10 @@ def run(target: str, examples: int, mode: int) -> Certificate:
         checks.Checks.state, checks.Checks.contract = state, contract  # type: ignore[method-assign]
 
 
+def rate(steps: int, seconds: float) -> str:
+    return f"{steps / seconds:>22,.0f} steps/s ({1e6 * seconds / steps:>3.0f} µs)"
+
+
 def main() -> None:
     target = sys.argv[1] if len(sys.argv) > 1 else "kvcert.gpu:factory"
     examples = int(sys.argv[2]) if len(sys.argv) > 2 else 60
@@ -54,17 +58,9 @@ def main() -> None:
         a = cells[0]
         name = f"ps{a.page_size} {a.policy} {a.write_policy or 'device'}"
         assert len({c.steps for c in cells}) == 1, "the same walk in every mode"
-        print(
-            f"{name:<40}"
-            + "".join(f"{c.steps / c.seconds:>22,.0f} steps/s ({1e6 * c.seconds / c.steps:>3.0f} µs)" for c in cells)
-        )
+        print(f"{name:<40}" + "".join(rate(c.steps, c.seconds) for c in cells))
     full, none = certs[0], certs[-1]
-    print(
-        f"{'all cells':<40}"
-        + "".join(
-            f"{c.total_steps / c.seconds:>22,.0f} steps/s ({1e6 * c.seconds / c.total_steps:>3.0f} µs)" for c in certs
-        )
-    )
+    print(f"{'all cells':<40}" + "".join(rate(c.total_steps, c.seconds) for c in certs))
     share = 1 - none.seconds / full.seconds
     print(
         f"steps per mode: {full.total_steps:,}; the checks take {share:.0%} of a checked step; verdicts {[c.passed for c in certs]}"
