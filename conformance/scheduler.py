@@ -70,17 +70,23 @@ class KVModel:
 
     def __init__(self, kv_layers: int) -> None:
         self.kv_layers = kv_layers
-        self._memo: dict[tuple[Any, tuple[Any, ...]], tuple[bytes, ...]] = {}
+        self._memo: dict[tuple[Any, tuple[Any, ...]], Optional[tuple[bytes, ...]]] = {}
 
     def entries(self, namespace: Any, tokens: tuple[Any, ...]) -> tuple[bytes, ...]:
         """`token_entries` of a path."""
+        got = self.content(namespace, tokens)
+        return got if got is not None else l3.token_entries(namespace, tokens, self.kv_layers)
+
+    def content(self, namespace: Any, tokens: tuple[Any, ...]) -> Optional[tuple[bytes, ...]]:
+        """`token_entries` of a path the content function is defined on (`has_content`), else None."""
         key = (namespace, tokens)
-        got = self._memo.get(key)
-        if got is None:
+        got = self._memo.get(key, self)
+        if got is self:
             if len(self._memo) > 4096:
                 self._memo.clear()
-            got = self._memo[key] = l3.token_entries(namespace, tokens, self.kv_layers)
-        return got
+            ok = has_content(namespace, tokens)
+            got = self._memo[key] = l3.token_entries(namespace, tokens, self.kv_layers) if ok else None
+        return got  # type: ignore[return-value]
 
 
 def has_content(namespace: Any, tokens: Any) -> bool:

@@ -61,6 +61,19 @@ def dropped_backups(before: Snapshot, after: Snapshot) -> set[contracts.Path]:
     return dropped
 
 
+def _lazy(build: Callable[[], Chooser]) -> Chooser:
+    """A chooser built on the oracle's first tie: what it needs (the step's victims, reports) is worked out then,
+    and most steps evict nothing."""
+    built: list[Chooser] = []
+
+    def choose(tied: list[int]) -> Optional[int]:
+        if not built:
+            built.append(build())
+        return built[0](tied)
+
+    return choose
+
+
 @dataclass
 class Steering:
     """The choosers for one step, from the backend's snapshots before and after it."""
@@ -196,11 +209,15 @@ class Steering:
     def follow(self, oracle: RefCache, first: Optional[list[int]] = None, tail: bool = False) -> Chooser:
         """A tie-break for the oracle's evictions: prefer what the backend evicted (None: the oracle's own pick).
         `tail`: the largest victim last (`_chooser`)."""
-        reports = self.reported()
-        if reports is not None:
-            return self._in_turn(oracle, reports[0])
-        gone = self.gone()
-        return self._chooser(oracle, gone, gone if tail else None, first)
+
+        def build() -> Chooser:
+            reports = self.reported()
+            if reports is not None:
+                return self._in_turn(oracle, reports[0])
+            gone = self.gone()
+            return self._chooser(oracle, gone, gone if tail else None, first)
+
+        return _lazy(build)
 
     def host_victims(self) -> set[contracts.Path]:
         """What the backend's host evictions took during the step: host-only nodes removed, backups dropped."""
@@ -284,18 +301,22 @@ class Steering:
     ) -> Chooser:
         """The core's host-eviction chooser: the backend's host victims first, its dropped backups and the
         host-only nodes it removed alike (SPEC.md §6, RECLAIM); in `order` when given."""
-        reports = self.reported()
-        if reports is not None:
-            return self._in_turn(oracle, reports[1])
-        if order is not None:
 
-            def in_order(tied: list[int]) -> Optional[int]:
-                by_path = {oracle_path(oracle, i): i for i in tied}
-                return next((by_path[p] for p in order if p in by_path), None)
+        def build() -> Chooser:
+            reports = self.reported()
+            if reports is not None:
+                return self._in_turn(oracle, reports[1])
+            if order is not None:
 
-            return in_order
-        left = self.left_tree()
-        return self._chooser(oracle, left | self.dropped(), left if tail else None)
+                def in_order(tied: list[int]) -> Optional[int]:
+                    by_path = {oracle_path(oracle, i): i for i in tied}
+                    return next((by_path[p] for p in order if p in by_path), None)
+
+                return in_order
+            left = self.left_tree()
+            return self._chooser(oracle, left | self.dropped(), left if tail else None)
+
+        return _lazy(build)
 
     def moved(self) -> bool:
         """Whether the backend evicted more than one node on either tier during the step and did not say in

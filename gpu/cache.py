@@ -448,6 +448,8 @@ class GpuCache(RadixTree):
     # ------------------------------------------------------------------ KV access (SPEC.md §9.12)
 
     def _check_slots(self, slots: Sequence[int], limit: int) -> None:
+        if not slots or (set(map(type, slots)) == {int} and min(slots) >= 0 and max(slots) < limit):
+            return  # the common case, in C; anything else gets the exact test
         if any(not is_id(s) or not 0 <= s < limit for s in slots):
             raise SlotNotOwned(f"slots {tuple(slots)[:8]} are not slot ids of this pool")
 

@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Optional
 
+import numpy as np
 import torch
 
 from kvcert.spec.storage import KV_WIDTH
@@ -88,6 +89,9 @@ class KVPool:
         self.u8 = self._bytes_view()
         self.cells = self.u8.view(-1, geometry.width)
         """uint8 [rows, width]: every (token, layer, K|V) cell of the pool, a row each (`cell_rows` maps slots)."""
+        self.host_view: Optional[np.ndarray] = self.u8.numpy() if self.u8.device.type == "cpu" else None
+        """The same memory as a numpy array, for a pool in CPU memory: a read indexes it for a fraction of a
+        torch call's fixed cost (what a conformance run, reading every slot every step, pays for)."""
 
     # -- layout-specific
     def _allocate(self, pin: bool) -> torch.Tensor:
@@ -98,6 +102,10 @@ class KVPool:
 
     def gather(self, idx: torch.Tensor) -> torch.Tensor:
         """uint8 [n, 2, layers, width] of the slots in `idx`."""
+        raise NotImplementedError
+
+    def gather_host(self, view: np.ndarray, idx: np.ndarray) -> np.ndarray:
+        """`gather` on `host_view`: uint8 [n, 2, layers, KV_WIDTH] of the slots in `idx`."""
         raise NotImplementedError
 
     def scatter(self, idx: torch.Tensor, data: torch.Tensor) -> None:
@@ -154,10 +162,13 @@ class KVPool:
         """The entry each slot holds (the first 8 bytes of each of its cells)."""
         if not slots:
             return []
-        data = self.gather(self.index(slots))[..., :KV_WIDTH].contiguous().cpu()
-        flat = data.numpy().tobytes()
-        size = 2 * self.geometry.layers * KV_WIDTH
-        return [flat[i * size : (i + 1) * size] for i in range(len(slots))]
+        if self.host_view is not None:
+            data = np.ascontiguousarray(self.gather_host(self.host_view, np.asarray(slots, dtype=np.int64)))
+        else:
+            data = self.gather(self.index(slots))[..., :KV_WIDTH].contiguous().cpu().numpy()
+        entry = np.dtype((np.void, 2 * self.geometry.layers * KV_WIDTH))
+        got: list[bytes] = data.reshape(len(slots), -1).view(entry).reshape(len(slots)).tolist()  # a bytes per slot
+        return got
 
     def read_page_payload(self, slots: Sequence[int]) -> bytes:
         """A page's canonical storage payload: K then V, then layer, then token (`page_payload`'s order)."""
@@ -196,6 +207,9 @@ class LayerFirstPool(KVPool):
     def gather(self, idx: torch.Tensor) -> torch.Tensor:
         return self.u8.index_select(2, idx).permute(2, 0, 1, 3)
 
+    def gather_host(self, view: np.ndarray, idx: np.ndarray) -> np.ndarray:
+        return view[:, :, idx, :KV_WIDTH].transpose(2, 0, 1, 3)
+
     def scatter(self, idx: torch.Tensor, data: torch.Tensor) -> None:
         self.u8.index_copy_(2, idx, data.permute(1, 2, 0, 3).contiguous())
 
@@ -226,6 +240,9 @@ class PageFirstPool(KVPool):
     def gather(self, idx: torch.Tensor) -> torch.Tensor:
         # Advanced indices on dims 0 and 3 (separated by slices) put the index dim first: [n, L, 2, width].
         return self.u8[idx // self.page_size, :, :, idx % self.page_size].permute(0, 2, 1, 3)
+
+    def gather_host(self, view: np.ndarray, idx: np.ndarray) -> np.ndarray:
+        return view[idx // self.page_size, :, :, idx % self.page_size, :KV_WIDTH].transpose(0, 2, 1, 3)
 
     def scatter(self, idx: torch.Tensor, data: torch.Tensor) -> None:
         self.u8[idx // self.page_size, :, :, idx % self.page_size] = data.permute(0, 2, 1, 3)

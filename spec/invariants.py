@@ -167,16 +167,13 @@ def _build_device_held(s: Snapshot) -> list[int]:
 
 def _all_distinct(*groups: Sequence[int]) -> bool:
     seen: set[int] = set()
-    total = 0
-    for g in groups:
-        seen.update(g)
-        total += len(g)
-    return len(seen) == total
+    seen.update(*groups)
+    return len(seen) == sum(map(len, groups))
 
 
 def _all_within(limit: int, *groups: Sequence[int]) -> bool:
     present = [g for g in groups if g]
-    return not present or (min(min(g) for g in present) >= 0 and max(max(g) for g in present) < limit)
+    return not present or (min(map(min, present)) >= 0 and max(map(max, present)) < limit)
 
 
 def pool_closes(s: Snapshot) -> list[str]:
@@ -475,7 +472,8 @@ def check_snapshot(s: Snapshot, load_host_lock: bool = True) -> list[Violation]:
     out: list[Violation] = []
     for inv, check in SNAPSHOT_INVARIANTS.items():
         found = copies_pinned(s, load_host_lock) if inv == "INV-HOST-6" else check(s)
-        out += [Violation(inv, m) for m in found]
+        if found:
+            out += [Violation(inv, m) for m in found]
         if inv == "INV-TREE-1" and out:
             return out
     return out

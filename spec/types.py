@@ -251,11 +251,15 @@ class Snapshot:
         paths, shapes, page slots) many times; each is built on first use. What it returns is shared:
         callers must not mutate it.
         """
-        memo: dict[str, Any] = self.__dict__.setdefault("_derived", {})
-        if name not in memo:
-            memo[name] = build(self)
-        got: _T = memo[name]
-        return got
+        memo: Optional[dict[str, Any]] = self.__dict__.get("_derived")
+        if memo is None:
+            memo = self.__dict__["_derived"] = {}
+        got: Any = memo.get(name, memo)  # the memo itself: not built yet (no derived structure is the memo)
+        if got is memo:
+            got = build(self)
+            memo[name] = got
+        built: _T = got
+        return built
 
     def by_id(self) -> dict[int, NodeView]:
         """Node id -> node (shared: do not mutate). Asked for most of all, so kept in its own slot."""
