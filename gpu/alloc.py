@@ -276,17 +276,18 @@ class PageAllocator:
         return self._state(slot) == FREE
 
     def free_slots(self) -> tuple[int, ...]:
-        """Observation only: O(capacity)."""
-        out: list[int] = []
+        """Observation only: O(capacity), from ownership (a page nobody owns is free), not from the free stack."""
         ps = self.page_size
-        taken = self.lent | self.held | set(self._memo_pages[self._lo : self._hi])
-        for first in range(0, self.capacity, ps):
-            states = self.mixed.get(first)
-            if states is not None:
-                out.extend(first + i for i, st in enumerate(states) if st == FREE)
-            elif first not in taken:
-                out.extend(range(first, first + ps))
-        return tuple(out)
+        whole = set(range(0, self.capacity, ps))
+        whole -= self.lent
+        whole -= self.held
+        whole.difference_update(self._memo_pages[self._lo : self._hi], self.mixed)
+        firsts = sorted(whole)
+        out = array("q", b"".join(map(self._run.__getitem__, firsts))) if ps > 1 else firsts
+        if not self.mixed:
+            return tuple(out)
+        part = [first + i for first, states in self.mixed.items() for i, st in enumerate(states) if st == FREE]
+        return tuple(sorted([*out, *part]))
 
     # ------------------------------------------------------------------ tuple API
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Optional
 
 import numpy as np
@@ -43,9 +44,9 @@ class KVGeometry:
     head_dim: int = 2
     dtype: torch.dtype = torch.float32
 
-    @property
+    @cached_property
     def width(self) -> int:
-        """Bytes of one (token, layer, K|V) cell."""
+        """Bytes of one (token, layer, K|V) cell (asked on every read and write: worked out once)."""
         return self.heads * self.head_dim * torch.empty((), dtype=self.dtype).element_size()
 
     def check(self) -> None:
