@@ -80,7 +80,10 @@ class KVModel:
     def content(self, namespace: Any, tokens: tuple[Any, ...]) -> Optional[tuple[bytes, ...]]:
         """`token_entries` of a path the content function is defined on (`has_content`), else None."""
         key = (namespace, tokens)
-        got = self._memo.get(key, self)
+        try:
+            got = self._memo.get(key, self)
+        except TypeError:  # unhashable: a namespace or token the content function is not defined on
+            return None
         if got is self:
             if len(self._memo) > 4096:
                 self._memo.clear()

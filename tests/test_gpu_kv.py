@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import random
 from pathlib import Path
 
 import pytest
@@ -43,6 +44,21 @@ def test_entries_round_trip_and_copy_between_layouts(layout: str, geometry: KVGe
     assert int(dev.u8[..., l3.KV_WIDTH :].abs().sum()) == 0
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("geometry", GEOMETRIES, ids=lambda g: f"L{g.layers}h{g.heads}d{g.head_dim}{g.dtype}")
+def test_a_cpu_pool_reads_through_numpy_what_the_torch_path_reads(layout: str, geometry: KVGeometry) -> None:
+    """A CPU pool reads through `host_view`; a CUDA pool cannot and takes the torch gather. Both, on the same
+    memory, in any slot order, with repeats and one slot alone."""
+    pool = make_pool(layout, 16, 4, geometry, CPU)
+    entries = l3.token_entries("ns", TOKENS + TOKENS, geometry.layers)
+    pool.write_entries(list(range(16)), entries)
+    assert pool.host_view is not None
+    reads = [[13, 2, 2, 7, 0, 15], [5], list(range(16))[::-1]]
+    through_numpy = [pool.read_entries(r) for r in reads]
+    pool.host_view = None  # the CUDA path
+    assert [pool.read_entries(r) for r in reads] == through_numpy == [[entries[i] for i in r] for r in reads]
+
+
 def test_layer_first_exposes_per_layer_kernel_buffers() -> None:
     pool = make_pool("layer_first", 8, 1, KVGeometry(layers=2, heads=2, head_dim=4), CPU)
     assert pool.k_buffer(1).shape == (8, 2, 4) and pool.v_buffer(0).dtype == torch.float32  # type: ignore[attr-defined]
@@ -51,6 +67,37 @@ def test_layer_first_exposes_per_layer_kernel_buffers() -> None:
 def test_runs_merge_when_both_sides_are_contiguous() -> None:
     assert contiguous_runs([0, 1, 2, 8, 9], [4, 5, 6, 7, 8]) == [(0, 4, 3), (8, 7, 2)]
     assert contiguous_runs([], []) == []
+
+
+@pytest.mark.parametrize("page_size", [1, 2, 4])
+@pytest.mark.parametrize("seed", range(20))
+def test_free_slots_are_the_slots_in_state_free(page_size: int, seed: int) -> None:
+    """`free_slots` (set operations over pages) against each slot's own state, through lends, takes, and partial
+    give-backs, adoptions and releases that leave pages mixed."""
+    rng = random.Random(seed)
+    a = PageAllocator(8 * page_size, page_size)
+    lent: list[int] = []
+    held: list[int] = []
+    for _ in range(40):
+        move = rng.randrange(5)
+        if move == 0 and a.available:
+            lent += a.lend(page_size * rng.randint(1, a.available // page_size))
+        elif move == 1 and a.available:
+            held += a.take(page_size * rng.randint(1, a.available // page_size))
+        elif move in (2, 3) and lent:
+            part = rng.sample(lent, rng.randint(1, len(lent)))
+            lent = [x for x in lent if x not in part]
+            if move == 2:
+                a.give_back(part)
+            else:
+                a.adopt(part)
+                held += part
+        elif move == 4 and held:
+            part = rng.sample(held, rng.randint(1, len(held)))
+            held = [x for x in held if x not in part]
+            a.release(part)
+        assert a.free_slots() == tuple(x for x in range(a.capacity) if a.is_free(x))
+        assert set(a.free_slots()).isdisjoint(lent + held) and len(a.free_slots()) + len(lent) + len(held) == a.capacity
 
 
 def test_allocator_hands_out_aligned_pages_and_tracks_owners() -> None:
