@@ -2,10 +2,10 @@
 
     python scripts/step_profile.py [TARGET] [EXAMPLES] [ROWS]   # default kvcert.gpu:factory, 60 examples, 30 rows
 
-Prints the size of the states the walk checks (nodes and device slots per backend snapshot, on average), then
-the functions that take the most time of their own, each with its share of the walk and its calls per checked
-step. cProfile slows every call alike, so the shares, not the times, are what to read. Measured, never asserted
-(docs/ci.md).
+The walk is `harness_breakdown`'s with every check on. Prints the size of the states the walk checks
+(nodes and device slots per backend snapshot, on average), then the functions that take the most time of
+their own, each with its share of the walk and its calls per checked step. cProfile slows every call alike,
+so the shares, not the times, are what to read. Measured, never asserted (docs/ci.md).
 """
 
 from __future__ import annotations
@@ -14,24 +14,11 @@ import cProfile
 import pstats
 import sys
 from pathlib import Path
-from tempfile import mkdtemp
+
+from harness_breakdown import run  # this folder is first on sys.path: the same nine cells, every check on
 
 from kvcert.conformance import driver
-from kvcert.conformance.certify import Certificate, certify, load_factory
-
-
-def walk(target: str, examples: int) -> Certificate:
-    return certify(
-        target,
-        examples=examples,
-        seed=0,
-        out_dir=Path(mkdtemp()),
-        driver="random",
-        page_sizes=[1, 4, 16],
-        policies=["lru"],
-        write_policies=["write_through"],
-        prefetch_policies=["best_effort"],
-    )
+from kvcert.conformance.certify import load_factory
 
 
 def main() -> None:
@@ -50,7 +37,7 @@ def main() -> None:
     profile = cProfile.Profile()
     try:
         profile.enable()
-        cert = walk(target, examples)
+        cert = run(target, examples, 0)
         profile.disable()
     finally:
         driver.Harness.check = check  # type: ignore[method-assign]
