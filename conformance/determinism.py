@@ -83,6 +83,9 @@ class StepDigest:
 
 
 _FIELDS: dict[type, tuple[str, ...]] = {}
+_ENCODE = json.JSONEncoder(sort_keys=True, default=repr).encode
+"""`json.dumps(x, sort_keys=True, default=repr)` without building an encoder per call (what `dumps` does whenever
+an argument is not its default)."""
 
 
 def step_bytes(op: Op) -> bytes:
@@ -96,6 +99,6 @@ def step_bytes(op: Op) -> bytes:
     for name in names:
         value = getattr(op, name)
         if is_dataclass(value):
-            return json.dumps(op_to_json(op), sort_keys=True, default=repr).encode()
+            return _ENCODE(op_to_json(op)).encode()
         body[name] = value
-    return json.dumps(body, sort_keys=True, default=repr).encode()
+    return _ENCODE(body).encode()
