@@ -164,8 +164,11 @@ def token_entries(namespace: Optional[str], tokens: Sequence[int], layers: int) 
     post: len(__return__) == len(tokens)
     post: all(len(e) == 2 * layers * KV_WIDTH for e in __return__)
     """
+    # `token_kv(d, layer, w)` for each part, its per-part suffix packed once per call (every insert pays this)
+    parts = [struct.pack("<I", layer) + w.encode() for w in KV_PARTS for layer in range(layers)]
+    blake = hashlib.blake2b
     return tuple(
-        b"".join(token_kv(d, layer, w) for w in KV_PARTS for layer in range(layers))
+        b"".join([blake(d + part, digest_size=KV_WIDTH).digest() for part in parts])
         for d in prefix_digests(namespace, tokens)
     )
 

@@ -35,6 +35,7 @@ from kvcert.spec.storage import (
     page_keys,
     page_payload,
     prefix_digests,
+    token_entries,
     token_kv,
 )
 from kvcert.spec.types import BadInput
@@ -147,6 +148,9 @@ def test_content_and_record_are_the_documented_bytes() -> None:
 
     order = [(w, layer, d) for w in (b"k", b"v") for layer in range(3) for d in digests]
     assert page_payload("ns", [5, 6, 1], 0, 2, 3) == b"".join(kv(d, layer, w) for w, layer, d in order)
+    entry = [(w, layer) for w in (b"k", b"v") for layer in range(3)]  # a slot's entry: the same cells, token outermost
+    assert token_entries("ns", [5, 6], 3) == tuple(b"".join(kv(d, layer, w) for w, layer in entry) for d in digests)
+    assert token_entries("ns", [5, 6], 3)[1] == b"".join(token_kv(digests[1], layer, w.decode()) for w, layer in entry)
 
     body = b"KVCP" + b"\x01" + (3).to_bytes(4, "little") + b"abc" + (2).to_bytes(8, "little") + b"xy"
     assert encode_page("abc", b"xy") == body + hashlib.blake2b(body, digest_size=16).digest()
