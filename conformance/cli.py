@@ -149,6 +149,31 @@ class _CellProgress:
 
 RAY_HELP = "run cells as tasks on this Ray cluster ('local' starts one here for the run)"
 CORPUS_HELP = "shared failure corpus: every cell replays its traces first; new failures are added"
+# The cell selection certify and fuzz share (one declaration each, so the two commands pick the same cells).
+PREFETCH_POLICY = typer.Option(None, "--prefetch-policy", help="storage cells: these prefetch stop policies")
+NO_STORAGE = typer.Option(False, "--no-storage", help="skip the storage cells")
+STORAGE_ONLY = typer.Option(False, "--storage-only", help="run only the storage cells")
+BAD_INPUT = typer.Option(
+    None,
+    "--bad-input/--no-bad-input",
+    help="force the bad-input rules on or off (default: as the backend declares strict_input)",
+)
+
+
+def _cells(
+    device_only: bool,
+    no_storage: bool,
+    storage_only: bool,
+    write_policy: Optional[list[str]],
+    prefetch_policy: Optional[list[str]],
+) -> dict[str, Any]:
+    """`certify`'s cell selection from the shared options: an empty list drops a kind of cell, None keeps all."""
+    return dict(
+        write_policies=[] if device_only else write_policy,
+        prefetch_policies=[] if device_only or no_storage else prefetch_policy,
+        device_cells=not storage_only,
+        host_cells=not storage_only,
+    )
 
 
 @app.command("certify")
@@ -167,16 +192,10 @@ def certify_cmd(
         None, "--write-policy", help="host-tier cells: these write policies"
     ),
     device_only: bool = typer.Option(False, "--device-only", help="skip the host-tier and storage cells"),
-    prefetch_policy: Optional[list[str]] = typer.Option(
-        None, "--prefetch-policy", help="storage cells: these prefetch stop policies"
-    ),
-    no_storage: bool = typer.Option(False, "--no-storage", help="skip the storage cells"),
-    storage_only: bool = typer.Option(False, "--storage-only", help="run only the storage cells"),
-    bad_input: Optional[bool] = typer.Option(
-        None,
-        "--bad-input/--no-bad-input",
-        help="force the bad-input rules on or off (default: as the backend declares strict_input)",
-    ),
+    prefetch_policy: Optional[list[str]] = PREFETCH_POLICY,
+    no_storage: bool = NO_STORAGE,
+    storage_only: bool = STORAGE_ONLY,
+    bad_input: Optional[bool] = BAD_INPUT,
     profile: Optional[str] = typer.Option(
         None, "--profile", help="hold the backend to this profile (core, sglang-0.5.23) instead of the one it declares"
     ),
@@ -195,10 +214,7 @@ def certify_cmd(
         policies=policy,
         out_dir=out,
         bad_input=bad_input,
-        write_policies=[] if device_only else write_policy,
-        prefetch_policies=[] if device_only or no_storage else prefetch_policy,
-        device_cells=not storage_only,
-        host_cells=not storage_only,
+        **_cells(device_only, no_storage, storage_only, write_policy, prefetch_policy),
         profile=profile,
         jobs=jobs,
         ray=ray,
@@ -270,6 +286,10 @@ def fuzz_cmd(
     policy: Optional[list[str]] = typer.Option(None, "--policy", help="restrict to these policies"),
     write_policy: Optional[list[str]] = typer.Option(None, "--write-policy", help="host cells: these write policies"),
     device_only: bool = typer.Option(False, "--device-only", help="skip the host-tier and storage cells"),
+    prefetch_policy: Optional[list[str]] = PREFETCH_POLICY,
+    no_storage: bool = NO_STORAGE,
+    storage_only: bool = STORAGE_ONLY,
+    bad_input: Optional[bool] = BAD_INPUT,
     json_path: Optional[Path] = typer.Option(None, "--json", help="write the certificate as JSON"),
     junit_path: Optional[Path] = typer.Option(None, "--junit", help="write the certificate as JUnit XML"),
     markdown_path: Optional[Path] = typer.Option(None, "--markdown", help="write the certificate as Markdown"),
@@ -295,8 +315,8 @@ def fuzz_cmd(
         page_sizes=page_size,
         policies=policy,
         out_dir=out,
-        write_policies=[] if device_only else write_policy,
-        prefetch_policies=[] if device_only else None,
+        bad_input=bad_input,
+        **_cells(device_only, no_storage, storage_only, write_policy, prefetch_policy),
         profile=profile,
         driver="random",
         seconds=seconds,

@@ -81,6 +81,27 @@ def test_the_fuzz_command_runs_and_wants_one_budget(tmp_path: Path) -> None:
     res = CliRunner().invoke(app, [*args, "--out", str(tmp_path), "--junit", str(junit)])
     assert res.exit_code == 0, res.output
     assert "CERTIFIED" in res.output and "<testcase" in junit.read_text()
+    # certify's cell selection: only the storage cell asked for, and the bad-input rules off (and said so)
+    only = tmp_path / "storage.json"
+    picks = ["--page-size", "1", "--write-policy", "write_through", "--prefetch-policy", "best_effort"]
+    res = CliRunner().invoke(
+        app,
+        [
+            "fuzz",
+            "kvcert.gpu:factory",
+            "--examples",
+            "2",
+            "--storage-only",
+            "--no-bad-input",
+            *picks,
+            "--json",
+            str(only),
+        ],
+    )
+    assert res.exit_code == 0, res.output
+    got = json.loads(only.read_text())
+    assert [(c["page_size"], c["write_policy"]) for c in got["cells"]] == [(1, "write_through+best_effort")]
+    assert got["skipped"] == ["bad-input rules: switched off (--no-bad-input)"]
     both = CliRunner().invoke(app, ["fuzz", "kvcert.gpu:factory", "--examples", "5", "--seconds", "1"])
     neither = CliRunner().invoke(app, ["fuzz", "kvcert.gpu:factory"])
     assert both.exit_code == neither.exit_code == 2
