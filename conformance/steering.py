@@ -61,6 +61,16 @@ def dropped_backups(before: Snapshot, after: Snapshot) -> set[contracts.Path]:
     return dropped
 
 
+def _in_order(oracle: RefCache, order: tuple[contracts.Path, ...]) -> Chooser:
+    """Pick the first of `order` among the tied candidates (None: none of them is a candidate)."""
+
+    def choose(tied: list[int]) -> Optional[int]:
+        by_path = {oracle_path(oracle, i): i for i in tied}
+        return next((by_path[p] for p in order if p in by_path), None)
+
+    return choose
+
+
 def _lazy(build: Callable[[], Chooser]) -> Chooser:
     """A chooser built on the oracle's first tie: what it needs (the step's victims, reports) is worked out then,
     and most steps evict nothing."""
@@ -307,12 +317,7 @@ class Steering:
             if reports is not None:
                 return self._in_turn(oracle, reports[1])
             if order is not None:
-
-                def in_order(tied: list[int]) -> Optional[int]:
-                    by_path = {oracle_path(oracle, i): i for i in tied}
-                    return next((by_path[p] for p in order if p in by_path), None)
-
-                return in_order
+                return _in_order(oracle, order)
             left = self.left_tree()
             return self._chooser(oracle, left | self.dropped(), left if tail else None)
 
@@ -326,15 +331,11 @@ class Steering:
     def reclaimed(self, oracle: RefCache, order: Optional[tuple[contracts.Path, ...]] = None) -> Chooser:
         """Write-back host eviction drops duplicate backups in any order: prefer those the backend dropped
         (in `order` when given)."""
-        paths: list[tuple[contracts.Path, ...]] = []
 
-        def choose(tied: list[int]) -> Optional[int]:
-            if not paths:
-                paths.append(order if order is not None else tuple(sorted(self.dropped(), key=path_order)))
-            by_path = {oracle_path(oracle, i): i for i in tied}
-            return next((by_path[p] for p in paths[0] if p in by_path), None)
+        def build() -> Chooser:
+            return _in_order(oracle, order if order is not None else tuple(sorted(self.dropped(), key=path_order)))
 
-        return choose
+        return _lazy(build)
 
     def _bounds(self, op: Evict | EvictHost, got: int, out: list[Violation], reclaim_first: bool) -> int:
         """The bounds every eviction keeps, whatever its order (INV-EVICT-1/2/5 and the scope's tiers; INV-HOST-8

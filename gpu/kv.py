@@ -90,6 +90,8 @@ class KVPool:
         self.u8 = self._bytes_view()
         self.cells = self.u8.view(-1, geometry.width)
         """uint8 [rows, width]: every (token, layer, K|V) cell of the pool, a row each (`cell_rows` maps slots)."""
+        self.entry = np.dtype((np.void, 2 * geometry.layers * KV_WIDTH))
+        """One slot's entry as one numpy item: a read's result becomes a bytes object per slot in one `tolist`."""
         self.host_view: Optional[np.ndarray] = self.u8.numpy() if self.u8.device.type == "cpu" else None
         """The same memory as a numpy array, for a pool in CPU memory: a read indexes it for a fraction of a
         torch call's fixed cost (what a conformance run, reading every slot every step, pays for)."""
@@ -167,8 +169,7 @@ class KVPool:
             data = np.ascontiguousarray(self.gather_host(self.host_view, np.asarray(slots, dtype=np.int64)))
         else:
             data = self.gather(self.index(slots))[..., :KV_WIDTH].contiguous().cpu().numpy()
-        entry = np.dtype((np.void, 2 * self.geometry.layers * KV_WIDTH))
-        got: list[bytes] = data.reshape(len(slots), -1).view(entry).reshape(len(slots)).tolist()  # a bytes per slot
+        got: list[bytes] = data.reshape(len(slots), -1).view(self.entry).reshape(len(slots)).tolist()
         return got
 
     def read_page_payload(self, slots: Sequence[int]) -> bytes:

@@ -150,7 +150,12 @@ def token_kv(prefix_digest: bytes, layer: int, which: str) -> bytes:
     """
     if which not in KV_PARTS:
         raise ValueError(f"which must be 'k' or 'v', got {which!r}")
-    return hashlib.blake2b(prefix_digest + struct.pack("<I", layer) + which.encode(), digest_size=KV_WIDTH).digest()
+    return hashlib.blake2b(prefix_digest + _kv_part(layer, which), digest_size=KV_WIDTH).digest()
+
+
+def _kv_part(layer: int, which: str) -> bytes:
+    """What `token_kv` hashes after the prefix digest to name one (layer, K|V) cell."""
+    return struct.pack("<I", layer) + which.encode()
 
 
 def token_entries(namespace: Optional[str], tokens: Sequence[int], layers: int) -> tuple[bytes, ...]:
@@ -164,8 +169,8 @@ def token_entries(namespace: Optional[str], tokens: Sequence[int], layers: int) 
     post: len(__return__) == len(tokens)
     post: all(len(e) == 2 * layers * KV_WIDTH for e in __return__)
     """
-    # `token_kv(d, layer, w)` for each part, its per-part suffix packed once per call (every insert pays this)
-    parts = [struct.pack("<I", layer) + w.encode() for w in KV_PARTS for layer in range(layers)]
+    # `token_kv(d, layer, w)` for each part, its `_kv_part` packed once per call, not once per token
+    parts = [_kv_part(layer, w) for w in KV_PARTS for layer in range(layers)]
     blake = hashlib.blake2b
     return tuple(
         b"".join([blake(d + part, digest_size=KV_WIDTH).digest() for part in parts])
