@@ -674,6 +674,26 @@ def _problems(report: dict[str, Any]) -> list[str]:
     return out
 
 
+def _make_kvcert_importable() -> None:
+    """On a bare GPU machine (its own python, kvcert not installed), import kvcert from this checkout.
+
+    The package maps top-level folders onto `kvcert.*` (pyproject's package-dir), so the checkout itself
+    is not importable as `kvcert`; a temporary folder of links gives the same namespace, and PYTHONPATH
+    carries it into the parts' subprocesses.
+    """
+    import importlib.util
+
+    if importlib.util.find_spec("kvcert") is not None:
+        return
+    root = Path(__file__).resolve().parent.parent
+    shim = Path(tempfile.mkdtemp(prefix="kvcert-path-"))
+    (shim / "kvcert").mkdir()
+    for sub in ("spec", "refimpl", "gpu", "conformance", "sim"):
+        (shim / "kvcert" / sub).symlink_to(root / sub, target_is_directory=True)
+    sys.path.insert(0, str(shim))
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(shim), os.environ.get("PYTHONPATH", "")]))
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
@@ -694,6 +714,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     args.pages = [int(x) for x in str(args.pages).split(",") if x]
     args.examples = args.examples if args.examples is not None else (4 if args.cpu else 10)
     args.steps = args.steps if args.steps is not None else (12 if args.cpu else 20)
+    _make_kvcert_importable()
     if args.part:
         _run_part(args.part, args)
         return 0
