@@ -24,14 +24,14 @@ from hypothesis.errors import Flaky
 from kvcert.conformance.backend import Factory, capabilities_of
 from kvcert.conformance.cluster import map_ordered
 from kvcert.conformance.determinism import fixed_generation
-from kvcert.conformance.driver import ConformanceFailure, Harness, run_trace
+from kvcert.conformance.driver import ConformanceFailure, Harness
 from kvcert.conformance.fuzz import run_random
+from kvcert.conformance.known import replay_findings
 from kvcert.conformance.machine import CacheMachine
 from kvcert.conformance.runner import run_machine
 from kvcert.conformance.running import TraceInvalid
 from kvcert.conformance.shrink import shrink
 from kvcert.conformance.windows import WINDOWS
-from kvcert.refimpl import RefCache
 from kvcert.spec import profiles
 from kvcert.spec.ops import Op, Trace, op_to_json
 from kvcert.spec.types import (
@@ -41,7 +41,6 @@ from kvcert.spec.types import (
     PREFETCH_POLICIES,
     PRIORITY_PARTS,
     WRITE_POLICIES,
-    BadInput,
     CacheConfig,
     Capabilities,
 )
@@ -100,8 +99,23 @@ class CellResult:
     """Traces of the shared failure corpus replayed before the walk: those recorded on this cell's config."""
     from_corpus: bool = False
     """The failure is a corpus trace's, failing again (the walk did not run)."""
+    shrink_note: str = ""
+    """Why the saved trace is not smaller, where shrinking did not reach a fixpoint (`Shrunk.note`)."""
     trace_json: Optional[str] = field(default=None, repr=False)
     """The saved trace's text, carried back from a worker that may run on another machine (not in the JSON)."""
+
+
+@dataclass
+class FindingReplay:
+    """A logged finding's trace, replayed on the target before any cell walks (`conformance.findings`)."""
+
+    id: str
+    trace: str
+    """The trace's path inside the package's findings folder."""
+    reproduced: bool
+    rules: list[str] = field(default_factory=list)
+    """The rules it still breaks (empty when it no longer reproduces)."""
+    summary: str = ""
 
 
 @dataclass
@@ -119,11 +133,32 @@ class Certificate:
     """Cells or rules asked for but not run."""
     not_checked: list[str] = field(default_factory=list)
     """What this certificate does not cover: capabilities the backend does not declare, or declares but
-    no cell of this run exercised (`scope_gaps`). Printed next to the verdict."""
+    no cell of this run exercised, and every deviation its adapter declares (`scope_gaps`). Printed next
+    to the verdict."""
+    planned: list[str] = field(default_factory=list)
+    """Every cell the run set out to walk (`config_name`), in order: fewer finished means it was cut short."""
+    findings: list[FindingReplay] = field(default_factory=list)
+    """The target's logged findings, replayed before the walk: one that still reproduces means NOT CERTIFIED."""
+    adapter_notes: list[str] = field(default_factory=list)
+    """What the adapter says about how it drives the engine (`Capabilities.notes`), printed in every report."""
+    kind: str = "api"
+    """How the engine is driven (`Capabilities.kind`): "request-path" through its own scheduler code, "api" by
+    the protocol's calls composed by the suite, "native" a cache written to the protocol."""
+
+    @property
+    def complete(self) -> bool:
+        """Every planned cell ran (a run stopped early, by fail-fast or an interrupt, is not)."""
+        return len(self.cells) == len(self.planned)
 
     @property
     def passed(self) -> bool:
-        return bool(self.cells) and all(c.passed for c in self.cells)
+        """CERTIFIED: every planned cell ran and passed, and no logged finding reproduced."""
+        return (
+            bool(self.cells)
+            and self.complete
+            and all(c.passed for c in self.cells)
+            and not any(f.reproduced for f in self.findings)
+        )
 
     @property
     def total_steps(self) -> int:
@@ -139,10 +174,23 @@ class Certificate:
             del cell["trace_json"]
         body.update(
             passed=self.passed,
+            complete=self.complete,
+            planned_cells=len(self.planned),
+            finished_cells=len(self.cells),
             total_steps=self.total_steps,
             steps_per_second=round(self.total_steps / max(self.seconds, 1e-9), 1),
         )
         return json.dumps(body, indent=1)
+
+
+def config_name(config: CacheConfig) -> str:
+    """A cell's coordinates as reports name it: page size, policy, and its tiers' policies."""
+    parts = [f"page_size={config.page_size}", f"policy={config.policy}"]
+    if config.host_capacity:
+        parts.append(f"write_policy={config.write_policy}")
+    if config.prefetch_policy:
+        parts.append(f"prefetch_policy={config.prefetch_policy}")
+    return " ".join(parts)
 
 
 def _slug(text: str) -> str:
@@ -212,16 +260,18 @@ def run_cell(
     try:
         if driver == "random":
             run_random(machine, steps, seed, examples=None if seconds is not None else examples, seconds=seconds)
+        elif examples < 1:
+            pass  # Hypothesis runs at least one example: a budget of none runs nothing (and passes nothing)
         else:
             with fixed_generation():
                 run_machine(machine, _settings(examples, steps), seed)
     except ConformanceFailure as original:
-        ops = shrink(
-            machine.last_trace(), guarded(failure_ids, factory, capabilities, config, bad_input), config.page_size
-        )
+        shrunk = shrink(machine.last_trace(), guarded(factory, capabilities, config, bad_input), config.page_size)
         how = "-fuzz" if driver == "random" else ""
-        replayed = replay_failure(factory, capabilities, config, ops)
-        _failed(result, config, capabilities, target, out_dir / f"{name}{how}-seed{seed}.json", ops, replayed, original)
+        replayed = replay_failure(factory, capabilities, config, shrunk.ops)
+        path = out_dir / f"{name}{how}-seed{seed}.json"
+        _failed(result, config, capabilities, target, path, shrunk.ops, replayed, original)
+        result.shrink_note = shrunk.note
     except Flaky as flaky:
         # Hypothesis replayed the failing example and it passed: same ops, different outcome.
         seen = [e for e in getattr(flaky, "exceptions", ()) if isinstance(e, ConformanceFailure)]
@@ -237,7 +287,18 @@ def run_cell(
     result.examples, result.steps = machine.stats.examples, machine.stats.steps
     result.ops = dict(sorted(machine.stats.ops.items()))
     result.digest = machine.stats.digest.hexdigest()
+    if result.passed and result.steps == 0:
+        budget = f"{seconds:g} s" if seconds is not None else f"{examples} examples"
+        result.passed = False
+        result.failure = (
+            f"{NO_STEPS}: the cell ran no step within its budget ({budget}); a cell that ran nothing certifies nothing"
+        )
+        result.failures = [{"invariant": NO_STEPS, "step": None, "op": None, "message": result.failure, "trace": None}]
     return result
+
+
+NO_STEPS = "NO-STEPS"
+"""A cell's verdict when its budget let no step run: not passed, whatever else it did."""
 
 
 def _failed(
@@ -282,24 +343,54 @@ def _failed(
     )
 
 
+@dataclass
+class Replay:
+    """A trace replayed on a fresh backend beside the oracle."""
+
+    failure: Optional[ConformanceFailure]
+    """The first broken rule, or None: the trace passes (or no caller could play it: `invalid`)."""
+    rejected: list[int] = field(default_factory=list)
+    """Steps the oracle rejected as bad input, up to where the replay stopped."""
+    invalid: str = ""
+    """Why no caller could play the trace (`TraceInvalid`), or ""."""
+    windows: list[tuple[int, str]] = field(default_factory=list)
+    """(step, race window) for each window a step entered (`conformance.windows`), with `replay(windows=True)`."""
+
+    def valid_failure(self) -> bool:
+        """It fails, and on valid traffic: no step up to the failing one was bad input."""
+        return self.failure is not None and not any(i <= self.failure.step for i in self.rejected)
+
+
+def replay(
+    factory: Factory, capabilities: Capabilities, config: CacheConfig, ops: Sequence[Op], windows: bool = False
+) -> Replay:
+    """Run `ops` on a fresh backend beside the oracle, then quiesce; what broke, what was bad input, and with
+    `windows` the race windows each step entered."""
+    h: Optional[Harness] = None
+    entered: list[tuple[int, str]] = []
+    try:
+        h = Harness(factory(config), config, capabilities)
+        h.count_windows = windows
+        for i, op in enumerate(ops):
+            h.step(op)
+            entered += [(i, w) for w in h.windows]
+        h.quiesce()
+    except ConformanceFailure as failure:
+        entered += [(failure.step, w) for w in (h.windows if h is not None else [])]
+        return Replay(failure, list(h.rejected) if h is not None else [], windows=entered)
+    except TraceInvalid as invalid:  # a shrink candidate no caller could play: not a failure of the backend
+        return Replay(None, list(h.rejected) if h is not None else [], str(invalid), entered)
+    finally:
+        if h is not None:
+            h.close()
+    return Replay(None, list(h.rejected), windows=entered)
+
+
 def replay_failure(
     factory: Factory, capabilities: Capabilities, config: CacheConfig, ops: list[Op]
 ) -> Optional[ConformanceFailure]:
     """Run `ops` on a fresh backend; the failure, or None if the trace passes."""
-    try:
-        run_trace(factory(config), config, capabilities, ops)
-    except ConformanceFailure as failure:
-        return failure
-    except TraceInvalid:  # a shrink candidate no caller could play: not a failure of the backend
-        return None
-    return None
-
-
-def failure_ids(
-    factory: Factory, capabilities: Capabilities, config: CacheConfig, ops: list[Op]
-) -> Optional[list[str]]:
-    failure = replay_failure(factory, capabilities, config, ops)
-    return [v.inv for v in failure.violations] if failure else None
+    return replay(factory, capabilities, config, ops).failure
 
 
 def core_verdict(trace: Trace, ignore: frozenset[str] = frozenset()) -> tuple[set[str], Optional[int]]:
@@ -357,37 +448,25 @@ def _part_exercised(part: str, ops: dict[str, int], host_cells: bool) -> bool:
     return ops.get("Admit", 0) > 0
 
 
-def model_accepts(config: CacheConfig, ops: list[Op]) -> bool:
-    """Whether the reference model answers every op of `ops` without a BadInput: valid traffic."""
-    bad: list[int] = []
-
-    def hook(index: int, op: Op, got: object) -> None:
-        if isinstance(got, BadInput):
-            bad.append(index)
-
-    try:
-        run_trace(RefCache(config), config, RefCache.capabilities, ops, hook=hook, quiesce=False)
-    except ConformanceFailure:
-        return True  # the model itself is not what is being judged here
-    return not bad
-
-
 def guarded(
-    verdict: Callable[[Factory, Capabilities, CacheConfig, list[Op]], Optional[list[str]]],
     factory: Factory,
     capabilities: Capabilities,
     config: CacheConfig,
     bad_input: Optional[bool] = None,
+    replayer: Callable[[Factory, Capabilities, CacheConfig, Sequence[Op]], Replay] = replay,
 ) -> Callable[[list[Op]], Optional[list[str]]]:
-    """The shrinker's verdict. For a backend the suite sends only valid traffic (not `strict_input`, bad input not
-    forced), a candidate with an op the model rejects as bad input does not count as still failing: shrinking
-    must not turn a failure on valid traffic into one on a caller bug (an unlock with no lock)."""
+    """The shrinker's verdict: the rules a candidate breaks on a fresh backend, or None. For a backend the suite
+    sends only valid traffic (not `strict_input`, bad input not forced), a candidate that fails only after an op
+    the oracle rejected as bad input does not count: shrinking must not turn a failure on valid traffic into one
+    on a caller bug (an unlock with no lock). The oracle judges in the replay itself, steered to this backend
+    (its copies cut as the backend cut them), so the backend's own numbering of copies is valid traffic."""
     valid_only = not capabilities.strict_input and not bad_input
 
     def judge(ops: list[Op]) -> Optional[list[str]]:
-        if valid_only and not model_accepts(config, ops):
+        got = replayer(factory, capabilities, config, ops)
+        if got.failure is None or (valid_only and not got.valid_failure()):
             return None
-        return verdict(factory, capabilities, config, ops)
+        return [v.inv for v in got.failure.violations]
 
     return judge
 
@@ -471,10 +550,14 @@ def scope_gaps(capabilities: Capabilities, cells: list[CellResult], bad_input: O
     host_cells = [c for c in cells if c.write_policy]
     storage_cells = [c for c in cells if "+" in c.write_policy]
     faults_fired = {k.split(":", 1)[1] for k in ops if k.startswith("InjectFault:")}
-    errors = sum(v for k, v in ops.items() if k.endswith(":error"))
+    rejected = sum(v for k, v in ops.items() if k.endswith(":bad"))
     parts: list[tuple[str, bool, bool]] = [
-        # (what, declared, exercised)
-        ("KV bytes (SPEC.md §9.12, INV-KV-1..3: every slot read back)", capabilities.kv_reads, bool(cells)),
+        # (what, declared, exercised: counted from steps that did it)
+        (
+            "KV bytes (SPEC.md §9.12, INV-KV-1..3: every slot read back)",
+            capabilities.kv_reads,
+            ops.get("kv:entries", 0) > 0,
+        ),
         (
             "host tier (SPEC.md §9: backups, demotion, host eviction, load-back, copy acks)",
             bool(capabilities.write_policies),
@@ -503,9 +586,9 @@ def scope_gaps(capabilities: Capabilities, cells: list[CellResult], bad_input: O
         (
             "bad input (INV-ERR-1/2: typed errors, state unchanged)",
             capabilities.strict_input or bool(bad_input),
-            bad_input is not False and errors > 0,
+            bad_input is not False and rejected > 0,
         ),
-        ("namespaces (INV-NS-*)", capabilities.namespaces, bool(cells)),
+        ("namespaces (INV-NS-*)", capabilities.namespaces, ops.get("namespace:named", 0) > 0),
     ]
     if capabilities.write_policies:
         parts.append(
@@ -564,6 +647,10 @@ def scope_gaps(capabilities: Capabilities, cells: list[CellResult], bad_input: O
     for part, pin in profiles.STILL_PINNED:
         if has[part]:
             out.append(f"pinned under every profile (a correct cache that chooses otherwise fails): {pin}")
+    out += [
+        f"adapter deviation (the engine as certified differs from the engine as shipped): {d}"
+        for d in capabilities.deviations
+    ]
     if capabilities.still_between_calls:
         out.append(
             "state between steps: not re-read (the backend declares still_between_calls, so each step's "
@@ -616,7 +703,26 @@ def certify(
     configs, skipped = cells_for(
         caps, page_sizes, policies, bad_input, write_policies, device_cells, prefetch_policies, host_cells
     )
-    cert = Certificate(target, caps.name, seed, examples, steps, caps.strict_input, caps.profile, skipped=skipped)
+    cert = Certificate(
+        target,
+        caps.name,
+        seed,
+        examples,
+        steps,
+        caps.strict_input,
+        caps.profile,
+        skipped=skipped,
+        planned=[config_name(c) for c in configs],
+        adapter_notes=list(caps.notes),
+        kind=caps.kind,
+    )
+    cert.findings = [
+        FindingReplay(j.finding.id, j.trace, j.reproduced, list(j.rules), j.summary)
+        for j in replay_findings(target, factory, caps)
+    ]
+    cert.not_checked = scope_gaps(caps, cert.cells, bad_input)
+    if on_progress is not None:  # the findings' verdict is known before any cell runs
+        on_progress(cert)
     if seconds is not None and driver != "random":
         raise ValueError("a time budget (seconds) is the random driver's; Hypothesis runs a number of examples")
     elsewhere = ray is not None or (jobs > 1 and len(configs) > 1)
@@ -640,8 +746,14 @@ def certify(
         cells = map_ordered(_cell_by_name, [((caps.profile, config), run) for config in configs], jobs=jobs, ray=ray)
     else:
         cells = (run_cell(factory, caps, config, on_example=on_example, **run) for config in configs)  # type: ignore[arg-type,call-arg]
+
+    def progress(cert: Certificate) -> None:  # what the cells so far leave unchecked, in every rewrite
+        cert.not_checked = scope_gaps(caps, cert.cells, bad_input)
+        if on_progress is not None:
+            on_progress(cert)
+
     with closing(cells):  # a fail-fast stop ends the workers still running
-        _collect(cert, cells, on_cell, on_progress, fail_fast, corpus, remote=ray is not None)
+        _collect(cert, cells, on_cell, progress, fail_fast, corpus, remote=ray is not None)
     cert.not_checked = scope_gaps(caps, cert.cells, bad_input)
     return cert
 

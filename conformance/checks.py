@@ -65,6 +65,8 @@ class Checks:
     model: KVModel
     load_host_lock: bool = True
     """Whether a pending load must host-lock its node: the profile pins LOAD_LOCK (SPEC.md §6.1)."""
+    kv_entries_read: int = 0
+    """KV entries read back from the backend and compared so far (the certificate counts KV as exercised by it)."""
 
     def contract(
         self,
@@ -335,6 +337,7 @@ class Checks:
             if want:
                 checks.append((k, r, want))
         got = _read_batched(self.backend.read_kv, [r.row[r.protected :] for _, r, _ in checks])  # type: ignore[attr-defined]
+        self.kv_entries_read += sum(len(have) for have in got)
         for (k, r, want), have in zip(checks, got):
             if have == list(want):
                 continue
@@ -426,6 +429,7 @@ class Checks:
         on_host = [c for c in checks if c[0] != "INV-KV-1"]
         device_flat = _read_flat(self.backend.read_kv, [c[3] for c in on_device])  # type: ignore[attr-defined]
         host_flat = _read_flat(self.backend.read_host_kv, [c[3] for c in on_host])  # type: ignore[attr-defined]
+        self.kv_entries_read += len(device_flat) + len(host_flat)
         chain = itertools.chain.from_iterable
         if device_flat == list(chain(c[4] for c in on_device)) and host_flat == list(chain(c[4] for c in on_host)):
             return []  # every byte as the spec says: one comparison per tier (the common case)

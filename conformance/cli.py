@@ -53,6 +53,8 @@ def _cell_line(cell: CellResult) -> str:
             ops = "".join(f"\n      {i:>3} {json.dumps(op_to_json(op))}" for i, op in enumerate(trace.ops))
             line += f"\n    minimal trace ({cell.trace_len} ops, replay reproduces: {cell.reproduced}):{ops}"
             line += f"\n    saved: {cell.trace_path}  (kvcert replay {cell.trace_path})"
+        if cell.shrink_note:
+            line += f"\n    {cell.shrink_note}"
     return line
 
 
@@ -73,8 +75,17 @@ def print_windows(cert: Certificate) -> None:
     console.print("  " + "; ".join(f"{SHORT[w]}: {WINDOWS[w]}" for w in seen))
 
 
+def print_findings(cert: Certificate) -> None:
+    """The target's logged findings, replayed before the walk: which still reproduce, and which lie outside scope."""
+    for f in cert.findings:
+        mark = "[red]REPRODUCES[/]" if f.reproduced else "[dim]judged nothing[/]" if "scope" in f.summary else "ok"
+        console.print(f"  known finding {f.id} ({f.trace}): {mark}  {escape(f.summary)}")
+
+
 def print_certificate(cert: Certificate) -> None:
-    table = Table(title=f"kvcert certificate: {cert.backend} ({cert.target}), profile {cert.profile}")
+    table = Table(
+        title=f"kvcert certificate: {cert.backend} ({cert.target}), profile {cert.profile}, {cert.kind} target"
+    )
     for col in ("page size", "policy", "tiers", "verdict", "examples", "steps", "steps/s", "counterexample"):
         table.add_column(col)
     for c in cert.cells:
@@ -92,16 +103,22 @@ def print_certificate(cert: Certificate) -> None:
         )
     console.print(table)
     print_windows(cert)
+    print_findings(cert)
+    for note in cert.adapter_notes:
+        console.print(f"  adapter: {escape(note)}")
     for note in cert.skipped:
         console.print(f"  skipped: {note}")
     rate = cert.total_steps / max(cert.seconds, 1e-9)
     verdict = "[green]CERTIFIED[/]" if cert.passed else "[red]NOT CERTIFIED[/]"
+    why = reports.verdict_reasons(cert)
     scope = " for what it declares and this run exercised; NOT CHECKED:" if cert.not_checked else ""
     console.print(
-        f"{verdict}  seed={cert.seed}  {cert.total_steps} steps in {cert.seconds:.1f}s ({rate:,.0f} steps/s){scope}"
+        f"{verdict}  seed={cert.seed}  {cert.total_steps} steps in {cert.seconds:.1f}s ({rate:,.0f} steps/s)"
+        + (f" — {'; '.join(why)}" if why else "")
+        + scope
     )
     for gap in cert.not_checked:
-        console.print(f"  not checked: {gap}")
+        console.print(f"  not checked: {escape(gap)}")
 
 
 class _CellProgress:

@@ -54,6 +54,7 @@ from kvcert.spec.ops import (
     Poll,
     Prefetch,
     Publish,
+    ReleaseRef,
     Restore,
     Retract,
     Start,
@@ -61,7 +62,7 @@ from kvcert.spec.ops import (
     Unlock,
 )
 from kvcert.spec.profiles import BATCH, DEMOTE, LOAD_LOCK, LOAD_ROOM, RANK, RECLAIM, RETRY, ROOM, Profile, profile
-from kvcert.spec.types import CacheConfig, Capabilities, InsertOut, MatchOut, Snapshot
+from kvcert.spec.types import BadInput, CacheConfig, Capabilities, InsertOut, MatchOut, Snapshot
 
 __all__ = ["UNKNOWN_NODE", "ConformanceFailure", "Harness", "Outcome", "run_trace"]
 
@@ -105,6 +106,9 @@ class Harness(Queries):
     """The oracle's snapshot since it last changed: taken once per step, reused as the next step's before."""
     _last_after: Optional[Snapshot] = None
     """The backend's snapshot after the last step, its next before where it declares `still_between_calls`."""
+    rejected: list[int] = field(default_factory=list)
+    """Steps whose op the oracle rejected as bad input (`BadInput`): a trace with none is valid traffic, what a
+    backend that does not declare `strict_input` is sent."""
     _queries: dict[Any, Any] = field(default_factory=dict)
     _queries_at: int = -1
 
@@ -247,6 +251,8 @@ class Harness(Queries):
             if after.sessions or before.sessions:
                 self.events = events(op, before, after)
         want, found = self._follow(op, before, after, got)
+        if isinstance(want, BadInput):
+            self.rejected.append(index)
         violations = found
         self.checks.contract(op, before, after, got, want, violations, notes.planned, notes.inserted)
         self._record(index, op, before, after, got, want, notes, violations)
@@ -308,7 +314,8 @@ class Harness(Queries):
             if not pinned(LOAD_LOCK):
                 self.oracle.load_host_lock = steering.load_host_locked()
             if not pinned(DEMOTE):
-                self.oracle.demote_steer, self.oracle.restore_steer = steering.demote_pick(), steering.restore_pick()
+                self.oracle.demote_steer = steering.demote_pick()
+                self.oracle.restore_steer = steering.restore_pick(required=isinstance(op, ReleaseRef))
             if not pinned(RETRY):
                 self.oracle.copy_failure = "invalidate" if self._gave_up(op, after) else "retry"
             if room in ("whole", "low", "low-whole"):

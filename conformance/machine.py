@@ -51,7 +51,7 @@ from kvcert.spec.ops import (
     UpdateRef,
 )
 from kvcert.spec.pages import page_ceil
-from kvcert.spec.types import CacheConfig, Capabilities, KVCertError
+from kvcert.spec.types import BadInput, CacheConfig, Capabilities, KVCertError
 
 NAMESPACES: tuple[Optional[str], ...] = (None, "lora-a")
 """A fresh key's namespace, usually: the default one and a LoRA id."""
@@ -90,8 +90,10 @@ class RunStats:
     steps: int = 0
     examples: int = 0
     ops: Counter[str] = field(default_factory=Counter)
-    """Steps per op kind, plus "Prefetch>0" (prefetches that asked storage for something) and
-    "<Op>:error" (steps the backend rejected): what a run actually exercised."""
+    """Steps per op kind, plus "Prefetch>0" (prefetches that asked storage for something), "<Op>:error" (steps
+    the backend rejected) and "<Op>:bad" (of those, rejected as bad input), "kv:entries" (KV entries read back
+    and compared) and "namespace:named" (accepted ops in a namespace other than the default): what a run
+    actually exercised."""
     digest: StepDigest = field(default_factory=StepDigest)
     """Every op the run's rules executed, in order: equal digests, same run (SPEC.md §3, INV-DET-1)."""
     on_example: Optional[Callable[[RunStats], None]] = None
@@ -153,11 +155,16 @@ class CacheMachine(RunningRules, RaceRules):
         stats.digest.step(op)
         name = type(op).__name__
         stats.ops[name] += 1
+        read = self.h.checks.kv_entries_read
         try:
             got = self.h.step(op)
         except BaseException:
             self.failed = True
             raise
+        if self.h.checks.kv_entries_read > read:  # KV bytes the step's checks read back and compared
+            stats.ops["kv:entries"] += self.h.checks.kv_entries_read - read
+        if getattr(op, "namespace", None) is not None and not isinstance(got, KVCertError):
+            stats.ops["namespace:named"] += 1  # a namespace other than the default, accepted
         for window in self.h.windows:
             stats.ops[f"window:{window}"] += 1
         for event in self.h.events:
@@ -166,6 +173,8 @@ class CacheMachine(RunningRules, RaceRules):
             stats.ops[f"{name}:{op.kind}"] += 1  # which faults fired: the certificate's scope says
         if isinstance(got, KVCertError):
             stats.ops[f"{name}:error"] += 1
+            if isinstance(got, BadInput):  # rejected as bad input, not for want of room
+                stats.ops[f"{name}:bad"] += 1
         elif isinstance(op, (Prefetch, LoadBack)) and isinstance(got, int) and got > 0:
             stats.ops[f"{name}>0"] += 1
 

@@ -10,6 +10,7 @@ options, and imports nothing of the suite (Hypothesis, the model) until a target
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, Optional
 
 import pytest
@@ -31,6 +32,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "--kvcert-profile", default=None, help="hold the backend to this profile instead of the one it declares"
     )
     group.addoption("--kvcert-out", default="kvcert-failures", help="where failing cells save their minimal traces")
+    group.addoption(
+        "--kvcert-certificate",
+        default=None,
+        metavar="JSON",
+        help="a `kvcert certify --json` certificate of the same run: each cell's digest must equal its digest there",
+    )
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -74,10 +81,12 @@ class KVCertCells(pytest.Collector):
         if wanted is not None:  # as `certify(profile=...)` does
             caps = replace(caps, profile=profiles.profile(wanted).name)
         configs, _ = cells_for(caps, None, None)
-        return [
+        items: list[pytest.Item] = [
             CellItem.from_parent(self, name=f"test_cell[{cell_id(c)}]", factory=factory, capabilities=caps, cell=c)
             for c in configs
         ]
+        items.append(FindingsItem.from_parent(self, name="test_known_findings", factory=factory, capabilities=caps))
+        return items
 
 
 class CellFailed(Exception):
@@ -107,6 +116,12 @@ class CellItem(pytest.Item):
             out_dir=Path(opt("kvcert_out")),
         )
         self.user_properties += [("examples", result.examples), ("steps", result.steps), ("digest", result.digest)]
+        want = self._certified_digest()
+        if result.passed and want is not None and want != result.digest:
+            raise CellFailed(
+                f"INV-DET-1: this cell's digest {result.digest} differs from the certificate's {want}: the same seed "
+                "and budget did not make the same run"
+            )
         if result.passed:
             return
         text = f"{result.failure}"
@@ -117,6 +132,30 @@ class CellItem(pytest.Item):
             )
         raise CellFailed(text)
 
+    def _certified_digest(self) -> Optional[str]:
+        """This cell's digest in the `--kvcert-certificate` given, or None without one. A certificate of another
+        seed or budget, or one without this cell, is a usage error."""
+        import json
+
+        from kvcert.conformance.certify import config_name
+        from kvcert.conformance.reports import cell_name
+
+        path = self.config.getoption("kvcert_certificate")
+        if path is None:
+            return None
+        body = json.loads(Path(path).read_text())
+        opt = self.config.getoption
+        ours = (opt("kvcert_target"), opt("kvcert_seed"), opt("kvcert_examples"), opt("kvcert_steps"))
+        theirs = (body.get("target"), body.get("seed"), body.get("examples"), body.get("steps"))
+        if ours != theirs:
+            raise pytest.UsageError(
+                f"--kvcert-certificate {path} is of (target, seed, examples, steps) {theirs}, not {ours}"
+            )
+        for cell in body.get("cells", []):
+            if cell_name(SimpleNamespace(**cell)) == config_name(self.cell):
+                return str(cell.get("digest", ""))
+        raise pytest.UsageError(f"--kvcert-certificate {path} has no cell {config_name(self.cell)}")
+
     def repr_failure(self, excinfo: pytest.ExceptionInfo[BaseException], style: Any = None) -> Any:
         if isinstance(excinfo.value, CellFailed):
             return str(excinfo.value)  # the headline (`reportinfo`) names the cell
@@ -124,3 +163,30 @@ class CellItem(pytest.Item):
 
     def reportinfo(self) -> tuple[Path, Optional[int], str]:
         return self.path, None, f"kvcert cell {cell_id(self.cell)}"
+
+
+class FindingsItem(pytest.Item):
+    """The target's logged findings (`conformance.known`), replayed as `kvcert certify` replays them before its
+    cells: one that still reproduces fails this test, as it makes the certificate NOT CERTIFIED."""
+
+    def __init__(self, *, factory: Factory, capabilities: Capabilities, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.factory, self.capabilities = factory, capabilities
+        self.add_marker("kvcert")
+
+    def runtest(self) -> None:
+        from kvcert.conformance.known import replay_findings
+
+        judged = replay_findings(self.config.getoption("kvcert_target"), self.factory, self.capabilities)
+        self.user_properties += [(f"{j.finding.id} {j.trace}", j.summary) for j in judged]
+        still = [j for j in judged if j.reproduced]
+        if still:
+            raise CellFailed("\n".join(f"known finding {j.finding.id} ({j.trace}): {j.summary}" for j in still))
+
+    def repr_failure(self, excinfo: pytest.ExceptionInfo[BaseException], style: Any = None) -> Any:
+        if isinstance(excinfo.value, CellFailed):
+            return str(excinfo.value)
+        return super().repr_failure(excinfo, style=style)
+
+    def reportinfo(self) -> tuple[Path, Optional[int], str]:
+        return self.path, None, "kvcert known findings"

@@ -21,6 +21,7 @@ from typing import Optional
 from kvcert.conformance.certify import CellResult, Certificate
 from kvcert.conformance.explain import ids_in
 from kvcert.conformance.windows import SHORT, WINDOWS
+from kvcert.spec.types import KINDS
 
 OPS_LEGEND = (
     "`<Op>:error`: steps the backend answered with a typed error; `LoadBack>0` / `Prefetch>0`: calls that moved "
@@ -92,6 +93,22 @@ def verdict(cert: Certificate) -> str:
     return "CERTIFIED" if cert.passed else "NOT CERTIFIED"
 
 
+def verdict_reasons(cert: Certificate) -> list[str]:
+    """Why a certificate is NOT CERTIFIED, one phrase each (none for a certified one)."""
+    out = []
+    failed = sum(not c.passed for c in cert.cells)
+    if failed:
+        out.append(f"{failed} of {len(cert.cells)} cells failed")
+    if not cert.complete:
+        out.append(f"incomplete: {len(cert.cells)} of {len(cert.planned)} planned cells ran")
+    elif not cert.cells:
+        out.append("no cell ran")
+    known = sorted({f.id for f in cert.findings if f.reproduced})
+    if known:
+        out.append(f"known findings reproduce: {', '.join(known)}")
+    return out
+
+
 def failure_summary(cell: CellResult) -> str:
     """One line for a failed cell: where it broke and the first rule broken, as the saved trace's note reads."""
     lines = [line.strip() for line in (cell.failure or "").splitlines() if line.strip()]
@@ -109,6 +126,8 @@ def failure_detail(cell: CellResult) -> str:
             f"\nminimal trace: {cell.trace_len} ops, replay reproduces: {cell.reproduced}"
             f"\nsaved: {cell.trace_path}  (kvcert replay {cell.trace_path})"
         )
+    if cell.shrink_note:
+        text += f"\n{cell.shrink_note}"
     return text
 
 
@@ -127,13 +146,14 @@ def _ops_line(cell: CellResult) -> str:
 def junit_xml(cert: Certificate, timestamp: Optional[datetime] = None) -> str:
     """JUnit XML (the Jenkins / Ant format): one testsuite for the certificate, one testcase per cell, a
     skipped testcase per cell or rule not run, and the not-checked list in the suite's system-out."""
-    failures = sum(not c.passed for c in cert.cells)
-    tests = len(cert.cells) + len(cert.skipped)
+    failures = sum(not c.passed for c in cert.cells) + sum(f.reproduced for f in cert.findings)
+    tests = len(cert.cells) + len(cert.skipped) + len(cert.findings)
     seconds = f"{cert.seconds:.3f}"
     counts = {"tests": str(tests), "failures": str(failures), "errors": "0"}
     root = ET.Element("testsuites", {"name": "kvcert", "time": seconds, **counts})
     when = (timestamp or datetime.now(timezone.utc)).strftime("%Y-%m-%dT%H:%M:%S")
-    attrs = {"name": cert.target, "skipped": str(len(cert.skipped)), "time": seconds, "timestamp": when}
+    skipped = len(cert.skipped) + sum(not f.reproduced and "scope" in f.summary for f in cert.findings)
+    attrs = {"name": cert.target, "skipped": str(skipped), "time": seconds, "timestamp": when}
     suite = ET.SubElement(root, "testsuite", {**attrs, **counts})
     props = ET.SubElement(suite, "properties")
     for name, value in {
@@ -144,6 +164,9 @@ def junit_xml(cert: Certificate, timestamp: Optional[datetime] = None) -> str:
         "backend": cert.backend,
         "strict_input": cert.strict_input,
         "total_steps": cert.total_steps,
+        "kind": cert.kind,
+        "complete": cert.complete,
+        "planned_cells": len(cert.planned),
         "verdict": verdict(cert),
         "kvcert.version": package_version("kvcert"),
         "spec.sha256": spec_sha256(),
@@ -162,9 +185,20 @@ def junit_xml(cert: Certificate, timestamp: Optional[datetime] = None) -> str:
     for note in cert.skipped:
         case = ET.SubElement(suite, "testcase", name=_xml(note), classname=cert.target, time="0.000")
         ET.SubElement(case, "skipped", message=_xml(note))
+    for f in cert.findings:
+        case = ET.SubElement(suite, "testcase", name=_xml(f"known finding {f.id}: {f.trace}"), classname=cert.target)
+        if f.reproduced:
+            ET.SubElement(case, "failure", message=_xml(f.summary), type=f.rules[0] if f.rules else "KnownFinding")
+        elif "scope" in f.summary:
+            ET.SubElement(case, "skipped", message=_xml(f.summary))
     out = ET.SubElement(suite, "system-out")
     gaps = [f"not checked: {gap}" for gap in cert.not_checked]
-    out.text = _xml("\n".join([f"{verdict(cert)} (profile {cert.profile}, seed {cert.seed})", *gaps]))
+    why = verdict_reasons(cert)
+    head = f"{verdict(cert)} (profile {cert.profile}, seed {cert.seed}, {cert.kind} target)" + (
+        f": {'; '.join(why)}" if why else ""
+    )
+    notes = [f"adapter: {note}" for note in cert.adapter_notes]
+    out.text = _xml("\n".join([head, *gaps, *notes]))
     ET.indent(root)
     return ET.tostring(root, encoding="unicode", xml_declaration=True) + "\n"
 
@@ -190,8 +224,7 @@ def markdown(cert: Certificate, env: Optional[dict[str, str]] = None) -> str:
         scope = " for what it declares and this run exercised (see *Not checked*)" if cert.not_checked else ""
         out.append(f"**{verdict(cert)}**{scope}: every one of {len(cert.cells)} cells passed.")
     else:
-        why = f"{len(failed)} of {len(cert.cells)} cells failed" if cert.cells else "no cell ran"
-        out.append(f"**{verdict(cert)}**: {why}.")
+        out.append(f"**{verdict(cert)}**: {'; '.join(verdict_reasons(cert))}.")
     out += ["", "## Run", ""]
     out += _table(
         ["fact", "value"],
@@ -200,6 +233,8 @@ def markdown(cert: Certificate, env: Optional[dict[str, str]] = None) -> str:
             ["backend", cert.backend],
             ["verdict", verdict(cert)],
             ["profile", cert.profile],
+            ["target kind", f"{cert.kind}: {KINDS.get(cert.kind, '')}"],
+            ["cells", f"{len(cert.cells)} of {len(cert.planned)} planned"],
             ["seed", cert.seed],
             ["examples per cell", cert.examples],
             ["max steps per example", cert.steps],
@@ -264,6 +299,17 @@ def markdown(cert: Certificate, env: Optional[dict[str, str]] = None) -> str:
             detail = failure_detail(c)
             fence = "`" * max(3, 1 + max((len(run) for run in re.findall("`+", detail)), default=0))
             out += ["", f"### {cell_name(c)}", "", f"{fence}text", detail, fence]
+    out += ["", "## Known findings replayed", ""]
+    out += (
+        _table(
+            ["finding", "trace", "verdict"],
+            [[f.id, f"`{f.trace}`", ("**REPRODUCES** — " if f.reproduced else "") + f.summary] for f in cert.findings],
+        )
+        if cert.findings
+        else ["None logged for this target's engine."]
+    )
+    out += ["", "## Adapter", ""]
+    out += [f"- {note}" for note in cert.adapter_notes] or ["No notes."]
     out += ["", "## Not checked", ""]
     out += [f"- {gap}" for gap in cert.not_checked] or [
         "Nothing reported: every part of the spec the suite tracks was declared and exercised."

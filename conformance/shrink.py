@@ -9,7 +9,7 @@ deleting op i drops the ops that used its handle and renumbers later ones.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import fields, replace
+from dataclasses import dataclass, fields, replace
 from typing import Optional
 
 from kvcert.spec.ops import OP_TYPES, Evict, EvictHost, Insert, Match, Op, Publish
@@ -59,11 +59,25 @@ def simpler(op: Op, page_size: int) -> Iterator[Op]:
         yield from (replace(op, n=n) for n in sorted({0, op.n // 2, op.n - 1}) if n < op.n)
 
 
-def shrink(ops: list[Op], verdict: Verdict, page_size: int, budget: int = 3000) -> list[Op]:
+@dataclass(frozen=True)
+class Shrunk:
+    """A shrink's result: the smallest failing trace found, and why it is no smaller where that is not obvious."""
+
+    ops: list[Op]
+    note: str = ""
+    """"" when shrinking reached a fixpoint (no single deletion or simplification keeps the failure); else why
+    the trace came back as it is: it did not fail again, or the replay budget ran out."""
+
+
+def shrink(ops: list[Op], verdict: Verdict, page_size: int, budget: int = 3000) -> Shrunk:
     """Greedy one-at-a-time deletion, then simplification, to a fixpoint or `budget` replays."""
     first = verdict(ops)
     if not first:
-        return ops
+        return Shrunk(
+            ops,
+            "not shrunk: the trace as found does not fail again when replayed on a fresh backend as valid traffic "
+            "(it passes, no caller could play it, or it fails only after an op the oracle rejects as bad input)",
+        )
     target = first[0]
     replays = 0
 
@@ -90,4 +104,5 @@ def shrink(ops: list[Op], verdict: Verdict, page_size: int, budget: int = 3000) 
                 if keeps_failing(candidate):
                     ops, changed = candidate, True
                     break
-    return ops
+    note = f"shrinking stopped at its budget of {budget} replays: a smaller trace may exist" if changed else ""
+    return Shrunk(ops, note)

@@ -21,7 +21,7 @@ from typing import Optional
 
 import kvcert.refimpl.cache as refcache
 from kvcert.conformance.backend import Factory
-from kvcert.conformance.certify import Certificate, cells_for, certify, run_cell
+from kvcert.conformance.certify import Certificate, cells_for, certify, config_name, run_cell
 from kvcert.spec.types import CacheConfig
 
 
@@ -1263,6 +1263,7 @@ def run_control(*, examples: int, steps: int, seed: int, out_dir: Optional[Path]
         for c in cells:
             budget[c] = max(budget.get(c, 1), m.budget)
     cert = Certificate("kvcert.refimpl:factory", caps.name, seed, examples, steps, caps.strict_input)
+    cert.planned = [config_name(c) for c in configs]
     for config in configs:
         cert.cells.append(
             run_cell(

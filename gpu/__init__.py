@@ -65,6 +65,7 @@ CAPABILITIES = Capabilities(
     reports_choices=True,
     reports_metadata=True,
     metadata_exact=True,
+    kind="native",
 )
 
 

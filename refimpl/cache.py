@@ -277,6 +277,7 @@ class RefCache:
         still_between_calls=True,
         profile="sglang-0.5.23",
         reports_choices=True,
+        kind="native",
     )
 
     def __init__(self, config: CacheConfig = _DEFAULT_CONFIG) -> None:

@@ -44,6 +44,13 @@ ONE_CLASS_THRESHOLD = 3
 """The cells' high-priority threshold for a backend without two ref classes: above every priority the suite
 draws (0-2), so every session is low."""
 
+KINDS: dict[str, str] = {
+    "request-path": "driven through its engine's own scheduler code, with real request objects",
+    "api": "driven through its cache API, by calls the suite composes in its scheduler's place",
+    "native": "a cache written to kvcert's protocol",
+}
+"""How a target drives its cache (`Capabilities.kind`); a certificate names it."""
+
 WRITE_THROUGH_THRESHOLD = {"write_through": 1, "write_through_selective": 2}
 """Hits after which a node is backed up, per write-through policy (SGLang's defaults)."""
 
@@ -525,3 +532,11 @@ class Capabilities:
     the next step's before. A backend that declares it and changes between calls is checked against a
     stale before; its afters are still read fresh."""
     notes: tuple[str, ...] = field(default_factory=tuple)
+    """How the adapter drives the engine, one line each; printed in every report."""
+    deviations: tuple[str, ...] = field(default_factory=tuple)
+    """What the adapter changes in the engine it drives (a patched attribute, a replaced component, a shipped
+    default overridden), each with what it changes; every report lists them under NOT CHECKED."""
+    kind: str = "api"
+    """How the cache is driven (KINDS): "request-path" through its engine's own scheduler code with real
+    request objects, "api" through the cache's API by calls the suite composes, "native" a cache written to
+    this protocol (kvcert's own)."""

@@ -415,23 +415,53 @@ def test_a_snapshot_that_raises_fails_its_cell_with_a_trace(tmp_path: Path) -> N
 
 def test_shrinking_keeps_a_lenient_backends_trace_valid() -> None:
     """For a backend sent only valid traffic, the shrinker may not reduce a failure to one on a caller bug: deleting
-    the Lock of `Lock, Unlock` leaves an unlock with no lock, which the model rejects (LockUnderflow)."""
+    the Lock of `Lock, Unlock` leaves an unlock with no lock, which the oracle rejects (LockUnderflow)."""
     from dataclasses import replace
 
-    from kvcert.conformance.certify import guarded, model_accepts
+    from kvcert.conformance.certify import Replay, guarded, replay
+    from kvcert.conformance.driver import ConformanceFailure
     from kvcert.conformance.shrink import shrink
+    from kvcert.spec.invariants import Violation
 
     config = CacheConfig(page_size=1, capacity=8)
     ops = [Insert(None, (1,)), Insert(None, (2,)), Lock(0), Unlock(0)]
-    assert model_accepts(config, ops) and not model_accepts(config, [Insert(None, (1,)), Unlock(0)])
 
-    def unlocks(*args: object) -> list[str] | None:  # "fails" while the trace unlocks something
-        return ["INV-X"] if any(isinstance(op, Unlock) for op in args[-1]) else None  # type: ignore[attr-defined]
+    def unlocks(factory: object, caps: object, config: CacheConfig, ops: list) -> Replay:  # type: ignore[type-arg]
+        """The real replay's bad-input steps, and a failure at the last unlock while the trace unlocks something."""
+        got = replay(factory, caps, config, ops)  # type: ignore[arg-type]
+        at = [i for i, op in enumerate(ops) if isinstance(op, Unlock)]
+        failure = ConformanceFailure(at[-1], ops[at[-1]], [Violation("INV-X", "unlocked")]) if at else None
+        return Replay(failure, got.rejected)
 
+    assert replay(factory, RefCache.capabilities, config, ops).rejected == []
+    assert replay(factory, RefCache.capabilities, config, [Insert(None, (1,)), Unlock(0)]).rejected == [1]
     lenient = replace(RefCache.capabilities, strict_input=False)
-    unguarded = shrink(list(ops), unlocks, 1)
-    assert [type(op) for op in unguarded] == [Insert, Unlock]  # the gap: an unlock with no lock
-    kept = shrink(list(ops), guarded(unlocks, factory, lenient, config), 1)
-    assert [type(op) for op in kept] == [Insert, Lock, Unlock] and model_accepts(config, kept)
-    strict = shrink(list(ops), guarded(unlocks, factory, RefCache.capabilities, config), 1)
-    assert strict == unguarded  # a strict backend's shrinking may keep bad input: it is judged on it
+    kept = shrink(list(ops), guarded(factory, lenient, config, replayer=unlocks), 1)
+    assert [type(op) for op in kept.ops] == [Insert, Lock, Unlock] and kept.note == ""
+    strict = shrink(list(ops), guarded(factory, RefCache.capabilities, config, replayer=unlocks), 1)
+    assert [type(op) for op in strict.ops] == [Insert, Unlock]  # a strict backend is judged on bad input too
+
+
+def test_a_trace_that_will_not_shrink_says_why() -> None:
+    """A failure whose trace does not fail again on a fresh backend comes back as found, with the reason."""
+    from kvcert.conformance.shrink import shrink
+
+    ops = [Insert(None, (1,)), Match(None, (1,))]
+    got = shrink(list(ops), lambda _ops: None, 1)
+    assert got.ops == ops and "does not fail again" in got.note
+    capped = shrink([Insert(None, (i,)) for i in range(6)], lambda o: ["INV-X"] if len(o) > 1 else None, 1, budget=2)
+    assert len(capped.ops) > 2 and "budget of 2 replays" in capped.note
+
+
+def test_a_shrink_candidate_no_caller_could_play_is_discarded() -> None:
+    """Deleting a running request's Start can leave an Unlock of the lock it held: the oracle cannot play that
+    (TraceInvalid), and the replay reports it as no failure instead of raising out of the shrinker."""
+    from kvcert.conformance.certify import replay
+    from kvcert.spec.ops import Start
+
+    config = CacheConfig(page_size=1, capacity=8)
+    ops = [Insert(None, (1, 2)), Start(None, (1, 2, 3), 0), Unlock(1)]
+    got = replay(factory, RefCache.capabilities, config, ops)
+    assert got.failure is None and "lock was dropped" in got.invalid
+
+

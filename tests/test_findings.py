@@ -12,7 +12,7 @@ from kvcert.conformance.driver import ConformanceFailure, run_trace
 from kvcert.refimpl import RefCache
 from kvcert.spec.ops import Trace
 
-FINDINGS = sorted((Path(__file__).parent.parent / "docs" / "findings").glob("*.json"))
+FINDINGS = sorted((Path(__file__).parent.parent / "conformance" / "findings" / "sglang").glob("*.json"))
 EXPECTED = {
     "sglang-unlock-without-lock": {"INV-ERR-1", "INV-LOCK-1", "INV-ACCT-1"},
     "sglang-lock-evicted-node": {"INV-ERR-1", "INV-ACCT-1", "INV-ACCT-2"},

@@ -23,7 +23,7 @@ def test_one_test_per_certify_cell_named_by_the_cell() -> None:
 
 def test_selected_cell_runs_and_passes_on_the_model(pytester: pytest.Pytester) -> None:
     result = pytester.runpytest("--kvcert-target", "kvcert.refimpl:factory", *BUDGET, "-k", CELL)
-    result.assert_outcomes(passed=1, deselected=len(cells_for(RefCache.capabilities, None, None)[0]) - 1)
+    result.assert_outcomes(passed=1, deselected=len(cells_for(RefCache.capabilities, None, None)[0]))  # + findings
 
 
 def test_keyword_selection_by_policy_and_page_size(pytester: pytest.Pytester) -> None:
@@ -52,7 +52,7 @@ def test_a_failing_cell_fails_with_the_invariant_and_the_saved_trace(pytester: p
         "-k",
         CELL,
     )
-    result.assert_outcomes(failed=1, deselected=len(cells_for(RefCache.capabilities, None, None)[0]) - 1)
+    result.assert_outcomes(failed=1, deselected=len(cells_for(RefCache.capabilities, None, None)[0]))  # + findings
     text = result.stdout.str()
     assert "INV-EVICT-3" in text and "kvcert replay" in text
     assert list(out.glob("*.json"))
@@ -64,3 +64,39 @@ def test_without_a_target_the_plugin_adds_nothing(pytester: pytest.Pytester) -> 
     assert [line for line in result.outlines if "::" in line] == [
         "test_without_a_target_the_plugin_adds_nothing.py::test_plain"
     ]
+
+
+def test_a_cell_that_ran_no_step_fails(pytester: pytest.Pytester) -> None:
+    result = pytester.runpytest(
+        "--kvcert-target", "kvcert.refimpl:factory", "--kvcert-examples", "0", "-p", "no:cacheprovider", "-k", CELL
+    )
+    result.assert_outcomes(failed=1, deselected=len(cells_for(RefCache.capabilities, None, None)[0]))
+    assert "NO-STEPS" in result.stdout.str()
+
+
+def test_a_cells_digest_is_checked_against_certifys(pytester: pytest.Pytester) -> None:
+    """With `--kvcert-certificate`, each cell must make certify's run, op for op: its digest is compared."""
+    import json
+
+    from kvcert.conformance.certify import certify
+
+    cert = certify("kvcert.refimpl:factory", examples=3, steps=8, page_sizes=[1], policies=["lru"],
+                   write_policies=[], prefetch_policies=[], out_dir=pytester.path / "f")  # fmt: skip
+    good = pytester.path / "cert.json"
+    good.write_text(cert.to_json())
+    args = ("--kvcert-target", "kvcert.refimpl:factory", *BUDGET, "-k", CELL)
+    pytester.runpytest(*args, "--kvcert-certificate", str(good)).assert_outcomes(
+        passed=1, deselected=len(cells_for(RefCache.capabilities, None, None)[0])
+    )
+    body = json.loads(good.read_text())
+    body["cells"][0]["digest"] = "0" * 64
+    bad = pytester.path / "bad.json"
+    bad.write_text(json.dumps(body))
+    result = pytester.runpytest(*args, "--kvcert-certificate", str(bad))
+    result.assert_outcomes(failed=1, deselected=len(cells_for(RefCache.capabilities, None, None)[0]))
+    assert "INV-DET-1" in result.stdout.str()
+
+
+def test_the_known_findings_are_one_test(pytester: pytest.Pytester) -> None:
+    result = pytester.runpytest("--kvcert-target", "kvcert.refimpl:factory", *BUDGET, "-k", "known_findings")
+    result.assert_outcomes(passed=1, deselected=len(cells_for(RefCache.capabilities, None, None)[0]))

@@ -22,7 +22,7 @@ from kvcert.spec.ops import Trace
 
 ROOT = Path(__file__).parent.parent
 PYTHON = ROOT / ".venv-refaware" / "bin" / "python"
-FINDINGS = sorted((ROOT / "docs" / "findings" / "refaware").glob("R*.json"))  # H*: test_refaware_hicache.py
+FINDINGS = sorted((ROOT / "conformance" / "findings" / "refaware").glob("R*.json"))  # H*: test_refaware_hicache.py
 EXPECTED = {
     "R1-register-class-change": {"INV-ERR-3"},
     "R2-register-grows": {"INV-TIER-1", "INV-TIER-5"},

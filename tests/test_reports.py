@@ -201,6 +201,7 @@ def failing_certificate(trace: Path) -> Certificate:
         10,
         False,
         cells=[good, bad],
+        planned=["page_size=1 policy=lru", "page_size=4 policy=lru write_policy=write_back prefetch_policy=timeout"],
         skipped=["policy=lfu: not declared"],
         not_checked=["retraction (SPEC.md §9.11, INV-RETRACT-1/2): not declared by the backend"],
     )

@@ -226,9 +226,10 @@ class OrderedSet(dict):  # type: ignore[type-arg]
 
     A dict of keys, so that `in`, `add`, `remove`, `len` and `clear` are dict's own C methods:
     these sit in SGLang's hot path, and `bench meta` times SGLang with this set in place
-    (scripts/bench_shims.py measures what it costs). Iteration walks a copy, as a set's
-    callers may not mutate it while iterating anyway. Set algebra and comparison (`-`, `&`,
-    `|`, `==`, used by SGLang's `sanity_check`) are a set's.
+    (scripts/bench_shims.py measures what it costs). Iteration is a dict's: mutating the set
+    while iterating raises RuntimeError, as it does on a set, so this set hides no such bug.
+    Set algebra and comparison (`-`, `&`, `|`, `==`, used by SGLang's `sanity_check`) are a set's.
+    Adapters that put it in place declare it as a deviation (a certificate prints it).
     """
 
     __slots__ = ()
@@ -244,9 +245,6 @@ class OrderedSet(dict):  # type: ignore[type-arg]
 
     def copy(self) -> OrderedSet:  # type: ignore[override]
         return OrderedSet(dict.keys(self))
-
-    def __iter__(self) -> Iterator[Any]:
-        return iter(list(dict.keys(self)))
 
     def _set(self) -> set[Any]:
         return set(dict.keys(self))

@@ -660,9 +660,14 @@ factory.capabilities = Capabilities(  # type: ignore[attr-defined]
         "direct io, layer_first; one-rank gloo group; host pool sized exactly to host_capacity",
         "device-only cells: the fork's RefAwareRadixCache (refaware_radix), what its scheduler builds without HiCache",
         "acks held until complete(); poll = writing_check() + loading_check(); loads submitted after init_load_back",
-        "time.monotonic, TreeNode.counter and CacheOperation.counter swapped per call; leaf sets and RefInfo.nodes "
-        "insertion-ordered (OrderedSet) for determinism",
         "not declared (no fork call): retraction, storage, faults, checkpoint",
+    ),
+    deviations=(
+        "eviction ties: the fork's leaf sets and RefInfo.nodes are insertion-ordered, so equally ranked leaves leave in insertion order; as shipped a set orders them by memory address, which differs from run to run",
+        "clock: time.monotonic, TreeNode.counter and CacheOperation.counter are the adapter's during each call",
+        "host transfers: torch index-copy stand-ins for sgl_kernel's kernels (direct io on CPU), host pools unpinned",
+        "requests: the API is driven by calls the suite composes in the scheduler's place; the fork's request path "
+        "(its PrefillAdder admission, cache_finished_req and the finish path that registers refs) does not run",
     ),
 )
 
@@ -675,8 +680,16 @@ factory_priority.capabilities = replace(  # type: ignore[attr-defined]
     + (
         "evict(n, allow_low, allow_high) runs the fork's evict inside scoped_evict(allow_low, allow_high)",
         "evict_host(n) is the fork's evict_host(n, allow_high=True): adaptive demotion under host pressure",
+    ),
+    deviations=factory.capabilities.deviations  # type: ignore[attr-defined]
+    + (
+        "register_ref: the adapter builds the request it registers; the fork's scheduler registers what its own "
+        "finish path left in the request",
+        "a registered session registered again is released first, then registered (the fork's own "
+        "re-registration keeps refs on the path it left: R2)",
         "load_back passes no request: the fork evicts for its room in scope (True, False)",
-        "plan_admission: SPEC.md §11.5 (kvcert.gpu.admission) over the fork's counters; the fork's cache has no planner",
+        "plan_admission: kvcert's planner (SPEC.md §11.5, kvcert.gpu.admission) over the fork's counters; the fork's "
+        "own admission (its PrefillAdder) is not run",
     ),
 )
 

@@ -459,8 +459,13 @@ factory.capabilities = Capabilities(  # type: ignore[attr-defined]
     notes=(
         "real MHATokenToKVPool + (Paged)TokenToKVPoolAllocator on CPU; slot 0 / page 0 is reserved padding",
         "KV bytes: the harness writes the spec's entries into the pool's K/V buffers and reads them back",
-        "time.monotonic and TreeNode.counter are swapped for a logical clock and a per-adapter counter during each call",
-        "the four leaf sets and RefInfo.nodes are insertion-ordered (OrderedSet) for determinism",
+    ),
+    deviations=(
+        "eviction ties: the fork's leaf sets and RefInfo.nodes are insertion-ordered, so equally ranked leaves leave in insertion order; as shipped a set orders them by memory address, which differs from run to run",
+        "clock: time.monotonic and TreeNode.counter are the harness's logical clock and a per-adapter counter during each call",
+        "insert: 0.5.10's insert reports no node; the adapter finds the node the key ends at (_node_at)",
+        "requests: the API is driven by calls the suite composes in the scheduler's place; the fork's request path "
+        "(its PrefillAdder admission, cache_finished_req and the finish path that registers refs) does not run",
     ),
 )
 
@@ -469,23 +474,36 @@ factory_priority.capabilities = replace(  # type: ignore[attr-defined]
     name=f"refaware.RefAwareRadixCache {REFAWARE_SGLANG_VERSION} ({FORK}), priority refs",
     priority_refs=True,
     notes=factory.capabilities.notes  # type: ignore[attr-defined]
+    + ("evict(n, allow_low, allow_high) runs the fork's evict inside scoped_evict(allow_low, allow_high)",),
+    deviations=factory.capabilities.deviations  # type: ignore[attr-defined]
     + (
-        "evict(n, allow_low, allow_high) runs the fork's evict inside scoped_evict(allow_low, allow_high)",
-        "plan_admission: SPEC.md §11.5 (kvcert.gpu.admission) over the fork's counters; the fork's cache has no planner",
+        "register_ref: the adapter builds the request it registers (rid, priority, the node it names as last_node); "
+        "the fork's scheduler registers what its own finish path left in the request",
+        "plan_admission: kvcert's planner (SPEC.md §11.5, kvcert.gpu.admission) over the fork's counters; the fork's "
+        "own admission (its PrefillAdder) is not run",
     ),
 )
 
 factory_priority_moves.capabilities = replace(  # type: ignore[attr-defined]
     factory_priority.capabilities,  # type: ignore[attr-defined]
     name=f"refaware.RefAwareRadixCache {REFAWARE_SGLANG_VERSION} ({FORK}), priority refs, re-register = release + register",
+    deviations=factory_priority.capabilities.deviations  # type: ignore[attr-defined]
+    + (
+        "a registered session registered again is released first, then registered: the fork's own re-registration "
+        "(which keeps refs on the path it left, R2) is not run",
+    ),
 )
 
 factory_priority_default_scope.capabilities = replace(  # type: ignore[attr-defined]
     factory_priority.capabilities,  # type: ignore[attr-defined]
     name=f"refaware.RefAwareRadixCache {REFAWARE_SGLANG_VERSION} ({FORK}), priority refs, the fork's default evict scope",
+    deviations=factory_priority.capabilities.deviations  # type: ignore[attr-defined]
+    + ("evict(n) in the full scope is the fork's plain evict, whose default scope spares HIGH_REF (R3)",),
 )
 
 factory_priority_class_moves.capabilities = replace(  # type: ignore[attr-defined]
     factory_priority.capabilities,  # type: ignore[attr-defined]
     name=f"refaware.RefAwareRadixCache {REFAWARE_SGLANG_VERSION} ({FORK}), priority refs, class change = release + register",
+    deviations=factory_priority.capabilities.deviations  # type: ignore[attr-defined]
+    + ("a session registered again in the other priority class is released first (the fork raises: R1)",),
 )

@@ -545,14 +545,36 @@ def make_factory(core: str = "python", layout: str = "layer_first", storage: boo
         profile="sglang-0.5.23",
         reports_metadata=core == "python",
         notes=(
-            f"{core} tree core, {layout} host layout, direct io via torch shims on CPU; copies held until complete()",
+            f"{core} tree core, {layout} host layout; copies held until complete()",
             "host pool sized exactly to host_capacity through hicache_ratio; load_back_threshold set on the cache",
             snapshot_note,
         )
+        + (("L3: SGLang's storage threads stepped by the harness (sglang_hicache_storage.py)",) if storage else ()),
+        deviations=(
+            "eviction ties: SGLang's sets of candidate leaves are insertion-ordered, so equally ranked leaves leave in insertion order; as shipped a set orders them by memory address, which differs from run to run (F-9)",
+            "clock: the tree's access-time, node-id, uuid and operation counters are the adapter's during each call",
+            "host transfers: torch index-copy stand-ins for sgl_kernel's transfer kernels (direct io on CPU), host "
+            "pools unpinned",
+            "retraction_restore locks the resumed request's root on the scheduler's behalf (its half of a resume): "
+            "a resume path that forgets that lock is not seen",
+            "requests: the API is driven by calls the suite composes in the scheduler's place; the scheduler's own "
+            "request path (match_kv_cache, alloc_for_extend, checkpoint and release_kv_cache with a Req) does not run",
+        )
         + (
             (
-                "L3: SGLang's storage threads stepped by the harness (sglang_hicache_storage.py); HiCacheStorage bridge "
-                "to the harness store; prefetch_threshold = one page, rate limit lifted; one-page transfer batches",
+                "host_lock_ref: the Rust core has no accessor; counts are derived from the ledger of SGLang's own "
+                "inc/dec_host_lock_ref calls, so the core's own counts are not read",
+            )
+            if core == "rust"
+            else ()
+        )
+        + (
+            (
+                "L3: a checksumming bridge to the harness's store replaces SGLang's own `file` backend (which serves "
+                "a corrupt page as KV: F-L3-1)",
+                "L3: prefetch threshold one page (SGLang ships 256 tokens) and the prefetch admission rate limit "
+                "lifted (SGLang ships half the host pool)",
+                "L3: STORAGE_BATCH_SIZE is 1 while a prefetch fetches (SGLang ships 128): a fetch is one page",
             )
             if storage
             else ()

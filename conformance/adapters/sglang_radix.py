@@ -309,7 +309,17 @@ factory.capabilities = Capabilities(  # type: ignore[attr-defined]
     notes=(
         "real MHATokenToKVPool + (Paged)TokenToKVPoolAllocator on CPU; slot 0 / page 0 is reserved padding",
         "KV bytes: the harness writes the spec's entries into the pool's K/V buffers and reads them back",
-        "time.monotonic and TreeNode.counter are swapped for a logical clock and a per-adapter counter during each call",
+        "SGLang 0.5.23 builds this RadixCache only for all-sliding-window models and --enable-flexkv; its default "
+        "is UnifiedRadixCache (sglang_hicache_backend, host_capacity 0)",
+    ),
+    deviations=(
+        "eviction ties: SGLang's sets of candidate leaves are insertion-ordered, so equally ranked leaves leave in insertion order; as shipped a set orders them by memory address, which differs from run to run (F-9)",
+        "clock: time.monotonic and TreeNode.counter are the harness's logical clock and a per-adapter counter during "
+        "each call, so every stamp within one operation is equal",
+        "requests: the API is driven by calls the suite composes in the scheduler's place (match, lock, alloc, "
+        "insert, free); a checkpoint's request is a stand-in with the fields RadixCache.checkpoint reads, not "
+        "SGLang's Req, and the scheduler's own request path (match_kv_cache, alloc_for_extend, release_kv_cache) "
+        "does not run",
     ),
 )
 

@@ -303,6 +303,21 @@ def _make(requested_core: str, planned: bool, moves: bool = False) -> Any:
             if moves
             else ()
         ),
+        deviations=base.deviations
+        + (
+            "register_ref: the adapter composes the scheduler's two calls (ensure_session_generation, then "
+            "register_session_ref with the node it names) around one request that arrives and finishes at once, "
+            "so generation fencing never fires (S7)",
+        )
+        + (("plan_admission: kvcert's planner over SGLang's counters; SGLang has none",) if planned else ())
+        + (
+            (
+                "a registered session registered again is closed first, then reopened: SGLang's own re-registration "
+                "(which adds a frontier leaf: S4, S5) is not run",
+            )
+            if moves
+            else ()
+        ),
     )
     factory.__doc__ = f"SGLang {SGLANG_VERSION} session-ref UnifiedRadixCache, {core}" + (
         "; admission planned by kvcert (SPEC.md §11.5 over SGLang's counters)." if planned else "."
