@@ -280,10 +280,18 @@ class Steering:
 
         return choose
 
-    def restore_pick(self) -> Callable[[list[str]], Optional[str]]:
-        """The core's restore chooser (DEMOTE): the demoted session the backend's release restored, or None."""
+    def restore_pick(self, required: bool = False) -> Callable[[list[str]], Optional[str]]:
+        """The core's restore chooser (DEMOTE): the demoted session the backend restored. A high session's
+        release must restore one when one is demoted (`required`; the seed's rule: high-priority room goes back to
+        a demoted session), so where the backend restored none the oracle restores the latest, and the comparison
+        reports the difference; a move may restore one or none."""
         back = {x.id for x in self.after.sessions if not x.demoted}
-        return lambda demoted: next((i for i in demoted if i in back), None)
+
+        def choose(demoted: list[str]) -> Optional[str]:
+            pick = next((i for i in demoted if i in back), None)
+            return demoted[-1] if pick is None and required and demoted else pick
+
+        return choose
 
     def host_orders(self) -> list[Optional[tuple[contracts.Path, ...]]]:
         """The core's orders of host victims to try (the order decides which backups a write-back eviction

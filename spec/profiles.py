@@ -70,8 +70,9 @@ DEMOTE = Choice(
     "host pressure demotes the idle high session with the fewest tokens on its path, ties to the earliest registered; "
     "a released high session restores the most recently demoted one (§11.4)",
     "host pressure demotes high sessions, one at a time and only while the host eviction's unused and low-tier "
-    "candidates fall short, whichever the backend picks; a released high session restores at most one demoted "
-    "session, whichever (or none), and so may a moved high session; refs and tiers stay exact (INV-TIER-1/5) and no high host copy goes while a "
+    "candidates fall short, whichever the backend picks; a released high session restores one demoted session when "
+    "one exists, whichever, and a moved high session may restore one or none; refs and tiers stay exact "
+    "(INV-TIER-1/5) and no high host copy goes while a "
     "demotion was possible (INV-TIER-4)",
     "priority_host",
 )

@@ -121,7 +121,7 @@ BACKUP_ROOM_TRACE = (
 """A write-through backup of 2 tokens finds 1 host slot free: SGLang host-evicts the shortfall (one host-only leaf),
 the alternative its whole size (both; the RefAware fork's H12)."""
 
-H7 = Trace.from_json((Path(__file__).parent.parent / "docs" / "findings" / "refaware" / "H7-load-back-scope.json").read_text())
+H7 = Trace.from_json((Path(__file__).parent.parent / "conformance" / "findings" / "refaware" / "H7-load-back-scope.json").read_text())
 LOAD_ROOM_TRACE = (H7.config, list(H7.ops))
 """A load back whose room only a high session's nodes can make: SGLang evicts them (the full scope), the alternative
 makes room in a low requester's scope and refuses the load (the RefAware fork's H7)."""
@@ -479,12 +479,21 @@ def test_the_certificate_says_what_the_profile_leaves_open() -> None:
 
 
 class _DemotesNewest(RefCache):
-    """Host pressure demotes the newest high session, and a high release restores none: both the backend's to pick
-    under the core (DEMOTE)."""
+    """Host pressure demotes the newest high session, and a high release restores the earliest demoted one: both
+    the backend's to pick under the core (DEMOTE)."""
 
     def __init__(self, config: CacheConfig) -> None:
         super().__init__(config)
         self.demote_steer = lambda high: high[-1] if high else None
+        self.restore_steer = lambda demoted: demoted[0] if demoted else None
+
+
+class _RestoresNone(RefCache):
+    """A high release gives its room back to nobody while a session is demoted: the seed's design says it restores
+    one, so the core does too."""
+
+    def __init__(self, config: CacheConfig) -> None:
+        super().__init__(config)
         self.restore_steer = lambda demoted: None
 
 
@@ -511,6 +520,8 @@ def test_the_core_takes_any_demotion_and_restore_but_not_an_extra_one() -> None:
     assert _verdict(_DemotesNewest, caps, config, ops, "core") == set()
     assert "INV-TIER-5" in _verdict(_DemotesNewest, caps, config, ops, "sglang-0.5.23")
     assert "INV-TIER-5" in _verdict(_DemotesTwice, caps, config, ops, "core")
+    assert "INV-TIER-5" in _verdict(_RestoresNone, caps, config, ops, "core")  # a release must restore one
+    assert _verdict(_RestoresNone, caps, config, MOVE_TRACE[1], "core") == set()  # a move may restore none
     # a move restores only where a high session moved: a low session's move that restores is an extra restore
     low_move = [*ops[:-1], RegisterRef("d", 6, 0), RegisterRef("d", 6, 0)]
     assert _verdict(_LowMoveRestores, caps, config, low_move, "core") >= {"INV-TIER-5"}
