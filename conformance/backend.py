@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Optional, Protocol, runtime_checkable
 
+from kvcert.spec.requests import RequestView
 from kvcert.spec.storage import StorageBackend
 from kvcert.spec.types import (
     AdmissionPlan,
@@ -33,7 +34,9 @@ __all__ = [
     "InsertOut",
     "KVBackend",
     "MatchOut",
+    "Model",
     "PriorityBackend",
+    "RequestPathBackend",
     "RetractionBackend",
     "StorageTierBackend",
     "capabilities_of",
@@ -174,6 +177,76 @@ class PriorityBackend(Backend, Protocol):
         self, tokens: int, priority: int, running: Sequence[Running], profile: Optional[AdmissionProfile]
     ) -> AdmissionPlan:
         """What admitting a request of `tokens` new tokens takes (SPEC.md §11.5); changes nothing."""
+
+
+class Model(Protocol):
+    """The model, played by the suite (SPEC.md §12): what a request-path target's forward pass asks of it."""
+
+    def kv(self, namespace: Optional[str], tokens: Sequence[int], start: int, count: int) -> list[bytes]:
+        """The KV entries of `tokens[start:start + count]` (each token's KV depends on its whole prefix)."""
+
+    def next_token(self, namespace: Optional[str], tokens: Sequence[int]) -> int:
+        """The token sampled after `tokens` (`kvcert.spec.requests.output_token`)."""
+
+
+@runtime_checkable
+class RequestPathBackend(Protocol):
+    """An engine driven through its own scheduler code with real request objects (SPEC.md §12); declared by
+    `Capabilities.kind == "request-path"`. The adapter translates each call into the engine's own entry point and
+    never does the scheduler's part: the engine admits, chunks, allocates, evicts, caches, registers and frees.
+
+    Each call returns once the engine has taken the message (a request queued, a close or a priority change
+    received); its effect is the engine's business, at the engine's next `step` or at once, as the engine does it.
+    """
+
+    def set_clock(self, now: int) -> None:
+        """Logical time of the next call; replaces any wall clock (SPEC.md §3)."""
+
+    def attach_model(self, model: Model) -> None:
+        """The model the engine's forward pass runs: it writes `model.kv(...)` into the slots the engine computed
+        and samples `model.next_token(...)`."""
+
+    def submit(
+        self,
+        request: str,
+        session: Optional[str],
+        namespace: Optional[str],
+        tokens: Sequence[int],
+        priority: int,
+        output: int,
+    ) -> None:
+        """A request arrives: a turn of `session` (None: one-shot) whose prompt is `tokens`, decoding `output`
+        tokens (the model never stops it earlier)."""
+
+    def step(self) -> None:
+        """One iteration of the engine's scheduler loop: take messages, schedule, run the model, process results."""
+
+    def close_session(self, session: str) -> None:
+        """The client ends `session` (the engine's release call: SGLang's close_session, the fork's /release_ref)."""
+
+    def reprioritize(self, session: str, priority: int) -> None:
+        """The client changes `session`'s priority (the fork's /update_ref)."""
+
+    def abort(self, request: str) -> None:
+        """The client aborts `request`."""
+
+    def requests(self) -> tuple[RequestView, ...]:
+        """Every request submitted and not yet reported finished or aborted before the last step, read off the
+        engine's own request objects."""
+
+    def snapshot(self) -> Snapshot:
+        """The cache as for any backend, with the sessions the engine has registered (`Snapshot.sessions`) and
+        the slots its requests hold (`Snapshot.lent_slots`)."""
+
+    def bookkeeping(self) -> dict[str, tuple[int, tuple[int, ...]]]:
+        """The engine's per-request and per-session indexes (registries, heaps, maps, counters), by name: how many
+        entries each holds, and the ids of the tree nodes its entries name (INV-LIVE-2)."""
+
+    def read_kv(self, slots: Sequence[int]) -> list[bytes]:
+        """The entries device slots hold now."""
+
+    def read_host_kv(self, host_slots: Sequence[int]) -> list[bytes]:
+        """The entries host slots hold now."""
 
 
 Factory = Callable[[CacheConfig], Backend]

@@ -28,6 +28,7 @@ from kvcert.conformance.driver import ConformanceFailure, Harness
 from kvcert.conformance.fuzz import run_random
 from kvcert.conformance.known import replay_findings
 from kvcert.conformance.machine import CacheMachine
+from kvcert.conformance.requests import RequestHarness, RequestMachine, request_cells, request_scope_gaps
 from kvcert.conformance.runner import run_machine
 from kvcert.conformance.running import TraceInvalid
 from kvcert.conformance.shrink import shrink
@@ -238,7 +239,9 @@ def run_cell(
     failure of the walk is shrunk, replayed and saved either way."""
     if driver not in DRIVERS:
         raise ValueError(f"driver {driver!r}: one of {', '.join(DRIVERS)}")
-    machine = CacheMachine.bind(factory, config, capabilities, bad_input)
+    machine = (RequestMachine if capabilities.kind == "request-path" else CacheMachine).bind(
+        factory, config, capabilities, bad_input
+    )
     if on_example is not None:
         machine.stats.on_example = lambda stats: on_example(config, stats.examples, stats.steps)
     start = time.perf_counter()
@@ -366,10 +369,11 @@ def replay(
 ) -> Replay:
     """Run `ops` on a fresh backend beside the oracle, then quiesce; what broke, what was bad input, and with
     `windows` the race windows each step entered."""
-    h: Optional[Harness] = None
+    h: Optional[Harness | RequestHarness] = None
     entered: list[tuple[int, str]] = []
     try:
-        h = Harness(factory(config), config, capabilities)
+        make = RequestHarness if capabilities.kind == "request-path" else Harness
+        h = make(factory(config), config, capabilities)
         h.count_windows = windows
         for i, op in enumerate(ops):
             h.step(op)
@@ -524,6 +528,10 @@ def cells_for(
     ]
     if capabilities.priority_refs and "high" not in capabilities.priority_parts:  # one ref class: every session low
         configs = [replace(c, high_priority_threshold=ONE_CLASS_THRESHOLD) for c in configs]
+    if capabilities.kind == "request-path":
+        storage = [config_name(c) for c in configs if c.prefetch_policy]
+        skipped += [f"{name}: no storage tier on a request path yet" for name in storage]
+        configs = request_cells(configs, capabilities)
     if bad_input is False and capabilities.strict_input:
         skipped.append("bad-input rules: switched off (--no-bad-input)")
     elif bad_input and not capabilities.strict_input:
@@ -543,6 +551,8 @@ WINDOW_TIERS = {
 def scope_gaps(capabilities: Capabilities, cells: list[CellResult], bad_input: Optional[bool] = None) -> list[str]:
     """What a certificate over `cells` does not cover, one line each: every part of the spec the backend
     does not declare, and every part it declares that no step of these cells exercised."""
+    if capabilities.kind == "request-path":
+        return request_scope_gaps(capabilities, cells)
     ops: dict[str, int] = {}
     for c in cells:
         for k, v in c.ops.items():

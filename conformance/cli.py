@@ -30,6 +30,7 @@ from kvcert.conformance.certify import (
 from kvcert.conformance.cluster import RayUnavailable
 from kvcert.conformance.diff import NODE_FIELDS, snapshot_rows
 from kvcert.conformance.driver import ConformanceFailure, Harness, Outcome, run_trace
+from kvcert.conformance.requests import run_requests
 from kvcert.conformance.running import lent
 from kvcert.conformance.windows import SHORT, WINDOWS
 from kvcert.sim.cli import policy_cmd
@@ -416,7 +417,8 @@ def replay_cmd(
 
         try:
             caps = judged_as(factory.capabilities, trace)  # type: ignore[attr-defined]
-            run_trace(factory(trace.config), trace.config, caps, ops, hook=hook)
+            replayer = run_requests if caps.kind == "request-path" else run_trace
+            replayer(factory(trace.config), trace.config, caps, ops, hook=hook)
         except ConformanceFailure as failure:
             console.print(f"[red]FAIL[/] {failure}")
             raise typer.Exit(1) from None

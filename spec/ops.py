@@ -244,6 +244,46 @@ class Finish:
     cache: bool = True
 
 
+@dataclass(frozen=True)
+class Submit:
+    """A client sends request `request` to an engine (SPEC.md §12): a turn of `session` (None: one-shot) whose prompt
+    is `tokens`, decoding `output` tokens. The engine's scheduler admits, chunks and finishes it as it decides."""
+
+    request: Any
+    namespace: Optional[str]
+    tokens: tuple[Any, ...]
+    priority: Any = 0
+    output: Any = 1
+    session: Any = None
+
+
+@dataclass(frozen=True)
+class Step:
+    """One iteration of the engine's scheduler loop: it takes its messages, schedules, runs the model, processes results."""
+
+
+@dataclass(frozen=True)
+class CloseSession:
+    """A client ends session `session` (SGLang's close_session, the RefAware fork's /release_ref)."""
+
+    session: Any
+
+
+@dataclass(frozen=True)
+class Reprioritize:
+    """A client changes session `session`'s priority (the RefAware fork's /update_ref)."""
+
+    session: Any
+    priority: Any = 0
+
+
+@dataclass(frozen=True)
+class AbortRequest:
+    """A client aborts request `request`, wherever it stands."""
+
+    request: Any
+
+
 Op = Union[
     Insert,
     Match,
@@ -272,9 +312,16 @@ Op = Union[
     Extend,
     Checkpoint,
     Finish,
+    Submit,
+    Step,
+    CloseSession,
+    Reprioritize,
+    AbortRequest,
 ]
 OP_TYPES: dict[str, type] = {t.__name__: t for t in get_args(Op)}
 """Op name -> class, for JSON traces: derived from `Op`, so a new op cannot be left out."""
+REQUEST_OPS = (Submit, Step, CloseSession, Reprioritize, AbortRequest)
+"""What clients send an engine (SPEC.md §12): the ops of a request-path target's traces, and only of those."""
 HANDLE_PRODUCERS = (Insert, Match, Restore, Start)
 """Ops whose result names a node a later op may use: a restore returns the resumed request's last node, a
 start its match's (the node the running request locks; `Extend`, `Checkpoint` and `Finish` name the

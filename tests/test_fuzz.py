@@ -160,4 +160,6 @@ def test_a_steps_digest_bytes_are_its_json_encoding(tmp_path: Path, monkeypatch:
     monkeypatch.setattr(determinism, "step_bytes", both)
     cells = dict(page_sizes=[1, 4], policies=["priority"], write_policies=["write_back"], prefetch_policies=["timeout"])
     cert = certify("kvcert.gpu:factory", examples=40, steps=50, seed=0, out_dir=tmp_path, driver="random", **cells)  # type: ignore[arg-type]
-    assert cert.passed and kinds == set(OP_TYPES), sorted(set(OP_TYPES) - kinds)
+    device = dict(page_sizes=[1], policies=["lru"], write_policies=[], prefetch_policies=[])  # and a request path's ops
+    served = certify("kvcert.conformance.engine:factory", examples=10, steps=30, seed=0, out_dir=tmp_path, driver="random", **device)  # type: ignore[arg-type]
+    assert cert.passed and served.passed and kinds == set(OP_TYPES), sorted(set(OP_TYPES) - kinds)

@@ -1,0 +1,631 @@
+"""Request-path targets (SPEC.md §12): an engine driven through its own scheduler code, judged after every op.
+
+The API-level harness (`conformance.driver`) composes a cache's calls in the scheduler's place and compares the
+cache with the reference model step by step. Here the engine's scheduler makes every call: the harness only sends
+what clients send (`Submit`, `Step`, `CloseSession`, `Reprioritize`, `AbortRequest`), plays the model
+(`ModelPlayer`: the spec's KV bytes and output tokens) and observes. After every op it judges the engine's
+snapshot by the state invariants and every KV byte, each request in flight by the bytes its row reads, and the
+engine's request handling by §12's rules: a finished turn registered as far as it is cached (INV-RP-2), a close
+that stays closed (INV-RP-3), a priority change that reaches the session (INV-RP-4), an exception out of the
+scheduler (INV-RP-1: the serving process exits), bookkeeping that names live nodes and is back to where it
+started once the client is done (INV-LIVE-2), and every request finishing (INV-LIVE-3).
+
+`RequestMachine` generates the traffic: one-shot requests and multi-turn sessions (a next turn's prompt is the
+last turn's prompt and output plus new tokens, at any priority), scheduler steps, and closes, priority changes
+and aborts arriving at any point, mid-turn included.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, Optional
+
+from kvcert.conformance.backend import Backend
+from kvcert.conformance.checks import Checks, _read_flat
+from kvcert.conformance.draws import MAX_PAGES, Draws, draws, tokens_of
+from kvcert.conformance.driver import ConformanceFailure
+from kvcert.conformance.ledger import Ledger
+from kvcert.conformance.machine import NAMESPACES, RunStats
+from kvcert.conformance.runner import precondition, rule
+from kvcert.conformance.scheduler import KVModel
+from kvcert.spec import contracts
+from kvcert.spec.invariants import Violation, check_snapshot
+from kvcert.spec.ops import AbortRequest, CloseSession, Op, Reprioritize, Step, Submit
+from kvcert.spec.requests import RequestView, output_token
+from kvcert.spec.types import CacheConfig, Capabilities, Snapshot
+
+__all__ = ["ModelPlayer", "RequestHarness", "RequestMachine", "turn_tokens"]
+
+IN_FLIGHT = 3
+"""Requests the generator keeps in flight at most: each holds KV of its own, and the device is small."""
+SESSIONS = ("s0", "s1", "s2")
+
+
+class ModelPlayer:
+    """The model a request-path target's forward pass runs (`conformance.backend.Model`): the spec's KV entries
+    (SPEC.md §9.12) and output tokens (`output_token`)."""
+
+    def __init__(self, kv: KVModel) -> None:
+        self._kv = kv
+
+    def kv(self, namespace: Optional[str], tokens: Sequence[int], start: int, count: int) -> list[bytes]:
+        return list(self._kv.entries(namespace, tuple(tokens))[start : start + count])
+
+    def next_token(self, namespace: Optional[str], tokens: Sequence[int]) -> int:
+        return output_token(namespace, tuple(tokens))
+
+
+def turn_tokens(namespace: Optional[str], prompt: Sequence[int], output: int) -> tuple[int, ...]:
+    """A turn's whole conversation once it has decoded `output` tokens: its prompt, then what the model sampled."""
+    tokens = tuple(prompt)
+    for _ in range(output):
+        tokens += (output_token(namespace, tokens),)
+    return tokens
+
+
+@dataclass
+class _Sent:
+    """A request as the client sent it."""
+
+    op: Submit
+    at: int
+    done: bool = False
+    """Its finish or abort has been seen."""
+
+
+@dataclass
+class _Session:
+    """A session as the client sees it."""
+
+    closed_at: Optional[int] = None
+    """The op index of its close, while no turn was sent after it."""
+    close_taken: bool = False
+    """A step ran after the close: the engine has taken it."""
+    priority: Optional[int] = None
+    """The priority it is registered at, as the client expects: its last finished turn's, or a later change's."""
+    turn: Optional[int] = None
+    """The priority its turn in flight will register at: the turn's own, or a change sent since."""
+    priority_taken: bool = True
+    """A step ran since the latest change."""
+
+
+@dataclass
+class RequestHarness:
+    """A request-path target, the client's record of what it sent, and the checks of SPEC.md §12."""
+
+    backend: Any
+    config: CacheConfig
+    capabilities: Capabilities
+    ops: list[Op] = field(default_factory=list)
+    clock: int = 0
+    rejected: list[int] = field(default_factory=list)
+    """Steps the oracle rejected as bad input: none here (a client's message is never bad input to a scheduler)."""
+    count_windows: bool = False
+    windows: list[str] = field(default_factory=list)
+    events: list[str] = field(default_factory=list)
+    ignore: frozenset[str] = frozenset()
+    closed: bool = False
+    sent: dict[str, _Sent] = field(default_factory=dict)
+    sessions: dict[str, _Session] = field(default_factory=dict)
+    finished: dict[str, RequestView] = field(default_factory=dict)
+    """Each request the engine reported finished, as it reported it."""
+
+    def __post_init__(self) -> None:
+        try:
+            self.model = KVModel(self.config.kv_layers)
+            self.backend.attach_model(ModelPlayer(self.model))
+            self.checks = Checks(self.backend, self.config, self.capabilities, Ledger(), self.model)
+            self.baseline = {k: v[0] for k, v in self.backend.bookkeeping().items()}
+            self._check(0, None)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        close = getattr(self.backend, "close", None)
+        if callable(close):
+            close()
+
+    # ------------------------------------------------------------------ queries the generator asks
+
+    def in_flight(self) -> list[str]:
+        """Requests sent and neither finished nor aborted, in the order they were sent."""
+        return [r for r, s in self.sent.items() if not s.done]
+
+    def busy_sessions(self) -> set[str]:
+        return {s.op.session for s in self.sent.values() if not s.done and s.op.session is not None}
+
+    def open_sessions(self) -> list[str]:
+        return [s for s, st in self.sessions.items() if st.closed_at is None]
+
+    # ------------------------------------------------------------------ one op
+
+    def step(self, op: Op) -> None:
+        index = len(self.ops)
+        self.ops.append(op)
+        self.clock += 1
+        self.backend.set_clock(self.clock)
+        try:
+            self._send(op)
+        except Exception as err:  # out of the engine's own code: in a server, the scheduler process dies
+            raise ConformanceFailure(
+                index,
+                op,
+                [Violation("INV-RP-1", f"the engine raised {type(err).__name__}: {err} (the serving process exits)")],
+            ) from err
+        self._record(index, op)
+        self._check(index, op)
+
+    def _send(self, op: Op) -> None:
+        b = self.backend
+        if isinstance(op, Submit):
+            b.submit(op.request, op.session, op.namespace, op.tokens, op.priority, op.output)
+        elif isinstance(op, Step):
+            b.step()
+        elif isinstance(op, CloseSession):
+            b.close_session(op.session)
+        elif isinstance(op, Reprioritize):
+            b.reprioritize(op.session, op.priority)
+        elif isinstance(op, AbortRequest):
+            b.abort(op.request)
+        else:
+            raise TypeError(f"{type(op).__name__} is not a request-path op (SPEC.md §12)")
+
+    def _record(self, index: int, op: Op) -> None:
+        """What the client now expects, from what it sent."""
+        if isinstance(op, Submit):
+            self.sent[op.request] = _Sent(op, index)
+            if op.session is not None:  # a new turn reopens a closed session; its priority counts once it finishes
+                old = self.sessions.get(op.session)
+                self.sessions[op.session] = _Session(priority=old.priority if old else None, turn=op.priority)
+        elif isinstance(op, CloseSession) and op.session in self.sessions:
+            self.sessions[op.session].closed_at, self.sessions[op.session].close_taken = index, False
+        elif isinstance(op, Reprioritize) and op.session in self.sessions:
+            st = self.sessions[op.session]
+            st.priority, st.turn, st.priority_taken = op.priority, op.priority, False
+        elif isinstance(op, Step):
+            for s in self.sessions.values():
+                s.close_taken = s.close_taken or s.closed_at is not None
+                s.priority_taken = True
+
+    def _snapshot(self, index: int, op: Optional[Op]) -> tuple[Snapshot, tuple[RequestView, ...]]:
+        try:
+            return self.backend.snapshot(), tuple(self.backend.requests())
+        except Exception as err:
+            raise ConformanceFailure(
+                index, op, [Violation("INV-ERR-3", f"reading the engine raised {type(err).__name__}: {err}")]
+            ) from err
+
+    def _check(self, index: int, op: Optional[Op]) -> None:
+        snap, views = self._snapshot(index, op)
+        violations = check_snapshot(snap)
+        if not violations:  # KV is judged on a sound tree
+            violations += self.checks.kv(snap)
+            violations += self._rows(views)
+        violations += self._turns(snap, views)
+        violations += self._bookkeeping(snap)
+        if self.ignore:
+            violations = [v for v in violations if v.inv not in self.ignore]
+        if violations:
+            raise ConformanceFailure(index, op, violations)
+
+    def _rows(self, views: tuple[RequestView, ...]) -> list[Violation]:
+        """INV-REQ-2: every request in flight reads, through its row, the KV of its own tokens."""
+        if not self.capabilities.kv_reads:
+            return []
+        checks = []
+        for v in views:
+            if v.state != "running" or not v.computed:
+                continue
+            want = self.model.content(v.namespace, tuple(v.tokens))
+            if want is not None:
+                checks.append((v, v.row[: v.computed], want[: v.computed]))
+        flat = _read_flat(self.backend.read_kv, [c[1] for c in checks])
+        self.checks.kv_entries_read += len(flat)
+        out, at = [], 0
+        for v, slots, want in checks:
+            got = flat[at : at + len(slots)]
+            at += len(slots)
+            if list(got) != list(want):
+                bad = next((i for i, (g, w) in enumerate(zip(got, want)) if g != w), len(got))
+                out.append(
+                    Violation(
+                        "INV-REQ-2",
+                        f"request {v.id}: its row's slot {slots[bad] if bad < len(slots) else '?'} (token {bad}) holds "
+                        "other KV than its own: a slot it still reads was freed or reused",
+                    )
+                )
+        return out
+
+    def _turns(self, snap: Snapshot, views: tuple[RequestView, ...]) -> list[Violation]:
+        """INV-RP-2/3/4 (a priority-aware engine): what finished turns, closes and priority changes left registered."""
+        out: list[Violation] = []
+        registered = {s.id: s for s in snap.sessions}
+        for v in views:
+            sent = self.sent.get(v.id)
+            if sent is None or sent.done or v.state not in ("finished", "aborted"):
+                continue
+            sent.done = True
+            if v.state == "finished":
+                self.finished[v.id] = v
+                st = self.sessions.get(sent.op.session) if sent.op.session is not None else None
+                if st is not None and st.closed_at is None:
+                    st.priority = st.turn  # the turn registered its session at its priority
+                out += self._registered_turn(snap, sent, v, registered)
+        if not self.capabilities.priority_refs:
+            return out
+        flying = self.busy_sessions()
+        for name, st in self.sessions.items():
+            if st.closed_at is not None and st.close_taken and name in registered:
+                out.append(
+                    Violation(
+                        "INV-RP-3",
+                        f"session {name} holds refs after the engine took its close (op {st.closed_at}): nothing the "
+                        "client sends will release them",
+                    )
+                )
+            elif (
+                st.priority is not None and st.priority_taken and name not in flying and name in registered
+            ) and registered[name].priority != st.priority:
+                out.append(
+                    Violation(
+                        "INV-RP-4",
+                        f"session {name} is registered at priority {registered[name].priority}; the client set "
+                        f"{st.priority} and the engine has taken it",
+                    )
+                )
+        return out
+
+    def _registered_turn(
+        self, snap: Snapshot, sent: _Sent, v: RequestView, registered: dict[str, Any]
+    ) -> list[Violation]:
+        """INV-RP-2: a finished turn of an open session leaves the session holding its cached tokens, exactly."""
+        name = sent.op.session
+        st = self.sessions.get(name) if name is not None else None
+        if not self.capabilities.priority_refs or st is None or st.closed_at is not None:
+            return []
+        cached = tree_prefix_len(snap, v.namespace, tuple(v.tokens))
+        if name not in registered:
+            if cached == 0:
+                return []
+            return [Violation("INV-RP-2", f"turn {v.id} of session {name} finished with {cached} tokens cached; the "
+                              "session holds nothing")]  # fmt: skip
+        ns, path = snap.path_of(registered[name].node)
+        if ns == v.namespace and path == tuple(v.tokens[:cached]):
+            return []
+        return [
+            Violation(
+                "INV-RP-2",
+                f"turn {v.id} of session {name} finished with {cached} of its {len(v.tokens)} tokens cached; the "
+                f"session holds a path of {len(path)} tokens"
+                + ("" if path == tuple(v.tokens[: len(path)]) else " off them"),
+            )
+        ]
+
+    def _bookkeeping(self, snap: Snapshot) -> list[Violation]:
+        """INV-LIVE-2's first clause: every node an engine index names is in the tree."""
+        live = {n.id for n in snap.nodes}
+        out = []
+        for name, (_, nodes) in self.backend.bookkeeping().items():
+            gone = sorted(set(nodes) - live)
+            if gone:
+                out.append(Violation("INV-LIVE-2", f"{name} names nodes {gone[:5]} that are no longer in the tree"))
+        return out
+
+    # ------------------------------------------------------------------ ending a trace
+
+    def quiesce(self) -> None:
+        """The client stops sending: the engine runs until every request finished — once nothing moves any more, the
+        client closes its sessions first (a high-priority session may hold what a low-priority request waits for) —
+        and every session the client opened is closed. Afterwards nothing may be held or locked, and every index is
+        back to its baseline."""
+        bound = 64 + 4 * sum(len(s.op.tokens) + _int(s.op.output) for s in self.sent.values() if not s.done)
+        self._run_down(bound, stall=16)
+        for name in self.open_sessions():
+            self.step(CloseSession(name))
+        self._run_down(bound)
+        if self.in_flight():
+            snap, views = self._snapshot(len(self.ops) - 1, Step())
+            where = {v.id: v.state for v in views}
+            stuck = ", ".join(f"{r} ({where.get(r, 'unknown to the engine')})" for r in self.in_flight()[:5])
+            raise ConformanceFailure(
+                len(self.ops) - 1,
+                Step(),
+                [
+                    Violation(
+                        "INV-LIVE-3",
+                        f"{bound} steps after the client closed its "
+                        f"sessions and sent nothing new, requests are unfinished: {stuck}",
+                    )
+                ],  # fmt: skip
+            )
+        for _ in range(8):  # the closes are taken, and copies still moving land
+            self.step(Step())
+            if not self.backend.snapshot().pending:
+                break
+        self._idle(len(self.ops) - 1)
+
+    def _run_down(self, bound: int, stall: int = 0) -> None:
+        """Step until no request is in flight, at most `bound` times; with `stall`, stop after that many steps in a
+        row in which no request changed state or computed anything."""
+        still, last = 0, None
+        for _ in range(bound):
+            if not self.in_flight():
+                return
+            self.step(Step())
+            now = tuple((v.id, v.state, v.computed) for v in self.backend.requests())
+            still = still + 1 if now == last else 0
+            last = now
+            if stall and still >= stall:
+                return
+
+    def _idle(self, index: int) -> None:
+        snap, _ = self._snapshot(index, Step())
+        out = []
+        locked = [n.id for n in snap.nodes if n.id != snap.root and n.lock_ref]
+        left = {
+            "locked nodes": len(locked),
+            "slots held by requests": len(snap.lent_slots),
+            "pending copies": len(snap.pending),
+        }
+        if any(left.values()):
+            out.append(Violation("INV-LIVE-1", "every request finished, yet " + ", ".join(f"{v} {k}" for k, v in left.items() if v) + " remain"))  # fmt: skip
+        if snap.sessions:
+            ids = ", ".join(s.id for s in snap.sessions[:5])
+            out.append(
+                Violation(
+                    "INV-LIVE-2",
+                    f"every request finished and every session the client opened is closed, yet {len(snap.sessions)} "
+                    f"sessions stay registered ({ids}): state kept per request served",
+                )
+            )
+        for name, (n, _) in self.backend.bookkeeping().items():
+            if n > self.baseline.get(name, 0):
+                out.append(
+                    Violation(
+                        "INV-LIVE-2",
+                        f"{name} holds {n} entries after the client is done (before the first request: "
+                        f"{self.baseline.get(name, 0)}): it grows with the requests served",
+                    )
+                )
+        if out:
+            raise ConformanceFailure(index, Step(), out)
+
+
+def _int(x: Any) -> int:
+    return x if isinstance(x, int) and not isinstance(x, bool) else 0
+
+
+def tree_prefix_len(snap: Snapshot, namespace: Optional[str], tokens: tuple[int, ...]) -> int:
+    """How many of `tokens` the tree holds as a path, on either tier: the end of the deepest node on their path."""
+    best = 0
+    for ns, path in contracts.node_paths(snap).values():
+        if ns == namespace and len(path) > best and tokens[: len(path)] == path:
+            best = len(path)
+    return best
+
+
+# ---------------------------------------------------------------------------------------------- generation
+
+
+class RequestMachine:
+    """Client traffic for a request-path target: the rules, one example per fresh engine (`runner.run_machine`)."""
+
+    factory: Callable[[CacheConfig], Backend]
+    config: CacheConfig
+    capabilities: Capabilities
+    stats: RunStats
+    last: Optional[RequestHarness] = None
+
+    @classmethod
+    def bind(
+        cls, factory: Any, config: CacheConfig, capabilities: Capabilities, bad_input: Optional[bool] = None
+    ) -> type[RequestMachine]:
+        attrs = {"factory": staticmethod(factory), "config": config, "capabilities": capabilities,
+                 "stats": RunStats(), "last": None}  # fmt: skip
+        return type("RequestMachine", (cls,), attrs)
+
+    @classmethod
+    def last_trace(cls) -> list[Op]:
+        return list(cls.last.ops) if cls.last is not None else []
+
+    def __init__(self) -> None:
+        self.h = RequestHarness(type(self).factory(type(self).config), type(self).config, type(self).capabilities)
+        type(self).last = self.h
+        stats = type(self).stats
+        stats.examples += 1
+        stats.digest.example()
+        if stats.on_example is not None:
+            stats.on_example(stats)
+        self.failed = False
+        self.requests = 0
+        self.history: dict[str, tuple[Optional[str], tuple[int, ...]]] = {}
+        """Per session: its namespace and its conversation so far (the last finished turn's prompt and output)."""
+        self.seen: list[tuple[Optional[str], tuple[int, ...]]] = []
+        self.namespaces = NAMESPACES if self.capabilities.namespaces else (None,)
+        self.counted: set[str] = set()
+
+    def do(self, op: Op) -> None:
+        stats = type(self).stats
+        stats.steps += 1
+        stats.digest.step(op)
+        stats.ops[type(op).__name__] += 1
+        read = self.h.checks.kv_entries_read
+        try:
+            self.h.step(op)
+        except BaseException:
+            self.failed = True
+            raise
+        if self.h.checks.kv_entries_read > read:
+            stats.ops["kv:entries"] += self.h.checks.kv_entries_read - read
+        if getattr(op, "namespace", None) is not None:
+            stats.ops["namespace:named"] += 1
+        for r in self.h.finished:
+            if r not in self.counted:
+                self.counted.add(r)
+                stats.ops["event:finished"] += 1
+                self._remember(self.h.finished[r])
+
+    def _remember(self, view: RequestView) -> None:
+        """A finished turn of a session becomes its conversation so far (what the model said is the spec's)."""
+        sent = self.h.sent.get(view.id)
+        if sent is None or sent.op.session is None:
+            return
+        whole = turn_tokens(sent.op.namespace, sent.op.tokens, _int(sent.op.output))
+        self.history[sent.op.session] = (sent.op.namespace, whole)
+
+    def _room(self) -> int:
+        """The most tokens one turn (prompt and output) may take: room for it and a little more on the device."""
+        return max(self.config.page_size, self.config.capacity - 2 * self.config.page_size)
+
+    @precondition(lambda self: len(self.h.in_flight()) < IN_FLIGHT)
+    @rule(data=draws())
+    def submit(self, data: Draws) -> None:
+        """A request arrives: a session's next turn (its conversation plus new tokens), a new session, or a one-shot
+        request, sharing prefixes with earlier prompts often."""
+        ps = self.config.page_size
+        output = data.integer(1, 4, "output tokens")
+        priority = data.integer(0, 2, "priority")
+        busy = self.h.busy_sessions()
+        idle = [s for s in SESSIONS if s not in busy]
+        session = data.choice(idle, "session") if idle and data.boolean("a session's turn") else None
+        if session is not None and session in self.history and data.integer(0, 3, "a new conversation unless 0"):
+            ns, prompt = self.history[session]
+            prompt += tokens_of(data.codes(1, 2, "new pages"), ps, data.integer(0, ps - 1, "partial page"))
+        else:
+            ns = data.choice(self.namespaces, "namespace")
+            if self.seen and data.boolean("shares a prefix"):
+                ns, base = data.choice(self.seen, "earlier prompt")
+                prompt = base[: data.integer(0, len(base), "cut")]
+            else:
+                prompt = ()
+            prompt += tokens_of(data.codes(1, MAX_PAGES, "pages"), ps, data.integer(0, ps - 1, "partial page"))
+        if len(prompt) + output > self._room():
+            if session is not None:
+                self.history.pop(session, None)
+            prompt = prompt[-(self._room() - output) :]  # too long a conversation: the client starts afresh
+        self.seen.append((ns, prompt))
+        self.requests += 1
+        self.do(Submit(f"r{self.requests}", ns, prompt, priority, output, session))
+
+    @rule()
+    def step(self) -> None:
+        self.do(Step())
+
+    @rule(data=draws())
+    def steps(self, data: Draws) -> None:
+        """A few scheduler iterations with nothing sent: prefill chunks and decode steps run, turns finish."""
+        for _ in range(data.integer(1, 4, "steps")):
+            self.do(Step())
+
+    @precondition(lambda self: self.capabilities.priority_refs and bool(self.h.open_sessions()))
+    @rule(data=draws())
+    def close(self, data: Draws) -> None:
+        """A client ends a session: between turns, or while a turn of it is still running."""
+        name = data.choice(self.h.open_sessions(), "session")
+        self.do(CloseSession(name))
+        self.history.pop(name, None)
+
+    @precondition(
+        lambda self: (
+            self.capabilities.priority_refs
+            and "update" in self.capabilities.priority_parts
+            and bool(self.h.open_sessions())
+        )
+    )
+    @rule(data=draws())
+    def reprioritize(self, data: Draws) -> None:
+        """A client changes a session's priority: between turns, or mid-turn."""
+        self.do(Reprioritize(data.choice(self.h.open_sessions(), "session"), data.integer(0, 2, "priority")))
+
+    @precondition(lambda self: bool(self.h.in_flight()))
+    @rule(data=draws())
+    def abort(self, data: Draws) -> None:
+        self.do(AbortRequest(data.choice(self.h.in_flight(), "request")))
+
+    def teardown(self) -> None:
+        try:
+            if not self.failed:
+                self.h.quiesce()
+        finally:
+            self.h.close()
+
+
+def request_cells(configs: list[CacheConfig], capabilities: Capabilities) -> list[CacheConfig]:
+    """A request-path target's cells: the same coordinates, with a device that holds a few turns at once."""
+    if capabilities.kind != "request-path":
+        return configs
+    return [
+        replace(
+            c,
+            capacity=REQUEST_DEVICE_PAGES * c.page_size,
+            host_capacity=2 * REQUEST_DEVICE_PAGES * c.page_size if c.host_capacity else 0,
+        )
+        for c in configs
+        if not c.prefetch_policy  # no storage tier on a request path yet
+    ]
+
+
+REQUEST_DEVICE_PAGES = 24
+"""Device pages of a request-path cell: a few turns fit at once, so the engine admits, chunks and evicts."""
+
+
+def request_scope_gaps(capabilities: Capabilities, cells: Sequence[Any]) -> list[str]:
+    """What a request-path certificate does not cover (SPEC.md §12.3), and what its cells did not exercise."""
+    ops: Counter[str] = Counter()
+    for c in cells:
+        ops.update(c.ops)
+    out = [
+        "the reference model beside the engine (SPEC.md §12.3): not run on a request path; eviction victims, copy "
+        "cuts and the exact tree after each step are judged by the state invariants only, and the profile's choices "
+        f"({capabilities.profile}) not at all: the engine's API-level target compares them",
+    ]
+    parts = [
+        ("KV bytes (INV-KV-1/2, INV-REQ-2: every cached slot and every request's row read back)", capabilities.kv_reads,
+         ops["kv:entries"] > 0),
+        ("finished turns (requests the engine finished and released)", True, ops["event:finished"] > 0),
+        ("aborted requests", True, ops["AbortRequest"] > 0),
+        ("namespaces (INV-NS-*)", capabilities.namespaces, ops["namespace:named"] > 0),
+        ("sessions closed by the client (INV-RP-3)", capabilities.priority_refs, ops["CloseSession"] > 0),
+        ("priority changes (INV-RP-4)", capabilities.priority_refs and "update" in capabilities.priority_parts,
+         ops["Reprioritize"] > 0),
+    ]  # fmt: skip
+    for what, declared, exercised in parts:
+        if not declared:
+            out.append(f"{what}: not declared by the target")
+        elif not exercised:
+            out.append(f"{what}: declared, but no step of this run exercised it")
+    if not capabilities.priority_refs:
+        out.append("priority tiers and session refs (SPEC.md §11, INV-RP-2/3/4): not declared by the target")
+    out += [
+        f"adapter deviation (the engine as certified differs from the engine as shipped): {d}"
+        for d in capabilities.deviations
+    ]
+    return out
+
+
+def run_requests(
+    backend: Any,
+    config: CacheConfig,
+    capabilities: Capabilities,
+    ops: Sequence[Op],
+    hook: Optional[Callable[[int, Op, None], None]] = None,
+    quiesce: bool = True,
+) -> RequestHarness:
+    """Replay a request-path trace; raises ConformanceFailure at the first broken rule (`driver.run_trace`'s twin)."""
+    h = RequestHarness(backend, config, capabilities)
+    try:
+        for i, op in enumerate(ops):
+            h.step(op)
+            if hook is not None:
+                hook(i, op, None)
+        if quiesce:
+            h.quiesce()
+    finally:
+        h.close()
+    return h

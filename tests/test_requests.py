@@ -1,0 +1,172 @@
+"""Request-path targets (SPEC.md §12): the harness passes kvcert's reference engine and catches each way an engine's
+request handling can go wrong, with a hand-written trace and by generation."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvcert.conformance.certify import certify, replay
+from kvcert.conformance.engine import ReferenceEngine, _Request
+from kvcert.conformance.engine import factory as engine_factory
+from kvcert.conformance.requests import turn_tokens
+from kvcert.refimpl import RefCache
+from kvcert.spec.ops import AbortRequest, CloseSession, Op, Reprioritize, Step, Submit
+from kvcert.spec.requests import output_token
+from kvcert.spec.types import CacheConfig
+
+CONFIG = CacheConfig(page_size=1, capacity=24, high_priority_threshold=1)
+CAPS = engine_factory.capabilities  # type: ignore[attr-defined]
+
+
+def _factory(engine: type[ReferenceEngine]) -> Callable[[CacheConfig], ReferenceEngine]:
+    def make(config: CacheConfig) -> ReferenceEngine:
+        return engine(RefCache(config), config)
+
+    make.capabilities = CAPS  # type: ignore[attr-defined]
+    return make
+
+
+class _RegistersShort(ReferenceEngine):
+    """Registers a finished turn's session on the node its match ended on, not its insert's: what it decoded and
+    cached is left unprotected (the RefAware fork's device cache does this: its insert reports no node)."""
+
+    def register(self, r: _Request, node: int) -> None:
+        super().register(r, r.node if r.node is not None else node)
+
+
+class _ReregistersClosed(ReferenceEngine):
+    """A turn that finishes after its session's close registers the session again: refs nothing will release."""
+
+    def registers(self, r: _Request) -> bool:
+        return r.session is not None
+
+
+class _KeepsEveryRequest(ReferenceEngine):
+    """Keeps a record of every request it served, forever."""
+
+    def _end(self, r: _Request, state: str) -> None:
+        self.served = [*getattr(self, "served", []), r.id]
+        super()._end(r, state)
+
+    def bookkeeping(self) -> dict[str, tuple[int, tuple[int, ...]]]:
+        return {**super().bookkeeping(), "served": (len(getattr(self, "served", [])), ())}
+
+
+class _FreesRowEarly(ReferenceEngine):
+    """Frees the last slot of a request's row as soon as its prefill is done, while it still decodes into it."""
+
+    def _forward(self, r: _Request) -> None:
+        prefilled = r.computed >= r.target
+        super()._forward(r)
+        if not prefilled and r.computed >= r.target and r.state == "running" and len(r.row) > r.protected:
+            self.cache.free(r.row[-1:])
+
+
+class _RaisesOnClassChange(ReferenceEngine):
+    """Refuses a session's turn in the other priority class with an untyped error (the RefAware fork's R1)."""
+
+    def register(self, r: _Request, node: int) -> None:
+        old = next((s for s in self.cache.snapshot().sessions if s.id == r.session), None)
+        if old is not None and old.high != (self.open[r.session] >= self.config.high_priority_threshold):
+            raise ValueError("Priority class mismatch")
+        super().register(r, node)
+
+
+class _MissesRunningTurn(ReferenceEngine):
+    """A priority change reaches the registered session but not its turn in flight, which finishes at its old one."""
+
+    def _take(self, message: tuple[Any, ...]) -> None:
+        if message[0] == "priority" and message[1] in self.open:
+            session, priority = message[1], message[2]
+            if any(s.id == session for s in self.cache.snapshot().sessions):
+                self.cache.update_ref(session, priority)
+            return
+        super()._take(message)
+
+    def register(self, r: _Request, node: int) -> None:
+        self.open[r.session] = r.priority  # type: ignore[index]
+        super().register(r, node)
+
+
+def _turn(request: str, session: str | None, tokens: tuple[int, ...], priority: int = 1, output: int = 2) -> Submit:
+    return Submit(request, None, tokens, priority, output, session)
+
+
+def _steps(n: int) -> list[Op]:
+    return [Step() for _ in range(n)]
+
+
+DIRECTED: list[tuple[type[ReferenceEngine], list[Op], str]] = [
+    (_RegistersShort, [_turn("r1", "s0", (1, 2, 3)), *_steps(3), _turn("r2", "s0", (1, 2, 3, 0, 1)), *_steps(3)],
+     "INV-RP-2"),
+    (_ReregistersClosed, [_turn("r1", "s0", (1, 2, 3, 1, 1, 1), output=3), Step(), CloseSession("s0"), *_steps(4)],
+     "INV-RP-3"),
+    (_KeepsEveryRequest, [_turn("r1", None, (1, 2)), _turn("r2", None, (2, 2)), *_steps(3)], "INV-LIVE-2"),
+    (_FreesRowEarly, [_turn("r1", None, (1, 2, 3), output=3), Step(), _turn("r2", None, (3, 3, 3, 3)), *_steps(4)],
+     "INV-"),
+    (_RaisesOnClassChange, [_turn("r1", "s0", (1, 2)), *_steps(3), _turn("r2", "s0", (1, 2, 0, 1), priority=0),
+                            *_steps(3)], "INV-RP-1"),
+    (_MissesRunningTurn, [_turn("r1", "s0", (1, 2)), *_steps(3), _turn("r2", "s0", (1, 2, 0, 1), priority=1, output=3),
+                          Step(), Reprioritize("s0", 0), *_steps(4)], "INV-RP-4"),
+]  # fmt: skip
+
+
+def test_the_reference_engine_passes_every_directed_trace() -> None:
+    for _, ops, _ in DIRECTED:
+        got = replay(engine_factory, CAPS, CONFIG, ops)
+        assert got.failure is None, got.failure
+
+
+@pytest.mark.parametrize("engine,ops,rule", DIRECTED, ids=[d[0].__name__.strip("_") for d in DIRECTED])
+def test_each_defect_breaks_its_rule(engine: type[ReferenceEngine], ops: list[Op], rule: str) -> None:
+    got = replay(_factory(engine), CAPS, CONFIG, ops)
+    assert got.failure is not None, f"{engine.__name__} passed"
+    assert any(v.inv.startswith(rule) for v in got.failure.violations), got.failure
+
+
+@pytest.mark.parametrize(
+    "engine", [_RegistersShort, _ReregistersClosed, _KeepsEveryRequest, _FreesRowEarly, _RaisesOnClassChange,
+               _MissesRunningTurn],
+    ids=lambda e: e.__name__.strip("_"),
+)  # fmt: skip
+def test_generation_finds_each_defect(engine: type[ReferenceEngine], tmp_path: Path, monkeypatch: Any) -> None:
+    """The request machine reaches each defect on its own, within a small budget, in one device cell."""
+    import sys
+
+    module = sys.modules[__name__]
+    monkeypatch.setattr(module, "mutant", _factory(engine), raising=False)
+    cert = certify(f"{__name__}:mutant", examples=120, steps=40, page_sizes=[1], policies=["lru"],
+                   write_policies=[], prefetch_policies=[], out_dir=tmp_path)  # fmt: skip
+    assert not cert.passed and cert.cells[0].failure, f"{engine.__name__} survived generation"
+    assert cert.cells[0].reproduced
+
+
+def test_a_reference_engine_certificate_says_what_it_did_not_check(tmp_path: Path) -> None:
+    cert = certify("kvcert.conformance.engine:factory", examples=10, steps=30, page_sizes=[1], policies=["lru"],
+                   write_policies=[], prefetch_policies=[], out_dir=tmp_path)  # fmt: skip
+    assert cert.passed and cert.kind == "request-path" and cert.total_steps > 0
+    assert any("reference model beside the engine" in g for g in cert.not_checked)
+    ops = cert.cells[0].ops
+    assert ops.get("event:finished", 0) > 0 and ops.get("kv:entries", 0) > 0 and ops.get("CloseSession", 0) > 0
+
+
+def test_a_turns_output_is_the_models() -> None:
+    """The client knows a turn's whole conversation without asking the engine (SPEC.md §12.1)."""
+    prompt = (1, 2, 3)
+    whole = turn_tokens(None, prompt, 3)
+    assert whole[:3] == prompt and len(whole) == 6
+    assert whole[3] == output_token(None, prompt) and whole[5] == output_token(None, whole[:5])
+
+
+def test_a_request_trace_round_trips_and_replays(tmp_path: Path) -> None:
+    from kvcert.spec.ops import Trace
+
+    ops = [_turn("r1", "s0", (1, 2)), Step(), AbortRequest("r1"), Step(), CloseSession("s0")]
+    text = Trace(config=CONFIG, ops=tuple(ops), target="kvcert.conformance.engine:factory").to_json()
+    back = Trace.from_json(text)
+    assert list(back.ops) == ops
+    assert replay(engine_factory, CAPS, CONFIG, back.ops).failure is None
