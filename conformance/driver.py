@@ -121,10 +121,11 @@ class Harness(Queries):
             self.oracle.rank_free = not self.profile.pinned(RANK)
             self.oracle.host_order = "reclaim_first" if self.profile.pinned(RECLAIM) else "rank"
             self.oracle.backs_up_retractions = self.capabilities.retraction  # none declared: plans keep no backup
+            for knob, value in self.profile.settings:  # the engine's own choices, where its profile pins them
+                setattr(self.oracle, knob, value)
             self.model = KVModel(self.config.kv_layers)
-            self.checks = Checks(
-                self.backend, self.config, self.capabilities, self.ledger, self.model, self.profile.pinned(LOAD_LOCK)
-            )
+            load_locked = self.profile.pinned(LOAD_LOCK) and self.profile.setting("load_host_lock", True)
+            self.checks = Checks(self.backend, self.config, self.capabilities, self.ledger, self.model, load_locked)
             if self.config.prefetch_policy:
                 self.storages = (FaultyStorage(MemoryStorage()), FaultyStorage(MemoryStorage()))
                 self.backend.attach_storage(self.storages[0])  # type: ignore[attr-defined]
@@ -303,7 +304,9 @@ class Harness(Queries):
             choose, replayed = None, None
             if isinstance(op, (Evict, EvictHost)) and isinstance(got, int):
                 if pinned(RANK):
-                    choose, replayed = steering.witness(self.oracle, self.spec_snapshot(), op, got, found, skipped_first)
+                    choose, replayed = steering.witness(
+                        self.oracle, self.spec_snapshot(), op, got, found, skipped_first
+                    )
                 else:
                     choose, replayed = steering.seat(self.oracle, op, got, found, skipped_first, tail, order)
             elif isinstance(op, Admit):  # the plan's scoped eviction: among tied leaves, the backend's victims
@@ -339,10 +342,14 @@ class Harness(Queries):
             finally:
                 self.oracle.steer = self.oracle.reclaim = self.oracle.host_steer = None
                 self.oracle.demote_steer = self.oracle.restore_steer = None
-                self.oracle.load_host_lock = True
-                self.oracle.copy_failure = "retry"
-                self.oracle.host_ask, self.oracle.host_room = None, "whole"
-                self.oracle.load_scope, self.oracle.load_ask = (True, True), "shortfall"
+                setting = self.profile.setting  # back to the profile's choice (SGLang's where it says nothing)
+                self.oracle.load_host_lock = setting("load_host_lock", True)
+                self.oracle.copy_failure = setting("copy_failure", "retry")
+                self.oracle.host_ask, self.oracle.host_room = None, setting("host_room", "whole")
+                self.oracle.load_scope, self.oracle.load_ask = (
+                    setting("load_scope", (True, True)),
+                    setting("load_ask", "shortfall"),
+                )
                 self._spec_snap = None
             if not pinned(BATCH):
                 self._regroup(before, after)

@@ -16,6 +16,7 @@ bytes move (`_move_kv`). As the oracle it is never written to, so its dicts stay
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Optional
@@ -349,7 +350,8 @@ class RefCache:
         D17); "shortfall" only what is missing (ROOM)."""
         self.batching = "sglang"
         """How copies are cut (BATCH): "sglang" (one write copy per insert, one store copy per node, shallowest
-        first); "per_node" (one write copy per node, deepest first); "per_ack" (a write ack's nodes stored in one
+        first); "per_node" (one write copy per node, deepest first); "per_node_parents_first" (one per node, parents
+        first: the RefAware fork, H11); "per_ack" (a write ack's nodes stored in one
         copy)."""
         self.backup_room = "shortfall"
         """A write-through or write-back backup short of host room: host eviction asks for the shortfall (SGLang) or
@@ -380,6 +382,14 @@ class RefCache:
         self.load_ask = "shortfall"
         """What load-back asks device eviction for (LOAD_ROOM): its "shortfall" (SGLang 0.5.23) or its "whole" size
         (0.5.10's `load_back`, H13)."""
+        self.demote_order = "idle_fewest"
+        """Which high session host pressure demotes (DEMOTE): "idle_fewest", an idle one with the fewest tokens on its
+        path, ties to the earliest registered (SPEC.md §11.4); or "queued", the RefAware fork's: the one queued with
+        the fewest tokens when it was queued, ties to the smaller id, idle or not (`idle_queue`)."""
+        self.idle_queue: list[tuple[int, str]] = []
+        """Under "queued": (tokens on its path when queued, id), a min-heap of high sessions, each queued at most once
+        (`queued`) when it is registered, raised or restored as high; a stale entry leaves when it reaches the top."""
+        self.queued: set[str] = set()
         self.restore_on_move = False
         """Whether a high session registered again (moved) counts as released and restores a demoted session
         (DEMOTE; the RefAware fork's composed move, H9): SGLang's profile says no."""
@@ -553,7 +563,12 @@ class RefCache:
         )
 
     def insert(
-        self, namespace: Namespace, tokens: Sequence[int], slots: Sequence[int], priority: int = 0, inserted_len: int = 0
+        self,
+        namespace: Namespace,
+        tokens: Sequence[int],
+        slots: Sequence[int],
+        priority: int = 0,
+        inserted_len: int = 0,
     ) -> InsertOut:
         """Cache `tokens` over `slots` (SPEC.md §4.2). `inserted_len`: how much of this key the same request
         inserted before, whose nodes its earlier checkpoints counted a hit for already (SGLang's gate, §4.8);
@@ -754,6 +769,8 @@ class RefCache:
                     written.append(node)
         if self.batching == "per_node":
             groups = [[n] for n in reversed(written)]
+        elif self.batching == "per_node_parents_first":
+            groups = [[n] for n in written]
         else:
             groups = [written] if written else []
         for group in groups:
@@ -1067,6 +1084,7 @@ class RefCache:
         self._next_seq += 1
         self.sessions[session_id] = session
         self._hold(session, +1)
+        self._queue(session)
 
     def update_ref(self, session_id: str, priority: int) -> None:
         """A new priority for the session's path; clears an adaptive demotion."""
@@ -1075,6 +1093,7 @@ class RefCache:
         self._hold(session, -1)
         session.priority, session.demoted = priority, False
         self._hold(session, +1)
+        self._queue(session)
 
     def release_ref(self, session_id: str) -> None:
         """The session holds nothing any more; a high one gives its room back to a demoted one."""
@@ -1107,6 +1126,25 @@ class RefCache:
         self._hold(back, -1)
         back.demoted = False
         self._hold(back, +1)
+        self._queue(back)
+
+    def _queue(self, session: Session) -> None:
+        """Under the "queued" demotion order, a session high now joins the queue, unless it is in it already."""
+        if self.demote_order != "queued" or not self._is_high(session) or session.id in self.queued:
+            return
+        self.queued.add(session.id)
+        heapq.heappush(self.idle_queue, (len(self._full_path(session.node)), session.id))
+
+    def _queued_high(self) -> Optional[Session]:
+        """The queue's first session that is still high; the stale entries before it leave the queue."""
+        while self.idle_queue:
+            _, sid = self.idle_queue[0]
+            session = self.sessions.get(sid)
+            if session is not None and self._is_high(session):
+                return session
+            heapq.heappop(self.idle_queue)
+            self.queued.discard(sid)
+        return None
 
     def _demote_idle_session(self) -> bool:
         """Host pressure: demote the idle high session with the fewest tokens (SPEC.md §11.4); False if none."""
@@ -1114,6 +1152,11 @@ class RefCache:
         pick = self.demote_steer([s.id for s in high]) if self.demote_steer is not None else None
         if pick is not None:
             victim = self.sessions[pick]
+        elif self.demote_order == "queued":
+            queued = self._queued_high()
+            if queued is None:
+                return False
+            victim = queued
         else:
             idle = [s for s in high if any(n.slots is None for n in self._path_to_root(s.node))]
             if not idle:

@@ -11,6 +11,7 @@ checks the core relation and then seats the oracle on whatever legal choice the 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -109,18 +110,46 @@ class Profile:
     name: str
     pins: frozenset[str]
     """The ids of the choices this profile pins; the rest are checked by their core relation."""
+    settings: tuple[tuple[str, Any], ...] = ()
+    """Where the engine's choice at a pinned place differs from SGLang 0.5.23's: the reference model's knob and
+    the engine's value (`RefCache` attributes), so the model makes the engine's choice and the engine must match."""
 
     def pinned(self, choice: Choice) -> bool:
         return choice.id in self.pins
 
+    def setting(self, name: str, default: Any) -> Any:
+        """The model's value for knob `name` under this profile (SGLang's, `default`, unless the profile says)."""
+        for key, value in self.settings:
+            if key == name:
+                return value
+        return default
+
 
 CORE = Profile("core", frozenset())
 SGLANG = Profile("sglang-0.5.23", frozenset(c.id for c in CHOICES))
-REFAWARE = Profile("refaware-0.5.10", frozenset({RANK.id}))
-"""The priority-aware fork of SGLang 0.5.10 (the seed's implementation): it ranks victims as §4.5/§11.3 do on both
-tiers, and makes its own choice at every other place the core leaves open (REFAWARE_CALIBRATION.md: one write
-copy per node, any non-generating high rid demoted, the earliest demotion restored, a load's host copy
-protected by its pins, a request-less load's room: its whole size, in a low requester's scope)."""
+REFAWARE = Profile(
+    "refaware-0.5.10",
+    frozenset({RANK.id, BATCH.id, DEMOTE.id, LOAD_LOCK.id, LOAD_ROOM.id, ROOM.id}),
+    settings=(
+        ("batching", "per_node_parents_first"),
+        ("demote_order", "queued"),
+        ("restore_order", "earliest"),
+        ("restore_on_move", True),
+        ("load_host_lock", False),
+        ("load_scope", (True, False)),
+        ("load_ask", "whole"),
+        ("backup_room", "whole"),
+    ),
+)
+"""The priority-aware fork of SGLang 0.5.10 (the seed's implementation), held to its own design
+(REFAWARE_CALIBRATION.md): it ranks victims as §4.5/§11.3 do on both tiers; cuts one write copy per node, parents
+first (H11); host pressure demotes the high session queued with the fewest tokens when it was queued, ties to the
+smaller id, idle or not (H4, H8: its idle-high heap, which it fills at a registration or a restore as high, and
+the design fills at a raise to high too: H5 is the fork missing that); a released or moved high session restores
+the earliest demoted one (H6, H9); a pending load's host copy is kept by the load's own pins (H1); a request-less
+load makes room for its whole size in a low requester's scope (H7, H13); a backup short of host room host-evicts
+its whole size (H12). RECLAIM and RETRY stay the core's: the fork never reclaims a write-back duplicate (H2, a
+defect), and it injects no faults."""
 PROFILES: dict[str, Profile] = {p.name: p for p in (CORE, SGLANG, REFAWARE)}
 
 

@@ -172,6 +172,24 @@ def test_under_the_core_only_the_defects_fail() -> None:
     assert {Path(p).stem for p, rules in got.items() if rules} == CORE_FAILS, got
 
 
+def test_under_the_forks_own_profile_only_the_defects_fail(tmp_path: Path) -> None:
+    """The fork's profile pins its own design (its demotion queue, restore order, copy cut, load room and lock, backup
+    room): every calibrated choice passes under it, replayed on the fork as its adapters drive it (the H1-translated
+    variants are judged by the core), and the defects still fail."""
+    _environment()
+    plain = []
+    for path in FINDINGS:
+        trace = Trace.from_json(path.read_text())
+        target = trace.target.replace("_load_locked", "")
+        plain_path = tmp_path / path.name
+        plain_path.write_text(Trace(trace.config, trace.ops, target, trace.note).to_json())
+        plain.append(plain_path)
+    done = _run(["-W", "ignore", "-c", REPLAY, *map(str, plain)], profile="refaware-0.5.10")
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert {Path(p).stem for p, rules in got.items() if rules} == CORE_FAILS, got
+
+
 def test_plain_factory_exercises_the_host_tier(tmp_path: Path) -> None:
     """`factory`, page size 1, write_through and write_back: the host ops ran, and what failed is calibrated."""
     _environment()

@@ -652,7 +652,7 @@ factory.capabilities = Capabilities(  # type: ignore[attr-defined]
     kv_reads=True,
     aligns_keys=False,  # 0.5.10's insert does not page-align a key: its callers do
     checkpoints=False,  # 0.5.10 has no checkpoint: the harness composes it
-    profile="refaware-0.5.10",  # its own choices (BATCH H11, DEMOTE H4/H6/H8, LOAD_LOCK H1); RANK as the spec's
+    profile="refaware-0.5.10",  # its own design pinned: BATCH H11, DEMOTE H4/H6/H8/H9, LOAD_LOCK H1, LOAD_ROOM H7/H13, ROOM H12
     reports_metadata=True,
     metadata_exact=True,
     notes=(
@@ -694,15 +694,23 @@ factory_priority.capabilities = replace(  # type: ignore[attr-defined]
 )
 
 _H1_NOTE = "H1 translated: a pending load's anchor (and the halves a split cut from it) reported host-locked"
+_H1_DEVIATION = (
+    "pending loads reported host-locked: the adapter reports a host lock the fork does not take (H1), so the "
+    "fork can be explored under a profile that pins SGLang's LOAD_LOCK; judged by the core"
+)
 factory_load_locked.capabilities = replace(  # type: ignore[attr-defined]
     factory.capabilities,  # type: ignore[attr-defined]
     name=factory.capabilities.name + ", pending loads reported host-locked (H1)",  # type: ignore[attr-defined]
+    profile="core",
     notes=factory.capabilities.notes + (_H1_NOTE,),  # type: ignore[attr-defined]
+    deviations=factory.capabilities.deviations + (_H1_DEVIATION,),  # type: ignore[attr-defined]
 )
 factory_priority_load_locked.capabilities = replace(  # type: ignore[attr-defined]
     factory_priority.capabilities,  # type: ignore[attr-defined]
     name=factory_priority.capabilities.name + ", pending loads reported host-locked (H1)",  # type: ignore[attr-defined]
+    profile="core",
     notes=factory_priority.capabilities.notes + (_H1_NOTE,),  # type: ignore[attr-defined]
+    deviations=factory_priority.capabilities.deviations + (_H1_DEVIATION,),  # type: ignore[attr-defined]
 )
 
 
