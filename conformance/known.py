@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvcert.spec.ops import (
+    REQUEST_OPS,
     AbortPrefetch,
     Admit,
     CheckPrefetch,
@@ -168,6 +169,12 @@ def _hashable(value: Any) -> Any:
 
 def _needs(op: Op, caps: Capabilities) -> str:
     """What `op` needs declared that `caps` does not declare, or ""."""
+    if isinstance(op, REQUEST_OPS) != (caps.kind == "request-path"):
+        return (
+            "a client's request, for a target driven through its request path (SPEC.md §12)"
+            if isinstance(op, REQUEST_OPS)
+            else "a call on the cache's API, and the target is driven through its engine's request path"
+        )
     parts = caps.priority_parts if caps.priority_refs else ()
     if (
         isinstance(op, (Prefetch, Fetch, CheckPrefetch, AbortPrefetch, Publish, StorageFault))
@@ -224,7 +231,13 @@ def _judged(finding: Finding, path: str, got: Replay, caps: Capabilities) -> Jud
     way (bad input to a backend sent only valid traffic; a lock on a host-only node its callers never take)."""
     if got.failure is None:
         why = f" ({got.invalid})" if got.invalid else ""
-        return Judged(finding, path, False, (), f"does not reproduce on this target (fixed, or avoided by how its adapter drives the engine){why}")
+        return Judged(
+            finding,
+            path,
+            False,
+            (),
+            f"does not reproduce on this target (fixed, or avoided by how its adapter drives the engine){why}",
+        )
     step = got.failure.step
     if not caps.strict_input and not got.valid_failure():
         return Judged(finding, path, False, (), "out of scope: bad input, and the backend is sent only valid traffic")

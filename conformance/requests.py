@@ -29,6 +29,7 @@ from kvcert.conformance.driver import ConformanceFailure
 from kvcert.conformance.ledger import Ledger
 from kvcert.conformance.machine import NAMESPACES, RunStats
 from kvcert.conformance.runner import precondition, rule
+from kvcert.conformance.running import TraceInvalid
 from kvcert.conformance.scheduler import KVModel
 from kvcert.spec import contracts
 from kvcert.spec.invariants import Violation, check_snapshot
@@ -111,6 +112,8 @@ class RequestHarness:
     sessions: dict[str, _Session] = field(default_factory=dict)
     finished: dict[str, RequestView] = field(default_factory=dict)
     """Each request the engine reported finished, as it reported it."""
+    aborted: set[str] = field(default_factory=set)
+    """The requests the client aborted."""
 
     def __post_init__(self) -> None:
         try:
@@ -146,6 +149,9 @@ class RequestHarness:
     # ------------------------------------------------------------------ one op
 
     def step(self, op: Op) -> None:
+        if isinstance(op, Submit) and (op.request in self.sent or op.session in self.busy_sessions()):
+            # No client does this (SPEC.md §12.1): only shrinking makes such a trace, and it is not kept.
+            raise TraceInvalid(f"{op.request}: a request id sent twice, or a second turn of a session in flight")
         index = len(self.ops)
         self.ops.append(op)
         self.clock += 1
@@ -183,6 +189,8 @@ class RequestHarness:
             if op.session is not None:  # a new turn reopens a closed session; its priority counts once it finishes
                 old = self.sessions.get(op.session)
                 self.sessions[op.session] = _Session(priority=old.priority if old else None, turn=op.priority)
+        elif isinstance(op, AbortRequest):
+            self.aborted.add(op.request)
         elif isinstance(op, CloseSession) and op.session in self.sessions:
             self.sessions[op.session].closed_at, self.sessions[op.session].close_taken = index, False
         elif isinstance(op, Reprioritize) and op.session in self.sessions:
@@ -251,6 +259,14 @@ class RequestHarness:
             if sent is None or sent.done or v.state not in ("finished", "aborted"):
                 continue
             sent.done = True
+            if v.state == "aborted" and v.id not in self.aborted:
+                out.append(
+                    Violation(
+                        "INV-RP-5",
+                        f"request {v.id} was aborted, and no client asked: the client aborted only "
+                        f"{sorted(self.aborted) or 'nothing'}",
+                    )
+                )
             if v.state == "finished":
                 self.finished[v.id] = v
                 st = self.sessions.get(sent.op.session) if sent.op.session is not None else None

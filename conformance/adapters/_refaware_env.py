@@ -335,3 +335,36 @@ def import_refaware() -> types.SimpleNamespace:
         RefAwareRadixCache=RefAwareRadixCache,
         RefAwareHiRadixCache=RefAwareHiRadixCache,
     )
+
+
+# --------------------------------------------------------------------------- the fork's scheduler
+
+_SCHEDULER_ONLY_IMPORTS = ("setproctitle", "einops")
+"""Hard imports of `managers/scheduler.py` (and, through it, the model layers) that the fork's pinned set leaves
+out: `setproctitle` names the scheduler's process (`run_scheduler_process` only), `einops` is imported by layer
+modules whose code the request path never runs. Stubbed where missing (empty mock packages)."""
+
+
+def import_refaware_scheduler() -> types.SimpleNamespace:
+    """Install the shims (as `import_refaware`), stub `setproctitle` / `einops` where missing, and import the fork's
+    scheduler (`scripts/install_refaware.sh` puts it in `.venv-refaware`: its reference scheduler files and the
+    six other scheduler-side hunks of its diff).
+
+    Returns a namespace with the `scheduler` module and `Scheduler`. Raises ImportError with an install hint when
+    the installed scheduler is 0.5.10's own (no `/release_ref` handler): the environment predates the scheduler
+    step of the install script.
+    """
+    import_refaware()
+    for name in _SCHEDULER_ONLY_IMPORTS:
+        if not _importable(name):
+            _stub_package(name, {name: {}})
+    try:
+        with quiet_imports():
+            from sglang.srt.managers import scheduler
+    except ImportError as exc:
+        raise ImportError(f"cannot import the ref-aware fork's scheduler ({exc}); {INSTALL_HINT}") from exc
+    if not hasattr(scheduler.Scheduler, "handle_release_ref"):
+        raise ImportError(
+            f"the sglang scheduler at {scheduler.__file__} is 0.5.10's, not the ref-aware fork's; {INSTALL_HINT}"
+        )
+    return types.SimpleNamespace(scheduler=scheduler, Scheduler=scheduler.Scheduler)

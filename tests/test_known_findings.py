@@ -1,0 +1,99 @@
+"""The findings log (conformance/findings/index.json) replayed in CI: every logged trace still breaks a rule on the
+engine it was found on, and a correct cache (the reference model) or engine (kvcert's reference engine) plays it
+without breaking any, so each is a defect of the engine and not of the rules."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from kvcert.conformance import known
+from kvcert.conformance.certify import replay
+from kvcert.conformance.engine import factory as reference_engine
+from kvcert.refimpl import RefCache
+from kvcert.spec.ops import REQUEST_OPS, Trace
+
+ROOT = Path(__file__).parent.parent
+FORK_PYTHON = ROOT / ".venv-refaware" / "bin" / "python"
+LOGGED = [(f, path) for f in known.findings() for path in f.traces]
+
+REPLAY = """
+import json, sys
+from kvcert.conformance import known
+from kvcert.conformance.certify import judged_as, load_factory, replay
+from kvcert.spec.ops import Trace
+out = {}
+for path in sys.argv[1:]:
+    trace = Trace.from_json(known.trace_text(path))
+    make = load_factory(trace.target)
+    got = replay(make, judged_as(make.capabilities, trace), trace.config, trace.ops)
+    out[path] = sorted({v.inv for v in got.failure.violations}) if got.failure is not None else []
+print(json.dumps(out))
+"""
+
+
+def _is_request_trace(trace: Trace) -> bool:
+    return all(isinstance(op, REQUEST_OPS) for op in trace.ops)
+
+
+@pytest.mark.parametrize("finding,path", LOGGED, ids=[f"{f.id}:{Path(p).stem}" for f, p in LOGGED])
+def test_a_correct_cache_plays_every_logged_trace(finding: known.Finding, path: str) -> None:
+    trace = Trace.from_json(known.trace_text(path))
+    if _is_request_trace(trace):
+        caps = reference_engine.capabilities  # type: ignore[attr-defined]
+        got = replay(reference_engine, caps, trace.config, trace.ops)
+    else:
+        got = replay(RefCache, RefCache.capabilities, trace.config, trace.ops)
+    assert got.failure is None, f"{finding.id}: {got.failure}"
+
+
+def test_the_log_names_its_request_path_defects() -> None:
+    """Each request-path trace names the rule SPEC.md §12 gives its defect (the log's title says which)."""
+    by_id = {f.id: f for f in known.findings()}
+    assert {"Q1", "Q2", "Q3", "Q4"} <= set(by_id) and all(
+        by_id[q].cls == "request-path" for q in ("Q1", "Q2", "Q3", "Q4")
+    )
+
+
+@pytest.mark.sglang
+def test_every_sglang_trace_still_fails_on_its_engine() -> None:
+    import importlib.util
+
+    if importlib.util.find_spec("sglang") is None:
+        pytest.skip("sglang not installed")
+    paths = [p for f, p in LOGGED if not any("refaware" in a for a in f.adapters)]
+    for path in paths:
+        trace = Trace.from_json(known.trace_text(path))
+        from kvcert.conformance.certify import judged_as, load_factory
+
+        make = load_factory(trace.target)
+        got = replay(make, judged_as(make.capabilities, trace), trace.config, trace.ops)
+        assert got.failure is not None, f"{path} no longer fails on {trace.target}"
+
+
+EXPECTED_FORK = {"Q1": "INV-RP-2", "Q2": "INV-RP-3", "Q3": "INV-RP-4", "Q4": "INV-LIVE-2", "R1": "INV-"}
+
+
+def test_every_fork_trace_still_fails_on_the_fork() -> None:
+    if not FORK_PYTHON.exists():
+        if os.environ.get("KVCERT_REFAWARE", "0") == "1":
+            pytest.fail("KVCERT_REFAWARE=1 but .venv-refaware is missing", pytrace=False)
+        pytest.skip(".venv-refaware missing: run scripts/install_refaware.sh")
+    paths = [p for f, p in LOGGED if any("refaware" in a for a in f.adapters)]
+    env = {**os.environ, "PYTHONHASHSEED": "0"}
+    done = subprocess.run(
+        [str(FORK_PYTHON), "-W", "ignore", "-c", REPLAY, *paths],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    ids = {p: f.id for f, p in LOGGED}
+    for path, rules in got.items():
+        assert rules, f"{path} no longer fails on the fork"
+        want = EXPECTED_FORK.get(ids[path])
+        if want is not None:
+            assert any(r.startswith(want) for r in rules), (path, rules)
