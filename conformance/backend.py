@@ -11,7 +11,7 @@ A factory is any callable `factory(config: CacheConfig) -> Backend` with a
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Optional, Protocol, runtime_checkable
+from typing import Any, Optional, Protocol, runtime_checkable
 
 from kvcert.spec.requests import RequestView
 from kvcert.spec.storage import StorageBackend
@@ -238,9 +238,10 @@ class RequestPathBackend(Protocol):
         """The cache as for any backend, with the sessions the engine has registered (`Snapshot.sessions`) and
         the slots its requests hold (`Snapshot.lent_slots`)."""
 
-    def bookkeeping(self) -> dict[str, tuple[int, tuple[int, ...]]]:
+    def bookkeeping(self) -> dict[str, tuple[Any, ...]]:
         """The engine's per-request and per-session indexes (registries, heaps, maps, counters), by name: how many
-        entries each holds, and the ids of the tree nodes its entries name (INV-LIVE-2)."""
+        entries each holds, the ids of the tree nodes its entries name, and, for one the engine caps itself, its cap
+        (INV-LIVE-2: a capped index may stay above its baseline, never above its cap)."""
 
     def read_kv(self, slots: Sequence[int]) -> list[bytes]:
         """The entries device slots hold now."""

@@ -327,7 +327,7 @@ class RequestHarness:
         """INV-LIVE-2's first clause: every node an engine index names is in the tree."""
         live = {n.id for n in snap.nodes}
         out = []
-        for name, (_, nodes) in self.backend.bookkeeping().items():
+        for name, (_, nodes, *_cap) in self.backend.bookkeeping().items():
             gone = sorted(set(nodes) - live)
             if gone:
                 out.append(Violation("INV-LIVE-2", f"{name} names nodes {gone[:5]} that are no longer in the tree"))
@@ -400,13 +400,16 @@ class RequestHarness:
                     f"sessions stay registered ({ids}): state kept per request served",
                 )
             )
-        for name, (n, _) in self.backend.bookkeeping().items():
-            if n > self.baseline.get(name, 0):
+        for name, (n, _, *cap) in self.backend.bookkeeping().items():
+            bound = cap[0] if cap and cap[0] is not None else None
+            if n > self.baseline.get(name, 0) and (bound is None or n > bound):
                 out.append(
                     Violation(
                         "INV-LIVE-2",
                         f"{name} holds {n} entries after the client is done (before the first request: "
-                        f"{self.baseline.get(name, 0)}): it grows with the requests served",
+                        f"{self.baseline.get(name, 0)}"
+                        + ("" if bound is None else f"; its own cap: {bound}")
+                        + "): it grows with the requests served",
                     )
                 )
         if out:
@@ -496,8 +499,9 @@ class RequestMachine:
         self.history[sent.op.session] = (sent.op.namespace, whole)
 
     def _room(self) -> int:
-        """The most tokens one turn (prompt and output) may take: room for it and a little more on the device."""
-        return max(self.config.page_size, self.config.capacity - 2 * self.config.page_size)
+        """The most tokens one turn (prompt and output) may take: half the device, so an engine that reserves room
+        for a request's whole length (SGLang: the pool less a few tokens) takes every request the client sends."""
+        return max(self.config.page_size, self.config.capacity // 2)
 
     @precondition(lambda self: len(self.h.in_flight()) < IN_FLIGHT)
     @rule(data=draws())
@@ -522,12 +526,28 @@ class RequestMachine:
                 prompt = ()
             prompt += tokens_of(data.codes(1, MAX_PAGES, "pages"), ps, data.integer(0, ps - 1, "partial page"))
         if len(prompt) + output > self._room():
-            if session is not None:
-                self.history.pop(session, None)
             prompt = prompt[-(self._room() - output) :]  # too long a conversation: the client starts afresh
+        if (
+            session is not None
+            and session in self.history
+            and prompt[: len(self.history[session][1])] != self.history[session][1]
+            and not self._moves()
+        ):
+            # A turn that does not continue the conversation moves the session (SPEC.md §11.1): to an engine that
+            # does not declare moves, the client ends the old conversation first, as the API machine does.
+            self.do(CloseSession(session))
+            self.history.pop(session, None)
         self.seen.append((ns, prompt))
         self.requests += 1
-        self.do(Submit(f"r{self.requests}", ns, prompt, priority, output, session))
+        rid = f"r{self.requests}"
+        flying = self.h.in_flight()
+        if flying and data.integer(0, 15, "an id of its own unless 0") == 0:
+            rid = f"{data.choice(flying, 'an id in flight')}.{self.requests}"  # ids are opaque: one may extend another
+        self.do(Submit(rid, ns, prompt, priority, output, session))
+
+    def _moves(self) -> bool:
+        caps = self.capabilities
+        return caps.priority_refs and "move" in caps.priority_parts
 
     @rule()
     def step(self) -> None:
@@ -562,7 +582,11 @@ class RequestMachine:
     @precondition(lambda self: bool(self.h.in_flight()))
     @rule(data=draws())
     def abort(self, data: Draws) -> None:
-        self.do(AbortRequest(data.choice(self.h.in_flight(), "request")))
+        """A client gives up on a request, now and then: one draw in three (most requests run to their end)."""
+        if data.integer(0, 2, "abort unless >0"):
+            self.do(Step())
+        else:
+            self.do(AbortRequest(data.choice(self.h.in_flight(), "request")))
 
     def teardown(self) -> None:
         try:
@@ -576,19 +600,21 @@ def request_cells(configs: list[CacheConfig], capabilities: Capabilities) -> lis
     """A request-path target's cells: the same coordinates, with a device that holds a few turns at once."""
     if capabilities.kind != "request-path":
         return configs
-    return [
-        replace(
-            c,
-            capacity=REQUEST_DEVICE_PAGES * c.page_size,
-            host_capacity=2 * REQUEST_DEVICE_PAGES * c.page_size if c.host_capacity else 0,
+    out = []
+    for c in configs:
+        if c.prefetch_policy:
+            continue  # no storage tier on a request path yet
+        pages = max(REQUEST_DEVICE_PAGES, -(-REQUEST_DEVICE_TOKENS // c.page_size))
+        out.append(
+            replace(c, capacity=pages * c.page_size, host_capacity=2 * pages * c.page_size if c.host_capacity else 0)
         )
-        for c in configs
-        if not c.prefetch_policy  # no storage tier on a request path yet
-    ]
+    return out
 
 
 REQUEST_DEVICE_PAGES = 24
-"""Device pages of a request-path cell: a few turns fit at once, so the engine admits, chunks and evicts."""
+"""Device pages of a request-path cell, at least: a few turns fit at once, so the engine admits, chunks and evicts."""
+REQUEST_DEVICE_TOKENS = 64
+"""Device tokens of a request-path cell, at least: at page size 1, 24 pages would hold one short turn."""
 
 
 def request_scope_gaps(capabilities: Capabilities, cells: Sequence[Any]) -> list[str]:

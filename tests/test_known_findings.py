@@ -65,7 +65,7 @@ def test_every_sglang_trace_still_fails_on_its_engine() -> None:
 
     if importlib.util.find_spec("sglang") is None:
         pytest.skip("sglang not installed")
-    paths = [p for f, p in LOGGED if not any("refaware" in a for a in f.adapters)]
+    paths = [p for f, p in LOGGED if not p.startswith(("refaware/", "refaware_requests/"))]
     for path in paths:
         trace = Trace.from_json(known.trace_text(path))
         from kvcert.conformance.certify import judged_as, load_factory
@@ -75,7 +75,7 @@ def test_every_sglang_trace_still_fails_on_its_engine() -> None:
         assert got.failure is not None, f"{path} no longer fails on {trace.target}"
 
 
-EXPECTED_FORK = {"Q1": "INV-RP-2", "Q2": "INV-RP-3", "Q3": "INV-RP-4", "Q4": "INV-LIVE-2", "R1": "INV-"}
+EXPECTED_FORK = {"Q1": "INV-RP-2", "Q2": "INV-RP-3", "Q3": "INV-RP-4", "Q4": "INV-LIVE-2", "R1": "INV-", "SG-ABORT": "INV-RP-5"}
 
 
 def test_every_fork_trace_still_fails_on_the_fork() -> None:
@@ -83,7 +83,7 @@ def test_every_fork_trace_still_fails_on_the_fork() -> None:
         if os.environ.get("KVCERT_REFAWARE", "0") == "1":
             pytest.fail("KVCERT_REFAWARE=1 but .venv-refaware is missing", pytrace=False)
         pytest.skip(".venv-refaware missing: run scripts/install_refaware.sh")
-    paths = [p for f, p in LOGGED if any("refaware" in a for a in f.adapters)]
+    paths = [p for f, p in LOGGED if p.startswith(("refaware/", "refaware_requests/"))]
     env = {**os.environ, "PYTHONHASHSEED": "0"}
     done = subprocess.run(
         [str(FORK_PYTHON), "-W", "ignore", "-c", REPLAY, *paths],

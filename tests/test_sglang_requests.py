@@ -179,7 +179,7 @@ def quiet(driver: Driver) -> Snapshot:
     book = driver.target.bookkeeping()
     assert {name: book[name] for name in PER_REQUEST if name in book and book[name][0]} == {}
     live = {n.id for n in snap.nodes}
-    assert all(set(nodes) <= live for _, nodes in book.values()), book
+    assert all(set(entry[1]) <= live for entry in book.values()), book
     return snap
 
 

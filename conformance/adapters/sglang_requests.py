@@ -727,7 +727,11 @@ class SGLangRequestPath:
         raise NotImplementedError("SGLang 0.5.23 has no call that changes a session's or a request's priority")
 
     def abort(self, request: str) -> None:
-        """SGLang's AbortReq (`Scheduler.abort_request`), processed at the next step."""
+        """SGLang's AbortReq (`Scheduler.abort_request`), processed at the next step. As the tokenizer side sends it
+        (`TokenizerManager.abort_request`, one tokenizer worker): only for a request it tracks, one not yet ended."""
+        record = self._submitted.get(request)
+        if record is None or record.ended is not None:
+            return
         self._send(AbortReq(rid=request))
 
     # ------------------------------------------------------------------ observation
@@ -808,7 +812,7 @@ class SGLangRequestPath:
             nodes = tuple(sorted(nodes, key=lambda n: (depth[n.id], n.id)))
         return replace(base, nodes=nodes, lent_slots=tuple(sorted(lent)))
 
-    def bookkeeping(self) -> dict[str, tuple[int, tuple[int, ...]]]:
+    def bookkeeping(self) -> dict[str, tuple[Any, ...]]:
         """SGLang's per-request and per-session structures: name -> (entries, ids of the tree nodes they name).
 
         Scheduler queues and batches (a batch keeps a finished request until the next iteration filters it), rows
@@ -817,10 +821,10 @@ class SGLangRequestPath:
         tree's own indexes (evictable leaf sets, `full_host_duplicates`) are not per request and are left out:
         SGLang's `sanity_check` checks them against the tree."""
         s, cache = self.scheduler, self.cache
-        out: dict[str, tuple[int, tuple[int, ...]]] = {}
+        out: dict[str, tuple[Any, ...]] = {}
 
-        def put(name: str, entries: int, nodes: Sequence[Any] = ()) -> None:
-            out[name] = (int(entries), tuple(sorted({_node_id(n) for n in nodes})))
+        def put(name: str, entries: int, nodes: Sequence[Any] = (), cap: Optional[int] = None) -> None:
+            out[name] = (int(entries), tuple(sorted({_node_id(n) for n in nodes})), cap)
 
         put("scheduler.waiting_queue", len(s.waiting_queue), _locked(s.waiting_queue))
         running = list(s.running_batch.reqs) if s.running_batch is not None else []
@@ -850,7 +854,7 @@ class SGLangRequestPath:
         put("cache.session.slots", len(cache.session.slots))
         refs = cache.session_refs
         put("session_refs._session_generations", len(refs._session_generations))
-        put("session_refs._closed_session_ids", len(refs._closed_session_ids))
+        put("session_refs._closed_session_ids", len(refs._closed_session_ids), cap=_tracker_module(refs).CLOSED_LIMIT)
         if self.kind == "sessions":
             leaves = self.backend._full._session_leaves
             put("full._session_leaves", sum(len(v) for v in leaves.values()), [n for v in leaves.values() for n in v])
@@ -919,7 +923,8 @@ _DEVIATIONS = (
     "weights and no tokenizer (--skip-tokenizer-init); the forward is scripted (the harness's Model)",
     "process groups: one-rank stand-ins (world_size 1) stated in the adapter's runtime context; no torch.distributed",
     "IPC: in-memory sockets carry SGLang's own sock_send/sock_recv encoding; the adapter plays the tokenizer "
-    "(TokenizedGenerateReqInput built as TokenizerManager._create_tokenized_object builds it)",
+    "(TokenizedGenerateReqInput built as TokenizerManager._create_tokenized_object builds it; an abort forwarded "
+    "only for a request it tracks, as TokenizerManager.abort_request does with one tokenizer worker)",
     "loop: --disable-overlap-schedule (event_loop_normal; the shipped CPU default is event_loop_overlap, whose result "
     "processing runs one iteration late); left after each iteration by an exception from the scripted-runtime hook "
     "at the top of the next recv_requests, after that iteration's _poll_timeout_aborts (timeouts off: reads only)",
@@ -1025,3 +1030,10 @@ factory_radix = _make("radix")
 """`...:factory_radix`: the plain RadixCache."""
 factory_sessions = _make("sessions")
 """`...:factory_sessions`: UnifiedRadixCache with --enable-session-radix-cache (radix-native sessions)."""
+
+
+def _tracker_module(refs: Any) -> Any:
+    """The cap SGLang puts on its close tombstones (`session_ref_tracker._CLOSED_SESSION_TOMBSTONE_LIMIT`), read off
+    the module of the tracker in use."""
+    module = sys.modules[type(refs).__module__]
+    return types.SimpleNamespace(CLOSED_LIMIT=int(module._CLOSED_SESSION_TOMBSTONE_LIMIT))
