@@ -83,7 +83,9 @@ def test_kv_namespaces_and_bad_input_count_as_exercised_only_from_steps_that_did
     assert any(g.startswith("KV bytes") and "no step" in g for g in idle)
     assert any(g.startswith("namespaces") and "no step" in g for g in idle)
     assert any(g.startswith("bad input") and "no step" in g for g in idle), "pool exhaustion is not bad input"
-    busy = scope_gaps(caps, [_cell({"Insert": 5, "Insert:error": 2, "Insert:bad": 1, "kv:entries": 9, "namespace:named": 3})])
+    busy = scope_gaps(
+        caps, [_cell({"Insert": 5, "Insert:error": 2, "Insert:bad": 1, "kv:entries": 9, "namespace:named": 3})]
+    )
     assert not any(g.startswith(("KV bytes", "namespaces", "bad input")) for g in busy)
 
 
@@ -114,7 +116,9 @@ def _fake_finding(tmp_path: Path, ops: list[object], config: CacheConfig, adapte
     return known.Finding("Z1", "zoo", "evicts a locked node", "request-path", "wrong KV", (str(path),), adapters, "n/a")
 
 
-def test_a_known_finding_in_scope_is_never_certified_at_any_budget(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_known_finding_in_scope_is_never_certified_at_any_budget(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The mutant's defect, logged: certify replays it before any cell, so even a budget that finds nothing (and
     one that runs nothing) is NOT CERTIFIED, naming the finding."""
     config = CacheConfig(page_size=1, capacity=16)
@@ -128,7 +132,9 @@ def test_a_known_finding_in_scope_is_never_certified_at_any_budget(tmp_path: Pat
     assert model.findings == [] and model.passed  # another engine's log is not replayed on it
 
 
-def test_a_known_finding_out_of_scope_judges_nothing_and_says_why(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_known_finding_out_of_scope_judges_nothing_and_says_why(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     config = CacheConfig(page_size=3, capacity=12)  # the zoo's mutants declare page sizes 1, 2, 4, 8, 16
     finding = _fake_finding(tmp_path, [Insert(None, (1, 2, 3)), Lock(0), Evict(3)], config, ("kvcert.conformance.zoo",))
     monkeypatch.setattr(known, "findings", lambda: (finding,))

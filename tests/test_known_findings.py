@@ -75,7 +75,14 @@ def test_every_sglang_trace_still_fails_on_its_engine() -> None:
         assert got.failure is not None, f"{path} no longer fails on {trace.target}"
 
 
-EXPECTED_FORK = {"Q1": "INV-RP-2", "Q2": "INV-RP-3", "Q3": "INV-RP-4", "Q4": "INV-LIVE-2", "R1": "INV-", "SG-ABORT": "INV-RP-5"}
+EXPECTED_FORK = {
+    "Q1": "INV-RP-2",
+    "Q2": "INV-RP-3",
+    "Q3": "INV-RP-4",
+    "Q4": "INV-LIVE-2",
+    "R1": "INV-",
+    "SG-ABORT": "INV-RP-5",
+}
 
 
 def test_every_fork_trace_still_fails_on_the_fork() -> None:
