@@ -104,3 +104,11 @@ def test_every_fork_trace_still_fails_on_the_fork() -> None:
         want = EXPECTED_FORK.get(ids[path])
         if want is not None:
             assert any(r.startswith(want) for r in rules), (path, rules)
+
+
+def test_the_findings_log_tells_every_logged_finding() -> None:
+    """docs/findings.md has a section for each entry of the log, and its summary names each entry's class."""
+    text = (ROOT / "docs" / "findings.md").read_text()
+    for f in known.findings():
+        assert f"\n### {f.id}\n" in text, f.id
+        assert f"[{f.id}](#{f.id.lower()})" in text, f"{f.id} missing from the summary"
