@@ -109,7 +109,13 @@ from kvcert.conformance.adapters._sglang_kv import (
     read_pool,
     write_pool,
 )
-from kvcert.conformance.adapters.refaware_radix import RefAwareRadixBackend, device_pools, free_slots, node_view
+from kvcert.conformance.adapters.refaware_radix import (
+    RefAwareRadixBackend,
+    device_pools,
+    free_slots,
+    node_view,
+    session_views,
+)
 from kvcert.spec.types import (
     POLICIES,
     WRITE_POLICIES,
@@ -528,21 +534,9 @@ class RefAwareHiRadixBackend(RadixTreeAdapter):
         return nodes
 
     def _sessions(self, depth: dict[int, int]) -> tuple[SessionView, ...]:
-        out = []
-        root = int(self.cache.root_node.id)
         table = self.cache.rid_to_ref_info
-        demoted = self.cache._adaptively_demoted_rids
         order = [r for r in self._registered if r in table] + [r for r in table if r not in self._registered]
-        for rid in order:
-            info = table[rid]
-            ids = [int(n.id) for n in info.nodes if int(n.id) in depth]
-            end = max(ids, key=lambda i: (depth[i], -i)) if ids else root
-            out.append(
-                SessionView(
-                    id=rid, node=end, priority=int(info.priority), high=bool(info.is_high), demoted=rid in demoted
-                )
-            )
-        return tuple(out)
+        return session_views(self.cache, order, depth)
 
     def _load_locks(self, parents: dict[int, int]) -> dict[int, int]:
         """H1's translation: +1 host lock on each pending load's anchor and on the nodes a split put directly

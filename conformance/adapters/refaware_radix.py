@@ -342,16 +342,9 @@ class RefAwareRadixBackend(RadixTreeAdapter):
         where it was first registered, and its device cache never reads that order (REFAWARE_CALIBRATION.md
         R9), so the adapter keeps the order of the calls it made; rids it did not register come last.
         """
-        out = []
-        root = int(self.cache.root_node.id)
         table = self.cache.rid_to_ref_info
         order = [r for r in self._registered if r in table] + [r for r in table if r not in self._registered]
-        for rid in order:
-            info = table[rid]
-            ids = [int(n.id) for n in info.nodes if int(n.id) in depth]
-            end = max(ids, key=lambda i: (depth[i], -i)) if ids else root
-            out.append(SessionView(id=rid, node=end, priority=int(info.priority), high=bool(info.is_high)))
-        return tuple(out)
+        return session_views(self.cache, order, depth)
 
     def snapshot(self) -> Snapshot:
         ps = self.page_size
@@ -406,6 +399,22 @@ def node_view(node: Any, parent: Any, priority_refs: bool, host_lock_ref: int = 
         low_ref=int(node.low_ref) if priority_refs else 0,
         meta=(int(node.last_access_time), int(node.hit_count), int(node.creation_time), int(node.priority)),
     )
+
+
+def session_views(cache: Any, order: Sequence[str], depth: dict[int, int]) -> tuple[SessionView, ...]:
+    """The fork's tracked rids in `order`, each as a session ending at the deepest node its refs hold (the root: none
+    in the tree; ties to the lower id), demoted where the host-tier cache has demoted it."""
+    root = int(cache.root_node.id)
+    demoted = getattr(cache, "_adaptively_demoted_rids", {})
+    out = []
+    for rid in order:
+        info = cache.rid_to_ref_info[rid]
+        ids = [int(n.id) for n in info.nodes if int(n.id) in depth]
+        end = max(ids, key=lambda i: (depth[i], -i)) if ids else root
+        out.append(
+            SessionView(id=rid, node=end, priority=int(info.priority), high=bool(info.is_high), demoted=rid in demoted)
+        )
+    return tuple(out)
 
 
 def free_slots(allocator: Any, page_size: int) -> list[int]:

@@ -75,7 +75,14 @@ from kvcert.conformance.adapters._refaware_env import (
 from kvcert.conformance.adapters._sglang_env import OrderedSet
 from kvcert.conformance.adapters._sglang_kv import entries_of, read_pool, write_pool
 from kvcert.conformance.adapters.refaware_hicache import _start_gloo, host_ratio_for
-from kvcert.conformance.adapters.refaware_radix import FORK, _OrderedRefInfo, device_pools, free_slots, node_view
+from kvcert.conformance.adapters.refaware_radix import (
+    FORK,
+    _OrderedRefInfo,
+    device_pools,
+    free_slots,
+    node_view,
+    session_views,
+)
 from kvcert.spec.requests import RequestView
 from kvcert.spec.types import (
     POLICIES,
@@ -719,19 +726,7 @@ class RefAwareRequestPath(RadixTreeAdapter):
     def _sessions(self, depth: dict[int, int]) -> tuple[SessionView, ...]:
         """Each rid of `rid_to_ref_info`, in the fork's order, ending at the deepest node its refs hold (the root:
         none in the tree)."""
-        c = self.cache
-        root = int(c.root_node.id)
-        demoted = getattr(c, "_adaptively_demoted_rids", {})
-        out = []
-        for rid, info in c.rid_to_ref_info.items():
-            ids = [int(n.id) for n in info.nodes if int(n.id) in depth]
-            end = max(ids, key=lambda i: (depth[i], -i)) if ids else root
-            out.append(
-                SessionView(
-                    id=rid, node=end, priority=int(info.priority), high=bool(info.is_high), demoted=rid in demoted
-                )
-            )
-        return tuple(out)
+        return session_views(self.cache, list(self.cache.rid_to_ref_info), depth)
 
     def _pending(self) -> tuple[PendingCopy, ...]:
         """The host tier's copies not yet consumed: operations still queued in the controller (a load that
