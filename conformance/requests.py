@@ -35,7 +35,7 @@ from kvcert.spec import contracts
 from kvcert.spec.invariants import Violation, check_snapshot
 from kvcert.spec.ops import AbortRequest, CloseSession, Op, Reprioritize, Step, Submit
 from kvcert.spec.requests import RequestView, output_token
-from kvcert.spec.types import CacheConfig, Capabilities, Snapshot
+from kvcert.spec.types import CLIENT_RULES, CacheConfig, Capabilities, Snapshot
 
 __all__ = ["ModelPlayer", "RequestHarness", "RequestMachine", "turn_tokens"]
 
@@ -468,6 +468,21 @@ class RequestMachine:
         self.seen: list[tuple[Optional[str], tuple[int, ...]]] = []
         self.namespaces = NAMESPACES if self.capabilities.namespaces else (None,)
         self.counted: set[str] = set()
+        self.priority: dict[str, int] = {}
+        """Each session's priority as its client last set it (a turn's, or a change's)."""
+
+    def keeps(self, rule: str) -> bool:
+        """Whether the target's clients keep `rule` (`Capabilities.client`)."""
+        return rule in self.capabilities.client
+
+    def changeable(self) -> list[str]:
+        """Sessions a close or a priority change may reach now: every open one, or the idle ones where clients change
+        a session between its turns only."""
+        sessions = self.h.open_sessions()
+        if self.keeps("idle-changes"):
+            busy = self.h.busy_sessions()
+            sessions = [s for s in sessions if s not in busy]
+        return sessions
 
     def do(self, op: Op) -> None:
         stats = type(self).stats
@@ -513,7 +528,13 @@ class RequestMachine:
         priority = data.integer(0, 2, "priority")
         busy = self.h.busy_sessions()
         idle = [s for s in SESSIONS if s not in busy]
-        session = data.choice(idle, "session") if idle and data.boolean("a session's turn") else None
+        if self.keeps("sessions-only") and not idle:
+            self.do(Step())
+            return
+        turn = self.keeps("sessions-only") or data.boolean("a session's turn")
+        session = data.choice(idle, "session") if idle and turn else None
+        if session is not None and self.keeps("idle-changes") and session in self.priority:
+            priority = self.priority[session]  # its clients change a class with a priority change, between turns
         if session is not None and session in self.history and data.integer(0, 3, "a new conversation unless 0"):
             ns, prompt = self.history[session]
             prompt += tokens_of(data.codes(1, 2, "new pages"), ps, data.integer(0, ps - 1, "partial page"))
@@ -543,6 +564,8 @@ class RequestMachine:
         flying = self.h.in_flight()
         if flying and data.integer(0, 15, "an id of its own unless 0") == 0:
             rid = f"{data.choice(flying, 'an id in flight')}.{self.requests}"  # ids are opaque: one may extend another
+        if session is not None:
+            self.priority[session] = priority
         self.do(Submit(rid, ns, prompt, priority, output, session))
 
     def _moves(self) -> bool:
@@ -559,27 +582,27 @@ class RequestMachine:
         for _ in range(data.integer(1, 4, "steps")):
             self.do(Step())
 
-    @precondition(lambda self: self.capabilities.priority_refs and bool(self.h.open_sessions()))
+    @precondition(lambda self: self.capabilities.priority_refs and bool(self.changeable()))
     @rule(data=draws())
     def close(self, data: Draws) -> None:
         """A client ends a session: between turns, or while a turn of it is still running."""
-        name = data.choice(self.h.open_sessions(), "session")
+        name = data.choice(self.changeable(), "session")
         self.do(CloseSession(name))
         self.history.pop(name, None)
 
     @precondition(
         lambda self: (
-            self.capabilities.priority_refs
-            and "update" in self.capabilities.priority_parts
-            and bool(self.h.open_sessions())
+            self.capabilities.priority_refs and "update" in self.capabilities.priority_parts and bool(self.changeable())
         )
     )
     @rule(data=draws())
     def reprioritize(self, data: Draws) -> None:
         """A client changes a session's priority: between turns, or mid-turn."""
-        self.do(Reprioritize(data.choice(self.h.open_sessions(), "session"), data.integer(0, 2, "priority")))
+        name, priority = data.choice(self.changeable(), "session"), data.integer(0, 2, "priority")
+        self.priority[name] = priority
+        self.do(Reprioritize(name, priority))
 
-    @precondition(lambda self: bool(self.h.in_flight()))
+    @precondition(lambda self: bool(self.h.in_flight()) and not self.keeps("no-aborts"))
     @rule(data=draws())
     def abort(self, data: Draws) -> None:
         """A client gives up on a request, now and then: one draw in three (most requests run to their end)."""
@@ -644,6 +667,7 @@ def request_scope_gaps(capabilities: Capabilities, cells: Sequence[Any]) -> list
             out.append(f"{what}: declared, but no step of this run exercised it")
     if not capabilities.priority_refs:
         out.append("priority tiers and session refs (SPEC.md §11, INV-RP-2/3/4): not declared by the target")
+    out += [f"traffic outside a client rule the target declares: {CLIENT_RULES[r]}" for r in capabilities.client]
     out += [
         f"adapter deviation (the engine as certified differs from the engine as shipped): {d}"
         for d in capabilities.deviations

@@ -44,6 +44,15 @@ ONE_CLASS_THRESHOLD = 3
 """The cells' high-priority threshold for a backend without two ref classes: above every priority the suite
 draws (0-2), so every session is low."""
 
+CLIENT_RULES: dict[str, str] = {
+    "sessions-only": "every request is a turn of a session: no one-shot requests",
+    "idle-changes": "a session's priority changes and its close arrive between its turns only, and a turn keeps its "
+    "session's priority: a class changes through a priority change, never with a turn",
+    "no-aborts": "no request is aborted",
+}
+"""Rules a request-path target's clients keep (`Capabilities.client`), as its engine's own clients do: the traffic the
+suite sends keeps them, and the certificate prints each under NOT CHECKED."""
+
 KINDS: dict[str, str] = {
     "request-path": "driven through its engine's own scheduler code, with real request objects",
     "api": "driven through its cache API, by calls the suite composes in its scheduler's place",
@@ -536,6 +545,8 @@ class Capabilities:
     deviations: tuple[str, ...] = field(default_factory=tuple)
     """What the adapter changes in the engine it drives (a patched attribute, a replaced component, a shipped
     default overridden), each with what it changes; every report lists them under NOT CHECKED."""
+    client: tuple[str, ...] = ()
+    """A request-path target's client rules (CLIENT_RULES): traffic outside them is not sent."""
     kind: str = "api"
     """How the cache is driven (KINDS): "request-path" through its engine's own scheduler code with real
     request objects, "api" through the cache's API by calls the suite composes, "native" a cache written to

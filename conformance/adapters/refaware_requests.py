@@ -60,7 +60,7 @@ import contextlib
 import pickle
 from collections import deque
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -979,4 +979,21 @@ factory.capabilities = Capabilities(  # type: ignore[attr-defined]
         "a step ends when the event loop comes round to its next poll: the tokenizer socket raises out of "
         "recv_requests before it reads anything (no recv skipper or input blocker is configured)",
     ),
+)
+
+
+def factory_bench_clients(config: CacheConfig) -> RefAwareRequestPath:
+    """`...:factory_bench_clients`: as `factory`, sent only what the fork's own benchmark's clients send
+    (`bench/bench_ref_aware_multiturn.py`: one rid per client, a class changed through `/update_ref` before the
+    next turn, a release once the client is done): every request a turn of a session, priority changes and closes
+    between turns only, no aborts, and a turn that does not continue its conversation only after a release (no move:
+its clients' turns continue theirs). Its certificate gets past R1, R2, Q2, Q3 and Q4 to what the fork does next."""
+    return RefAwareRequestPath(config)
+
+
+factory_bench_clients.capabilities = replace(  # type: ignore[attr-defined]
+    factory.capabilities,  # type: ignore[attr-defined]
+    name=factory.capabilities.name + ", its benchmark's clients",  # type: ignore[attr-defined]
+    client=("sessions-only", "idle-changes", "no-aborts"),
+    priority_parts=tuple(p for p in factory.capabilities.priority_parts if p != "move"),  # type: ignore[attr-defined]
 )
