@@ -114,6 +114,18 @@ class RequestHarness:
     """Each request the engine reported finished, as it reported it."""
     aborted: set[str] = field(default_factory=set)
     """The requests the client aborted."""
+    conversation: dict[str, tuple[Any, tuple[int, ...]]] = field(default_factory=dict)
+    """Per open session: its namespace and its conversation so far (its last finished turn, prompt and output)."""
+
+    def _moves(self) -> bool:
+        return self.capabilities.priority_refs and "move" in self.capabilities.priority_parts
+
+    def continues(self, session: str, namespace: Any, tokens: Sequence[Any]) -> bool:
+        """Whether a turn of `session` with this prompt continues its conversation (or the session has none open)."""
+        if session not in self.conversation:
+            return True
+        ns, said = self.conversation[session]
+        return namespace == ns and tuple(tokens[: len(said)]) == said
 
     def __post_init__(self) -> None:
         try:
@@ -152,6 +164,10 @@ class RequestHarness:
         if isinstance(op, Submit) and (op.request in self.sent or op.session in self.busy_sessions()):
             # No client does this (SPEC.md §12.1): only shrinking makes such a trace, and it is not kept.
             raise TraceInvalid(f"{op.request}: a request id sent twice, or a second turn of a session in flight")
+        if isinstance(op, Submit) and op.session is not None and not self._moves():
+            if not self.continues(op.session, op.namespace, op.tokens):
+                # A turn elsewhere moves its session; the client of an engine without moves closes it first.
+                raise TraceInvalid(f"{op.request}: a turn of {op.session} that does not continue its conversation")
         index = len(self.ops)
         self.ops.append(op)
         self.clock += 1
@@ -192,6 +208,7 @@ class RequestHarness:
         elif isinstance(op, AbortRequest):
             self.aborted.add(op.request)
         elif isinstance(op, CloseSession) and op.session in self.sessions:
+            self.conversation.pop(op.session, None)
             self.sessions[op.session].closed_at, self.sessions[op.session].close_taken = index, False
         elif isinstance(op, Reprioritize) and op.session in self.sessions:
             st = self.sessions[op.session]
@@ -270,12 +287,17 @@ class RequestHarness:
             if v.state == "finished":
                 self.finished[v.id] = v
                 st = self.sessions.get(sent.op.session) if sent.op.session is not None else None
+                if st is not None and st.closed_at is None:  # a closed session's next turn starts afresh
+                    turn = turn_tokens(sent.op.namespace, sent.op.tokens, _int(sent.op.output))
+                    self.conversation[sent.op.session] = (sent.op.namespace, turn)
+                st = self.sessions.get(sent.op.session) if sent.op.session is not None else None
                 if st is not None and st.closed_at is None:
                     st.priority = st.turn  # the turn registered its session at its priority
                 out += self._registered_turn(snap, sent, v, registered)
         if not self.capabilities.priority_refs:
             return out
         flying = self.busy_sessions()
+        holds_priority = "update" in self.capabilities.priority_parts  # an engine with no session priority: no INV-RP-4
         for name, st in self.sessions.items():
             if st.closed_at is not None and st.close_taken and name in registered:
                 out.append(
@@ -286,7 +308,11 @@ class RequestHarness:
                     )
                 )
             elif (
-                st.priority is not None and st.priority_taken and name not in flying and name in registered
+                holds_priority
+                and st.priority is not None
+                and st.priority_taken
+                and name not in flying
+                and name in registered
             ) and registered[name].priority != st.priority:
                 out.append(
                     Violation(
@@ -305,7 +331,8 @@ class RequestHarness:
         st = self.sessions.get(name) if name is not None else None
         if not self.capabilities.priority_refs or st is None or st.closed_at is not None:
             return []
-        cached = tree_prefix_len(snap, v.namespace, tuple(v.tokens))
+        # The turn's own KV: every token but the last it sampled, which no forward pass computed.
+        cached = tree_prefix_len(snap, v.namespace, tuple(v.tokens[: len(v.tokens) - 1]))
         if name not in registered:
             if cached == 0:
                 return []
@@ -463,8 +490,6 @@ class RequestMachine:
             stats.on_example(stats)
         self.failed = False
         self.requests = 0
-        self.history: dict[str, tuple[Optional[str], tuple[int, ...]]] = {}
-        """Per session: its namespace and its conversation so far (the last finished turn's prompt and output)."""
         self.seen: list[tuple[Optional[str], tuple[int, ...]]] = []
         self.namespaces = NAMESPACES if self.capabilities.namespaces else (None,)
         self.counted: set[str] = set()
@@ -503,15 +528,6 @@ class RequestMachine:
             if r not in self.counted:
                 self.counted.add(r)
                 stats.ops["event:finished"] += 1
-                self._remember(self.h.finished[r])
-
-    def _remember(self, view: RequestView) -> None:
-        """A finished turn of a session becomes its conversation so far (what the model said is the spec's)."""
-        sent = self.h.sent.get(view.id)
-        if sent is None or sent.op.session is None:
-            return
-        whole = turn_tokens(sent.op.namespace, sent.op.tokens, _int(sent.op.output))
-        self.history[sent.op.session] = (sent.op.namespace, whole)
 
     def _room(self) -> int:
         """The most tokens one turn (prompt and output) may take: half the device, so an engine that reserves room
@@ -535,8 +551,9 @@ class RequestMachine:
         session = data.choice(idle, "session") if idle and turn else None
         if session is not None and self.keeps("idle-changes") and session in self.priority:
             priority = self.priority[session]  # its clients change a class with a priority change, between turns
-        if session is not None and session in self.history and data.integer(0, 3, "a new conversation unless 0"):
-            ns, prompt = self.history[session]
+        said = self.h.conversation
+        if session is not None and session in said and data.integer(0, 3, "a new conversation unless 0"):
+            ns, prompt = said[session]
             prompt += tokens_of(data.codes(1, 2, "new pages"), ps, data.integer(0, ps - 1, "partial page"))
         else:
             ns = data.choice(self.namespaces, "namespace")
@@ -548,16 +565,10 @@ class RequestMachine:
             prompt += tokens_of(data.codes(1, MAX_PAGES, "pages"), ps, data.integer(0, ps - 1, "partial page"))
         if len(prompt) + output > self._room():
             prompt = prompt[-(self._room() - output) :]  # too long a conversation: the client starts afresh
-        if (
-            session is not None
-            and session in self.history
-            and prompt[: len(self.history[session][1])] != self.history[session][1]
-            and not self._moves()
-        ):
+        if session is not None and not self.h.continues(session, ns, prompt) and not self._moves():
             # A turn that does not continue the conversation moves the session (SPEC.md §11.1): to an engine that
             # does not declare moves, the client ends the old conversation first, as the API machine does.
             self.do(CloseSession(session))
-            self.history.pop(session, None)
         self.seen.append((ns, prompt))
         self.requests += 1
         rid = f"r{self.requests}"
@@ -588,7 +599,6 @@ class RequestMachine:
         """A client ends a session: between turns, or while a turn of it is still running."""
         name = data.choice(self.changeable(), "session")
         self.do(CloseSession(name))
-        self.history.pop(name, None)
 
     @precondition(
         lambda self: (

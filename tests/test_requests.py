@@ -101,16 +101,16 @@ def _steps(n: int) -> list[Op]:
 
 
 DIRECTED: list[tuple[type[ReferenceEngine], list[Op], str]] = [
-    (_RegistersShort, [_turn("r1", "s0", (1, 2, 3)), *_steps(3), _turn("r2", "s0", (1, 2, 3, 0, 1)), *_steps(3)],
+    (_RegistersShort, [_turn("r1", "s0", (1, 2, 3)), *_steps(3), _turn("r2", "s0", turn_tokens(None, (1, 2, 3), 2) + (0, 1)), *_steps(3)],
      "INV-RP-2"),
     (_ReregistersClosed, [_turn("r1", "s0", (1, 2, 3, 1, 1, 1), output=3), Step(), CloseSession("s0"), *_steps(4)],
      "INV-RP-3"),
     (_KeepsEveryRequest, [_turn("r1", None, (1, 2)), _turn("r2", None, (2, 2)), *_steps(3)], "INV-LIVE-2"),
     (_FreesRowEarly, [_turn("r1", None, (1, 2, 3), output=3), Step(), _turn("r2", None, (3, 3, 3, 3)), *_steps(4)],
      "INV-"),
-    (_RaisesOnClassChange, [_turn("r1", "s0", (1, 2)), *_steps(3), _turn("r2", "s0", (1, 2, 0, 1), priority=0),
+    (_RaisesOnClassChange, [_turn("r1", "s0", (1, 2)), *_steps(3), _turn("r2", "s0", turn_tokens(None, (1, 2), 2) + (0, 1), priority=0),
                             *_steps(3)], "INV-RP-1"),
-    (_MissesRunningTurn, [_turn("r1", "s0", (1, 2)), *_steps(3), _turn("r2", "s0", (1, 2, 0, 1), priority=1, output=3),
+    (_MissesRunningTurn, [_turn("r1", "s0", (1, 2)), *_steps(3), _turn("r2", "s0", turn_tokens(None, (1, 2), 2) + (0, 1), priority=1, output=3),
                           Step(), Reprioritize("s0", 0), *_steps(4)], "INV-RP-4"),
 ]  # fmt: skip
 
