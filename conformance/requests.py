@@ -117,7 +117,8 @@ class RequestHarness:
     conversation: dict[str, tuple[Any, tuple[int, ...]]] = field(default_factory=dict)
     """Per open session: its namespace and its conversation so far (its last finished turn, prompt and output)."""
 
-    def _moves(self) -> bool:
+    def moves(self) -> bool:
+        """Whether the target moves a session registered again anywhere (`PRIORITY_PARTS["move"]`)."""
         return self.capabilities.priority_refs and "move" in self.capabilities.priority_parts
 
     def continues(self, session: str, namespace: Any, tokens: Sequence[Any]) -> bool:
@@ -164,7 +165,7 @@ class RequestHarness:
         if isinstance(op, Submit) and (op.request in self.sent or op.session in self.busy_sessions()):
             # No client does this (SPEC.md §12.1): only shrinking makes such a trace, and it is not kept.
             raise TraceInvalid(f"{op.request}: a request id sent twice, or a second turn of a session in flight")
-        if isinstance(op, Submit) and op.session is not None and not self._moves():
+        if isinstance(op, Submit) and op.session is not None and not self.moves():
             if not self.continues(op.session, op.namespace, op.tokens):
                 # A turn elsewhere moves its session; the client of an engine without moves closes it first.
                 raise TraceInvalid(f"{op.request}: a turn of {op.session} that does not continue its conversation")
@@ -565,7 +566,7 @@ class RequestMachine:
             prompt += tokens_of(data.codes(1, MAX_PAGES, "pages"), ps, data.integer(0, ps - 1, "partial page"))
         if len(prompt) + output > self._room():
             prompt = prompt[-(self._room() - output) :]  # too long a conversation: the client starts afresh
-        if session is not None and not self.h.continues(session, ns, prompt) and not self._moves():
+        if session is not None and not self.h.continues(session, ns, prompt) and not self.h.moves():
             # A turn that does not continue the conversation moves the session (SPEC.md §11.1): to an engine that
             # does not declare moves, the client ends the old conversation first, as the API machine does.
             self.do(CloseSession(session))
@@ -578,10 +579,6 @@ class RequestMachine:
         if session is not None:
             self.priority[session] = priority
         self.do(Submit(rid, ns, prompt, priority, output, session))
-
-    def _moves(self) -> bool:
-        caps = self.capabilities
-        return caps.priority_refs and "move" in caps.priority_parts
 
     @rule()
     def step(self) -> None:
