@@ -115,6 +115,7 @@ from kvcert.conformance.adapters.refaware_radix import (
     free_slots,
     node_view,
     session_views,
+    tier_counters,
 )
 from kvcert.spec.types import (
     POLICIES,
@@ -578,11 +579,7 @@ class RefAwareHiRadixBackend(RadixTreeAdapter):
         if self.priority_refs:
             extra = dict(
                 sessions=self._sessions(depth),
-                tier_evictable=(
-                    int(c.unused_evictable_size_),
-                    int(c.low_ref_evictable_size_),
-                    int(c.high_ref_evictable_size_),
-                ),
+                tier_evictable=tier_counters(c),
                 high_priority_threshold=self.config.high_priority_threshold,
             )
         return Snapshot(

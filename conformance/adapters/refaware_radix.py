@@ -363,11 +363,7 @@ class RefAwareRadixBackend(RadixTreeAdapter):
         if self.priority_refs:
             extra = dict(
                 sessions=self._sessions(depth),
-                tier_evictable=(
-                    int(c.unused_evictable_size_),
-                    int(c.low_ref_evictable_size_),
-                    int(c.high_ref_evictable_size_),
-                ),
+                tier_evictable=tier_counters(c),
                 high_priority_threshold=self.config.high_priority_threshold,
             )
         return Snapshot(
@@ -399,6 +395,11 @@ def node_view(node: Any, parent: Any, priority_refs: bool, host_lock_ref: int = 
         low_ref=int(node.low_ref) if priority_refs else 0,
         meta=(int(node.last_access_time), int(node.hit_count), int(node.creation_time), int(node.priority)),
     )
+
+
+def tier_counters(cache: Any) -> tuple[int, int, int]:
+    """The fork's own device-tier counters: evictable tokens in UNUSED, LOW_REF and HIGH_REF nodes (SPEC.md §11.2)."""
+    return int(cache.unused_evictable_size_), int(cache.low_ref_evictable_size_), int(cache.high_ref_evictable_size_)
 
 
 def session_views(cache: Any, order: Sequence[str], depth: dict[int, int]) -> tuple[SessionView, ...]:

@@ -82,6 +82,7 @@ from kvcert.conformance.adapters.refaware_radix import (
     free_slots,
     node_view,
     session_views,
+    tier_counters,
 )
 from kvcert.spec.requests import RequestView
 from kvcert.spec.types import (
@@ -808,11 +809,7 @@ class RefAwareRequestPath(RadixTreeAdapter):
             evictable_size=int(c.evictable_size()),
             protected_size=int(c.protected_size()),
             sessions=self._sessions(depth),
-            tier_evictable=(
-                int(c.unused_evictable_size_),
-                int(c.low_ref_evictable_size_),
-                int(c.high_ref_evictable_size_),
-            ),
+            tier_evictable=tier_counters(c),
             high_priority_threshold=self.config.high_priority_threshold,
             lent_slots=tuple(sorted(lent)),
             **host,
@@ -984,10 +981,10 @@ factory.capabilities = Capabilities(  # type: ignore[attr-defined]
 
 def factory_bench_clients(config: CacheConfig) -> RefAwareRequestPath:
     """`...:factory_bench_clients`: as `factory`, sent only what the fork's own benchmark's clients send
-    (`bench/bench_ref_aware_multiturn.py`: one rid per client, a class changed through `/update_ref` before the
-    next turn, a release once the client is done): every request a turn of a session, priority changes and closes
-    between turns only, no aborts, and a turn that does not continue its conversation only after a release (no move:
-its clients' turns continue theirs). Its certificate gets past R1, R2, Q2, Q3 and Q4 to what the fork does next."""
+        (`bench/bench_ref_aware_multiturn.py`: one rid per client, a class changed through `/update_ref` before the
+        next turn, a release once the client is done): every request a turn of a session, priority changes and closes
+        between turns only, no aborts, and a turn that does not continue its conversation only after a release (no move:
+    its clients' turns continue theirs). Its certificate gets past R1, R2, Q2, Q3 and Q4 to what the fork does next."""
     return RefAwareRequestPath(config)
 
 
