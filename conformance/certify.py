@@ -27,7 +27,7 @@ from kvcert.conformance.determinism import fixed_generation
 from kvcert.conformance.driver import ConformanceFailure, Harness
 from kvcert.conformance.fuzz import run_random
 from kvcert.conformance.known import replay_findings
-from kvcert.conformance.machine import CacheMachine
+from kvcert.conformance.machine import STORAGE_FAULTS, CacheMachine
 from kvcert.conformance.requests import RequestHarness, RequestMachine, request_cells, request_scope_gaps
 from kvcert.conformance.runner import run_machine
 from kvcert.conformance.running import TraceInvalid
@@ -637,6 +637,10 @@ def scope_gaps(capabilities: Capabilities, cells: list[CellResult], bad_input: O
         missing = [w for w in PREFETCH_POLICIES if w not in capabilities.prefetch_policies]
         if missing:
             out.append(f"prefetch stop policies {', '.join(missing)}: not declared by the backend")
+    if capabilities.prefetch_policies:
+        missing = [k for k in STORAGE_FAULTS if k not in capabilities.storage_faults]
+        if missing:
+            out.append(f"storage faults {', '.join(missing)}: the backend's store cannot take them")
     held = profiles.profile(capabilities.profile)
     has = {
         "": True,

@@ -61,7 +61,20 @@ from kvcert.spec.ops import (
     StorageFault,
     Unlock,
 )
-from kvcert.spec.profiles import BATCH, DEMOTE, LOAD_LOCK, LOAD_ROOM, RANK, RECLAIM, RETRY, ROOM, Profile, profile
+from kvcert.spec.profiles import (
+    BATCH,
+    DEMOTE,
+    FETCH,
+    LOAD_LOCK,
+    LOAD_ROOM,
+    RANK,
+    RECLAIM,
+    RETRY,
+    ROOM,
+    THROTTLE,
+    Profile,
+    profile,
+)
 from kvcert.spec.types import BadInput, CacheConfig, Capabilities, InsertOut, MatchOut, Snapshot
 
 __all__ = ["UNKNOWN_NODE", "ConformanceFailure", "Harness", "Outcome", "run_trace"]
@@ -288,12 +301,20 @@ class Harness(Queries):
         if not pinned(LOAD_ROOM) and isinstance(op, LoadBack):  # its device room: the whole size, a low scope
             scoped = ["low", "low-whole"] if self.capabilities.priority_refs else []
             rooms = [*rooms, "whole", *scoped]
-        tries = [(*a, room) for room in rooms for a in attempts]
+        admits: list[Optional[bool]] = [None]  # THROTTLE: admitted (True) or declined while others run
+        if not pinned(THROTTLE) and isinstance(op, Prefetch) and self.oracle.prefetches:
+            admits = [True] if got else [None, False]
+        publishes: list[Optional[bool]] = [None]  # FETCH: this fetch's progress published, or held
+        if not pinned(FETCH) and isinstance(op, Fetch):
+            publishes = [True, False]
+        tries = [
+            (*a, room, admit, shares) for admit in admits for shares in publishes for room in rooms for a in attempts
+        ]
         saved = copy.deepcopy(self.oracle) if len(tries) > 1 else None
         requests = dict(self.ledger.running) if saved is not None else {}  # the oracle's half goes back with it
         want: Outcome = None
         found: list[Violation] = []
-        for attempt, (order, skipped_first, tail, room) in enumerate(tries):
+        for attempt, (order, skipped_first, tail, room, admit, shares) in enumerate(tries):
             if attempt:  # the last choice disagreed with the backend: put the oracle back and try the next
                 self.oracle = copy.deepcopy(saved)  # type: ignore[assignment]
                 self._spec_snap = None
@@ -321,6 +342,7 @@ class Harness(Queries):
                 self.oracle.restore_steer = steering.restore_pick(required=isinstance(op, ReleaseRef))
             if not pinned(RETRY):
                 self.oracle.copy_failure = "invalidate" if self._gave_up(op, after) else "retry"
+            self.oracle.admit_steer, self.oracle.publish_steer = admit, shares
             if room in ("whole", "low", "low-whole"):
                 self.oracle.load_scope = (True, False) if room.startswith("low") else (True, True)
                 self.oracle.load_ask = "whole" if room.endswith("whole") else "shortfall"
@@ -342,6 +364,7 @@ class Harness(Queries):
             finally:
                 self.oracle.steer = self.oracle.reclaim = self.oracle.host_steer = None
                 self.oracle.demote_steer = self.oracle.restore_steer = None
+                self.oracle.admit_steer = self.oracle.publish_steer = None
                 setting = self.profile.setting  # back to the profile's choice (SGLang's where it says nothing)
                 self.oracle.load_host_lock = setting("load_host_lock", True)
                 self.oracle.copy_failure = setting("copy_failure", "retry")

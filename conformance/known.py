@@ -181,6 +181,8 @@ def _needs(op: Op, caps: Capabilities) -> str:
         and not caps.prefetch_policies
     ):
         return "no storage tier declared"
+    if isinstance(op, StorageFault) and op.kind not in caps.storage_faults:
+        return f"{op.kind} storage faults not declared"
     if isinstance(op, InjectFault) and op.kind not in caps.faults:
         return f"{op.kind} faults not declared"
     if isinstance(op, (Retract, Restore, Discard)) and not caps.retraction:

@@ -188,7 +188,8 @@ class CacheMachine(RunningRules, RaceRules):
             odds = 3 if self.host() and not self.storage() else 1
             self.sessions_on = data.integer(0, odds, "priority rules") == 0
         if self.storage():
-            self.faults = sorted(data.subset(STORAGE_FAULTS, "fault kinds"))
+            kinds = tuple(k for k in STORAGE_FAULTS if k in self.capabilities.storage_faults)
+            self.faults = sorted(data.subset(kinds, "fault kinds")) if kinds else []
             self.off = set(data.subset(SWARM_RULES, "rules switched off"))
 
     def on(self, rule: str) -> bool:
@@ -565,9 +566,15 @@ class CacheMachine(RunningRules, RaceRules):
         """Storage delivers one or a few pages of one prefetch; with `stop` the scheduler checks it right
         after, so a best-effort or timed-out prefetch often ends with pages still on their way."""
         k = data.choice(self.h.fetchable(), "prefetch")
-        for _ in range(pages):
-            if k in self.h.fetchable():
-                self.do(Fetch(k))
+        damage = [f for f in self.faults if f in ("corrupt", "drop")]
+        for i in range(pages):
+            if k not in self.h.fetchable():
+                break
+            if i and damage and data.boolean("the next page is damaged"):  # a prefetch that keeps part of its pages
+                at = self.h.next_page_at(k)
+                if at >= 0:
+                    self.do(StorageFault(data.choice(damage, "damage"), at))
+            self.do(Fetch(k))
         if stop:
             self.do(CheckPrefetch(k))
 

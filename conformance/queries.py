@@ -52,6 +52,7 @@ class Queries:
 
     def lockable_handles(self) -> list[int]:
         """Live handles the backend's callers may lock: all, or only those on the device (`locks_host_only`)."""
+
         def build() -> list[int]:
             live = self.live_handles()
             if self.capabilities.locks_host_only:
@@ -138,6 +139,19 @@ class Queries:
             return [k for k, (_, o) in enumerate(self.ledger.prefetches) if o in running]
 
         return self._memo("open prefetches", build)
+
+    def next_page_at(self, k: int) -> int:
+        """Where the page prefetch `k` reads next stands among the stored pages (a `StorageFault`'s `at`); -1 if
+        it is not stored. From the oracle's public prefetches and store, as a fault at that page needs."""
+        oracle = self.oracle
+        o = self.ledger.prefetches.id(k, 1)
+        p = next((q for q in oracle.prefetches if q.id == o), None)
+        store = oracle.storage
+        if p is None or store is None or p.fetched >= len(p.keys):
+            return -1
+        keys = sorted(store.inner.contents())  # type: ignore[attr-defined]
+        key = p.keys[p.fetched]
+        return keys.index(key) if key in keys else -1
 
     def fetchable(self) -> list[int]:
         """Running prefetches with a page left to fetch."""

@@ -171,7 +171,9 @@ class Steering:
     def left_tree(self) -> set[contracts.Path]:
         """Paths that left the tree during the step (computed once, on first use)."""
         if self._left is None:
-            self._left = set(contracts.node_paths(self.before).values()) - set(contracts.node_paths(self.after).values())
+            self._left = set(contracts.node_paths(self.before).values()) - set(
+                contracts.node_paths(self.after).values()
+            )
         return self._left
 
     def last(self, gone: set[contracts.Path], leaving: set[contracts.Path]) -> Optional[contracts.Path]:
@@ -500,10 +502,11 @@ class Steering:
 
 
 def agrees(spec: Snapshot, after: Snapshot) -> bool:
-    """The oracle reached the backend's state (tree, residency, copies, demotions): the steering found the backend's
-    choice."""
+    """The oracle reached the backend's state (tree, residency, copies, demotions, prefetch progress): the steering
+    found the backend's choice."""
     return (
         contracts.shape(after) == contracts.shape(spec)
         and [(c.kind, c.finished) for c in after.pending] == [(c.kind, c.finished) for c in spec.pending]
         and [(x.id, x.demoted) for x in after.sessions] == [(x.id, x.demoted) for x in spec.sessions]
+        and [(p.requested, p.fetched) for p in after.prefetches] == [(p.requested, p.fetched) for p in spec.prefetches]
     )

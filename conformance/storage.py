@@ -230,8 +230,15 @@ class FaultyStorage:
     def corrupt(self, key: str, offset: Optional[int] = None) -> bool:
         """Flip every bit of one byte of `key`'s stored value (the middle one by default).
 
-        Returns whether there was a non-empty value to damage.
+        Returns whether there was a non-empty value to damage. A store that keeps pages in a format of its own
+        (an engine's files) damages its own bytes, through its `corrupt`.
         """
+        own = getattr(self.inner, "corrupt", None)
+        if callable(own):
+            hit = bool(own(key, offset))
+            if hit:
+                self.log.append(Fault("corrupt", (key,)))
+            return hit
         blob = self.inner.batch_get([key])[0]
         if not blob:
             return False

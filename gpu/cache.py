@@ -509,7 +509,7 @@ class GpuCache(RadixTree):
                 PendingCopy(c.id, c.kind, tuple(n.id for n in c.nodes), c.finished) for c in self.copies.values()
             ),
             prefetches=tuple(
-                PendingPrefetch(p.id, p.anchor.id, len(p.keys) * ps, p.fetched * ps, p.failed, p.host_slots)
+                PendingPrefetch(p.id, p.anchor.id, len(p.keys) * ps, p.published * ps, p.failed, p.host_slots)
                 for p in self.stores.prefetches.values()
             ),
             retractions=tuple(RetractionView(r.id, r.tokens, r.host_slots) for r in self.retractions.values()),

@@ -119,6 +119,8 @@ class Prefetch:
     issued_at: int
     host_locked: list[Node] = field(default_factory=list)
     fetched: int = 0
+    published: int = 0
+    """Fetched pages whose progress the engine has seen: per batch of `FETCH_BATCH_PAGES`, at a miss, at the end."""
     failed: bool = False
     span_pages: int = 0
     """Pages the request asked for after the anchor, stored or not: the timeout's budget (D11)."""

@@ -5,7 +5,7 @@ settings (stop policy, timeout, digest). A write ack issues one store copy of th
 host-locked until its own ack; its completion writes every page (`encode_page` of the host bytes
 transposed) in one `batch_set`. A prefetch asks `batch_exists` once, reserves host room for the
 part that fits (D9), fetches page by page (each verified against `page_payload` before it counts:
-never wrong KV) and, when it ends, hangs the kept pages below its anchor as host-only nodes or as
+never wrong KV), publishes its progress per batch of pages as SGLang's storage batches do, and, when it ends, hangs the kept pages below its anchor as host-only nodes or as
 backups of device nodes without one (D15). It works on its cache's tree (`GpuCache`, through
 `tree`) and, for host room, its host tier.
 """
@@ -103,6 +103,11 @@ class StorageTier:
             return 0
         if anchor is not tree.root and (anchor.ns != namespace or anchor.host_slots is None):
             return 0  # D18: an anchor that lost its backup since its match asks storage nothing
+        host = tree.host
+        if host is not None:  # admission: running prefetches' requested spans may hold half the host pool
+            occupied = sum(q.span_pages for q in self.prefetches.values()) * ps
+            if occupied >= int(l3.PREFETCH_ADMIT_FRACTION * host.kv.capacity):
+                return 0
         keys = l3.page_keys(namespace, key, ps, self.digest)[start // ps :]
         try:
             hit = self.storage.batch_exists(keys)
@@ -150,23 +155,28 @@ class StorageTier:
         ps = tree.page_size
         key = p.keys[p.fetched]
         page = p.start // ps + p.fetched
+        raised = False
         try:
             blob = self.storage.batch_get([key])[0]
         except l3.StorageError:
-            blob = None
+            blob, raised = None, True
         payload = l3.decode_page(key, blob)
         if payload is None or payload != l3.page_payload(p.ns, p.tokens, page, ps, self.kv_layers):
             p.failed = True
-            return
-        tree.host.kv.write_page_payload(p.host_slots[p.fetched * ps : (p.fetched + 1) * ps], payload)
-        p.fetched += 1
+            if raised:  # a read that raises loses the pages of its batch not yet published
+                p.fetched = p.published
+        else:
+            tree.host.kv.write_page_payload(p.host_slots[p.fetched * ps : (p.fetched + 1) * ps], payload)
+            p.fetched += 1
+        if p.failed or p.fetched == len(p.keys) or p.fetched % l3.FETCH_BATCH_PAGES == 0:
+            p.published = p.fetched  # a batch's end: its progress reaches the engine
 
     def check(self, prefetch: object) -> Optional[int]:
         """End the prefetch if done, or if its stop policy says so (SPEC.md §10.4): tokens added; None: running."""
         p = self.get(prefetch)
         tree = self.tree
         done_here = p.failed or p.fetched == len(p.keys)
-        done_all, fetched = tree.agreement.agree([int(done_here), p.fetched])  # the slowest rank decides
+        done_all, fetched = tree.agreement.agree([int(done_here), p.published])  # the slowest rank decides
         done = bool(done_all)
         base, per_page = self.timeout
         expired = (

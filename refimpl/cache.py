@@ -178,6 +178,8 @@ class Prefetching:
     """The anchor's host-lock segment: the anchor, and every head split off it meanwhile."""
     fetched: int = 0
     """Pages fetched and verified, from the first."""
+    published: int = 0
+    """Of those, the pages whose progress the engine has seen (FETCH: per batch); an end keeps these."""
     failed: bool = False
     span_pages: int = 0
     """Pages the request asked for after the anchor, stored or not: the timeout's budget (D11)."""
@@ -393,6 +395,15 @@ class RefCache:
         self.restore_on_move = False
         """Whether a high session registered again (moved) counts as released and restores a demoted session
         (DEMOTE; the RefAware fork's composed move, H9): SGLang's profile says no."""
+        self.fetch_batch = l3.FETCH_BATCH_PAGES
+        """A prefetch publishes its progress per batch of this many pages, at a miss, or at its last page (FETCH)."""
+        self.publish_steer: Optional[bool] = None
+        """The core's FETCH choice for the next fetch that ends no batch: publish every page so far, or not."""
+        self.admit_fraction: Optional[float] = l3.PREFETCH_ADMIT_FRACTION
+        """A prefetch is declined while running prefetches' requested spans reach this share of the host pool
+        (THROTTLE, SGLang's `prefetch_capacity_limit`); None: never."""
+        self.admit_steer: Optional[bool] = None
+        """The core's THROTTLE choice for the next prefetch made while others run: admit it (True) or decline."""
         self.chosen: list[tuple[str, int]] = []
         """The current operation's eviction choices, in order (`Snapshot.choices`); cleared by `set_clock`."""
 
@@ -1329,6 +1340,8 @@ class RefCache:
             return 0
         if anchor is not self.root and anchor.host_slots is None:
             return 0  # D18: it lost its backup since its match (§9.4's reclaim); no storage call
+        if self._throttled():
+            return 0  # THROTTLE: declined for admission, no storage call
         keys = l3.page_keys(namespace, key, self.page_size, self.digest)[start // self.page_size :]
         try:
             hit = self.storage.batch_exists(keys)
@@ -1356,6 +1369,15 @@ class RefCache:
         self._next_prefetch += 1
         return size
 
+    def _throttled(self) -> bool:
+        """Whether admission declines the next prefetch (THROTTLE): only ever while another one runs under the core."""
+        if self.admit_steer is not None and self.prefetches:
+            return not self.admit_steer
+        if self.admit_fraction is None or self.host is None:
+            return False
+        occupied = sum(p.span_pages for p in self.prefetches) * self.page_size
+        return occupied >= int(self.admit_fraction * self.host.capacity)
+
     def _prefetch_alloc(self, size: int) -> Optional[tuple[int, ...]]:
         """D9: if `size` does not fit, host-evict `size` tokens (`_make_room`); reserve the longest whole-page part
         that fits."""
@@ -1379,10 +1401,11 @@ class RefCache:
         assert self.storage is not None
         key = p.keys[p.fetched]
         page = p.start // self.page_size + p.fetched
+        raised = False
         try:
             blob = self.storage.batch_get([key])[0]
         except l3.StorageError:
-            blob = None
+            blob, raised = None, True
         payload = l3.decode_page(key, blob)
         if payload is not None and payload == l3.page_payload(
             p.namespace, p.tokens, page, self.page_size, self.kv_layers
@@ -1391,6 +1414,12 @@ class RefCache:
             p.fetched += 1
         else:
             p.failed = True  # a miss, a torn or corrupt page: never wrong KV
+            if raised:  # a read that raises loses its batch: the pages not yet published (FETCH)
+                p.fetched = p.published
+        ends = p.failed or p.fetched == len(p.keys)  # a batch's miss or the last page publishes everything
+        publish = ends or (p.fetched % self.fetch_batch == 0 if self.publish_steer is None else self.publish_steer)
+        if publish:
+            p.published = p.fetched
 
     def _fill_page(self, p: Prefetching, page: int) -> None:
         """A verified page lands in the prefetch's next reserved host page: its entries, token by token.
@@ -1420,7 +1449,7 @@ class RefCache:
             if p.waiting_since is None:
                 p.waiting_since = self.now  # D11: the deadline starts at the first check that keeps it running
             return None
-        return self._end_prefetch(p, keep=p.fetched * self.page_size, touch=True)
+        return self._end_prefetch(p, keep=p.published * self.page_size, touch=True)
 
     def abort_prefetch(self, prefetch_id: int) -> None:
         """The request is gone: release everything, insert nothing."""
@@ -1530,7 +1559,12 @@ class RefCache:
             pending=tuple(PendingCopy(c.id, c.kind, tuple(n.id for n in c.nodes), c.finished) for c in self.copies),
             prefetches=tuple(
                 PendingPrefetch(
-                    p.id, p.anchor.id, len(p.keys) * self.page_size, p.fetched * self.page_size, p.failed, p.host_slots
+                    p.id,
+                    p.anchor.id,
+                    len(p.keys) * self.page_size,
+                    p.published * self.page_size,
+                    p.failed,
+                    p.host_slots,
                 )
                 for p in self.prefetches
             ),
@@ -1559,8 +1593,8 @@ def alternative(config: CacheConfig) -> RefCache:
     shortfall, each written node is its own write copy, issued deepest first, a released (or moved) high
     session restores the earliest demoted session rather than the latest, a pending load's host copy is
     protected by the load's own pins rather than a host lock, a backup short of host room host-evicts its
-    whole size, and load-back evicts its whole size, in a low requester's scope. It passes the core and fails the
-    sglang-0.5.23 profile."""
+    whole size, load-back evicts its whole size, in a low requester's scope, a prefetch publishes every page as it
+    arrives, and admission never declines a prefetch. It passes the core and fails the sglang-0.5.23 profile."""
     cache = RefCache(config)
     cache.batching = "per_node"
     cache.restore_order = "earliest"
@@ -1572,6 +1606,8 @@ def alternative(config: CacheConfig) -> RefCache:
     cache.copy_failure = "invalidate"
     cache.host_room = "shortfall"
     cache.backup_room = "whole"
+    cache.fetch_batch = 1
+    cache.admit_fraction = None
     return cache
 
 

@@ -96,7 +96,24 @@ LOAD_ROOM = Choice(
     "host",
 )
 
-CHOICES: tuple[Choice, ...] = (RANK, RECLAIM, RETRY, ROOM, BATCH, DEMOTE, LOAD_LOCK, LOAD_ROOM)
+FETCH = Choice(
+    "FETCH",
+    "a prefetch's progress reaches the engine per batch of 128 fetched pages (SGLang's STORAGE_BATCH_SIZE), at a "
+    "batch's first miss, or at its last page; an ended prefetch keeps the pages published by then (§10.4)",
+    "after any fetch the published progress stays or becomes every page fetched so far, and a miss or the last page "
+    "publishes; an ended prefetch keeps exactly its published pages (INV-PF-3 compares them step by step)",
+    "storage",
+)
+
+THROTTLE = Choice(
+    "THROTTLE",
+    "a prefetch is declined, asking storage nothing, while the running prefetches' requested spans (every page "
+    "after their anchors, stored or not) reach half the host pool (SGLang's prefetch_capacity_limit, §10.4)",
+    "a prefetch made while others run may be declined so, whenever the backend likes; one made while none runs is not",
+    "storage",
+)
+
+CHOICES: tuple[Choice, ...] = (RANK, RECLAIM, RETRY, ROOM, BATCH, DEMOTE, LOAD_LOCK, LOAD_ROOM, FETCH, THROTTLE)
 
 STILL_PINNED: tuple[tuple[str, str], ...] = (
     ("host", "a load-back is one copy, issued by the load_back call that asks for it (INV-COPY-1)"),
@@ -111,8 +128,9 @@ class Profile:
     pins: frozenset[str]
     """The ids of the choices this profile pins; the rest are checked by their core relation."""
     settings: tuple[tuple[str, Any], ...] = ()
-    """Where the engine's choice at a pinned place differs from SGLang 0.5.23's: the reference model's knob and
-    the engine's value (`RefCache` attributes), so the model makes the engine's choice and the engine must match."""
+    """Where the engine's choice at a pinned place differs from SGLang 0.5.23's (the reference model's default): the
+    model's knob and the engine's value (`RefCache` attributes), so the model makes the engine's choice and the
+    engine must match."""
 
     def pinned(self, choice: Choice) -> bool:
         return choice.id in self.pins

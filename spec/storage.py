@@ -44,6 +44,14 @@ RECORD_OVERHEAD = _HEAD.size + _LENGTH.size + CHECKSUM_WIDTH
 KV_PARTS = ("k", "v")
 """`which` values of `token_kv`: the key and the value tensor."""
 
+FETCH_BATCH_PAGES = 128
+"""SGLang's storage batch (``STORAGE_BATCH_SIZE``): a prefetch's progress reaches the engine per batch of this many
+pages, at a batch's first miss, or at its last page (SPEC.md §6.1 ``FETCH``)."""
+
+PREFETCH_ADMIT_FRACTION = 0.5
+"""SGLang's prefetch admission limit: a prefetch is declined while the running prefetches' requested spans reach
+this fraction of the host pool (``prefetch_capacity_limit``, SPEC.md §6.1 ``THROTTLE``)."""
+
 
 class StorageError(KVCertError):
     """A storage call failed as a whole (I/O, network, a dead peer).

@@ -340,7 +340,7 @@ class PendingPrefetch:
     requested: int
     """Tokens asked of storage (whole pages)."""
     fetched: int
-    """Tokens fetched and verified so far, from the start."""
+    """Tokens fetched, verified and published so far, from the start: the progress the engine sees (§10.4)."""
     failed: bool
     """A page came back missing or corrupt: nothing after it will be used."""
     host_slots: tuple[int, ...]
@@ -500,6 +500,9 @@ class Capabilities:
     """Storage-tier stop policies supported; () for a cache without storage."""
     faults: tuple[str, ...] = ()
     """Fault kinds `inject_fault` accepts (FAULTS)."""
+    storage_faults: tuple[str, ...] = ("error", "partial_write", "torn_write", "corrupt", "drop")
+    """The storage faults (`StorageFault` kinds, SPEC.md §10.5) the harness can apply to the backend's store: a
+    backend whose engine does its own storage I/O (SGLang's `file` backend) takes only the page faults."""
     retraction: bool = False
     """True: the host tier backs up, restores and discards retracted requests' KV (SPEC.md §9.11)."""
     kv_reads: bool = False

@@ -16,7 +16,8 @@ The corpus:
   host write policy, storage with each prefetch stop policy, priority on), about 1,500 steps per
   kind, on the model, `kvcert.gpu` (both layouts) and a few mutants, so failures land mid-trace.
 
-Record again only to add traces, never to make a changed result pass:
+A deliberate spec change that alters a recorded result is written to `corpus/amended.json`, per case, with
+the change that did it; nothing else is. Record again only to add traces, never to make a changed result pass:
 `python tests/_corpus.py record` (with `PYTHONPATH` at an install of the recorded commit; see
 `scripts/corpus_record.sh`). This module uses only `run_trace`, `Trace` and the zoo's factories,
 which exist unchanged on both sides of the split.

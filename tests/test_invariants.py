@@ -200,6 +200,7 @@ def _prefetch_base() -> Snapshot:
         page_size=PS, capacity=32, host_capacity=48, write_policy="write_through", prefetch_policy="wait_complete"
     )
     cache = RefCache(config)
+    cache.fetch_batch = 1  # progress published per page (FETCH): the base has one page of two fetched and seen
     store = FaultyStorage(MemoryStorage())
     cache.attach_storage(store)
     anchor = list(range(1, 1 + PS))

@@ -20,12 +20,14 @@ from kvcert.conformance.certify import certify, core_verdict, judged_as, load_fa
 from kvcert.conformance.driver import ConformanceFailure, run_trace
 from kvcert.refimpl import RefCache, alternative, factory
 from kvcert.spec import profiles
+from kvcert.spec import storage as l3
 from kvcert.spec.ops import (
     Checkpoint,
     CheckPrefetch,
     Complete,
     Evict,
     EvictHost,
+    Fetch,
     Finish,
     InjectFault,
     Insert,
@@ -38,6 +40,7 @@ from kvcert.spec.ops import (
     RegisterRef,
     ReleaseRef,
     Start,
+    StorageFault,
     Trace,
 )
 from kvcert.spec.types import CacheConfig, Capabilities, Snapshot
@@ -46,20 +49,39 @@ ZOO = (Path(__file__).parent / "corpus" / "zoo", Path(__file__).parent / "profil
 """The zoo's recorded counterexamples (the same-verdict corpus), and those of mutants added since."""
 
 RECLAIM_TRACE = (
-    CacheConfig(page_size=1, policy="lru", capacity=6, host_capacity=24, write_policy="write_back", load_back_threshold=1),
+    CacheConfig(
+        page_size=1, policy="lru", capacity=6, host_capacity=24, write_policy="write_back", load_back_threshold=1
+    ),
     [Insert("lora-a", (1, 2, 1)), Evict(1), Insert("lora-a", (1,)), EvictHost(2)],
 )
 """A host-only node split by an insert leaves a duplicate backup (1,) and a host-only leaf (2, 1): SGLang
 drops the duplicate first, the alternative takes the older leaf first."""
 
 RETRY_TRACE = (
-    CacheConfig(page_size=1, policy="lru", capacity=6, host_capacity=6, write_policy="write_through", load_back_threshold=1),
-    [InjectFault("copy"), Insert(None, (1, 2, 3)), Complete(0), Poll(), Insert(None, (1, 2, 3, 4)), Evict(6), Match(None, (1, 2, 3))],
+    CacheConfig(
+        page_size=1, policy="lru", capacity=6, host_capacity=6, write_policy="write_through", load_back_threshold=1
+    ),
+    [
+        InjectFault("copy"),
+        Insert(None, (1, 2, 3)),
+        Complete(0),
+        Poll(),
+        Insert(None, (1, 2, 3, 4)),
+        Evict(6),
+        Match(None, (1, 2, 3)),
+    ],
 )
 """A write-through copy fails: SGLang keeps it pending, the alternative gives the backup up."""
 
 ROOM_TRACE = (
-    CacheConfig(page_size=1, policy="lru", capacity=8, host_capacity=6, write_policy="write_through", prefetch_policy="best_effort"),
+    CacheConfig(
+        page_size=1,
+        policy="lru",
+        capacity=8,
+        host_capacity=6,
+        write_policy="write_through",
+        prefetch_policy="best_effort",
+    ),
     [
         *(Insert(None, (t,)) for t in (5, 6, 7, 8)),
         *(Complete(i) for i in range(4)),  # the write copies, then the store copies they start
@@ -77,7 +99,11 @@ ROOM_TRACE = (
 
 BATCH_TRACE = (
     CacheConfig(
-        page_size=1, policy="lru", capacity=6, host_capacity=24, write_policy="write_through_selective",
+        page_size=1,
+        policy="lru",
+        capacity=6,
+        host_capacity=24,
+        write_policy="write_through_selective",
         prefetch_policy="best_effort",
     ),
     [Start(None, (2, 1, 1, 1), 0), Checkpoint(0), Match(None, (2,)), Finish(0, True), Complete(0), Complete(1), Poll()],
@@ -87,7 +113,11 @@ then one store copy per node, the alternative one write copy per node, deepest f
 
 DEMOTE_TRACE = (
     CacheConfig(
-        page_size=1, capacity=8, host_capacity=3, write_policy="write_through", high_priority_threshold=1,
+        page_size=1,
+        capacity=8,
+        host_capacity=3,
+        write_policy="write_through",
+        high_priority_threshold=1,
         load_back_threshold=1,
     ),
     [
@@ -121,7 +151,30 @@ BACKUP_ROOM_TRACE = (
 """A write-through backup of 2 tokens finds 1 host slot free: SGLang host-evicts the shortfall (one host-only leaf),
 the alternative its whole size (both; the RefAware fork's H12)."""
 
-H7 = Trace.from_json((Path(__file__).parent.parent / "conformance" / "findings" / "refaware" / "H7-load-back-scope.json").read_text())
+H7 = Trace.from_json(
+    (Path(__file__).parent.parent / "conformance" / "findings" / "refaware" / "H7-load-back-scope.json").read_text()
+)
+FETCH_TRACE = (
+    CacheConfig(capacity=8, host_capacity=8, write_policy="write_through", prefetch_policy="best_effort"),
+    [Publish(None, (1, 2, 3)), Match(None, (1, 2, 3)), Prefetch(1), Fetch(0), CheckPrefetch(0)],
+)
+"""A best-effort prefetch ended after one page of three: SGLang has not seen the batch yet and keeps nothing, the
+alternative published the page and keeps it."""
+
+THROTTLE_TRACE = (
+    CacheConfig(capacity=8, host_capacity=8, write_policy="write_through", prefetch_policy="wait_complete"),
+    [
+        Publish(None, (1, 2)),
+        Publish(None, (5, 6)),
+        Match(None, (1, 2, 3, 4)),
+        Prefetch(2),
+        Match(None, (5, 6)),
+        Prefetch(4),
+    ],
+)
+"""A running prefetch asked for four pages, half the host pool: SGLang declines the next one, the alternative takes
+it."""
+
 LOAD_ROOM_TRACE = (H7.config, list(H7.ops))
 """A load back whose room only a high session's nodes can make: SGLang evicts them (the full scope), the alternative
 makes room in a low requester's scope and refuses the load (the RefAware fork's H7)."""
@@ -175,10 +228,23 @@ def test_backends_declare_their_profiles() -> None:
         (MOVE_TRACE, {"INV-TIER-5"}),
         (LOAD_ROOM_TRACE, {"INV-LOAD-1"}),
         (WHOLE_LOAD_TRACE, {"INV-HOST-6", "INV-HOST-10"}),  # its load lock (LOAD_LOCK) differs first
+        (FETCH_TRACE, {"INV-PF-3"}),
+        (THROTTLE_TRACE, {"INV-PF-2"}),
     ],
     ids=[
-        "reclaim", "retry", "room-prefetch", "room-backup", "batch", "demote", "load-lock", "room-write-through",
-        "demote-move", "load-room", "load-whole",
+        "reclaim",
+        "retry",
+        "room-prefetch",
+        "room-backup",
+        "batch",
+        "demote",
+        "load-lock",
+        "room-write-through",
+        "demote-move",
+        "load-room",
+        "load-whole",
+        "fetch",
+        "throttle",
     ],
 )
 def test_the_alternative_passes_the_core_and_fails_the_profile(
@@ -259,8 +325,10 @@ def test_a_restore_may_leave_the_root_uncounted() -> None:
     """Seed 003's counterexample (a resumed request's unlock finds nothing to release) passes a cache that does not
     count the root's lock but lets the unlock succeed, under both profiles; the zoo mutant that crashes it does not."""
     trace = Trace.from_json(
-        (ZOO[0] / "kvcert.conformance.zoo_retracted_resume_without_last_node-ps1-lru-write_through+best_effort-seed0.json")
-        .read_text()
+        (
+            ZOO[0]
+            / "kvcert.conformance.zoo_retracted_resume_without_last_node-ps1-lru-write_through+best_effort-seed0.json"
+        ).read_text()
     )
     assert any(type(op).__name__ == "Restore" for op in trace.ops)
     for name in ("core", "sglang-0.5.23"):
@@ -269,6 +337,38 @@ def test_a_restore_may_leave_the_root_uncounted() -> None:
     (mutant,) = [m for m in zoo.MUTANTS + zoo.DIRECTED if m.name == "retracted_resume_without_last_node"]
     make = zoo.build(mutant)
     assert replay_fails(make, make.capabilities, trace)  # type: ignore[attr-defined]
+
+
+class _ThrottlesAlone(RefCache):
+    """Admission declines every prefetch, even one made while no other runs."""
+
+    def __init__(self, config: CacheConfig) -> None:
+        super().__init__(config)
+        self.admit_fraction = 0.0
+
+
+class _HoldsPastAMiss(RefCache):
+    """A failed prefetch does not publish the pages before its miss."""
+
+    def fetch(self, prefetch_id: int) -> None:
+        p = self._prefetching(prefetch_id)
+        before = p.published
+        super().fetch(prefetch_id)
+        p.published = before if p.failed else p.published
+
+
+def test_the_core_bounds_fetch_publishing_and_admission() -> None:
+    """Under the core a backend may publish per page or per batch and throttle while others run (the alternative
+    does neither, SGLang both); declining with nothing running, or holding progress past a miss, fails."""
+    config, ops = THROTTLE_TRACE
+    caps = replace(alternative.capabilities, profile="core")  # type: ignore[attr-defined]
+    assert "INV-PF-2" in _verdict(_ThrottlesAlone, caps, config, ops[:4], "core")
+    config, ops = FETCH_TRACE
+    keys = l3.page_keys(None, (1, 2, 3), 1, l3.canonical_digest(1, config.model_id))
+    at = sorted(keys).index(keys[1])  # StorageFault names a page by its place among the stored keys, sorted
+    faulted = [*ops[:3], Fetch(0), StorageFault("corrupt", at), Fetch(0), CheckPrefetch(0)]
+    assert _verdict(factory, caps, config, faulted, "core") == set()
+    assert "INV-PF-3" in _verdict(_HoldsPastAMiss, caps, config, faulted, "core")
 
 
 class _OverEvicts(RefCache):
@@ -470,7 +570,18 @@ def test_the_certificate_says_what_the_profile_leaves_open() -> None:
 
     caps = factory.capabilities  # type: ignore[attr-defined]
     core = scope_gaps(replace(caps, profile="core"), [])
-    assert [g.split(" ")[1] for g in core if g.startswith("choice ")] == ["RANK", "RECLAIM", "RETRY", "ROOM", "BATCH", "DEMOTE", "LOAD_LOCK", "LOAD_ROOM"]
+    assert [g.split(" ")[1] for g in core if g.startswith("choice ")] == [
+        "RANK",
+        "RECLAIM",
+        "RETRY",
+        "ROOM",
+        "BATCH",
+        "DEMOTE",
+        "LOAD_LOCK",
+        "LOAD_ROOM",
+        "FETCH",
+        "THROTTLE",
+    ]
     assert sum(g.startswith("pinned under every profile") for g in core) == len(profiles.STILL_PINNED)
     assert not [g for g in scope_gaps(caps, []) if g.startswith("choice ")]
     device_only = scope_gaps(Capabilities(name="device-only"), [])

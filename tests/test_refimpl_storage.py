@@ -83,12 +83,70 @@ def test_a_corrupt_page_is_a_miss_never_kv() -> None:
     assert len(c.host.free_list) == 7  # type: ignore[union-attr]
 
 
-def test_best_effort_ends_at_once_and_keeps_what_arrived() -> None:
+def test_best_effort_ends_at_once_and_keeps_what_was_published() -> None:
+    """SGLang publishes progress per storage batch (FETCH): one page of a three-page batch is not yet seen."""
     c, store = make("best_effort")
     publish(store, [1, 2, 3])
     assert c.prefetch(c.root.id, None, [1, 2, 3]) == 3
     c.fetch(0)
+    assert c.snapshot().prefetches[0].fetched == 0, "the batch is still being read"
+    assert c.check_prefetch(0) == 0 and len(c.host.free_list) == 8  # type: ignore[union-attr]
+
+    c, store = make("best_effort")
+    c.fetch_batch = 1  # a cache that publishes every page keeps the page that arrived
+    publish(store, [1, 2, 3])
+    assert c.prefetch(c.root.id, None, [1, 2, 3]) == 3
+    c.fetch(0)
+    assert c.snapshot().prefetches[0].fetched == 1
     assert c.check_prefetch(0) == 1 and len(c.host.free_list) == 7  # type: ignore[union-attr]
+
+
+def test_a_batch_ends_at_its_last_page_or_first_miss_and_a_raising_read_loses_it() -> None:
+    c, store = make()
+    publish(store, [1, 2, 3])
+    assert c.prefetch(c.root.id, None, [1, 2, 3]) == 3
+    c.fetch(0)
+    c.fetch(0)
+    assert c.snapshot().prefetches[0].fetched == 0
+    c.fetch(0)
+    assert c.snapshot().prefetches[0].fetched == 3, "the last page publishes the batch"
+
+    c, store = make()
+    publish(store, [1, 2, 3])
+    store.corrupt(l3.page_keys(None, [1, 2, 3], 1, c.digest)[2])
+    c.prefetch(c.root.id, None, [1, 2, 3])
+    c.fetch(0)
+    c.fetch(0)
+    c.fetch(0)
+    pf = c.snapshot().prefetches[0]
+    assert pf.failed and pf.fetched == 2, "a miss publishes the pages before it"
+
+    c, store = make()
+    publish(store, [1, 2, 3])
+    c.prefetch(c.root.id, None, [1, 2, 3])
+    c.fetch(0)
+    store.arm("error")
+    c.fetch(0)
+    pf = c.snapshot().prefetches[0]
+    assert pf.failed and pf.fetched == 0, "a read that raises loses its whole batch, as SGLang's does"
+    assert c.check_prefetch(0) == 0 and len(c.host.free_list) == 8  # type: ignore[union-attr]
+
+
+def test_admission_declines_while_running_spans_reach_half_the_host_pool() -> None:
+    """THROTTLE: SGLang's prefetch_capacity_limit counts every page a running prefetch asked for, stored or not."""
+    c, store = make(host=8)
+    publish(store, [1, 2])
+    publish(store, [5, 6])
+    assert c.prefetch(c.root.id, None, [1, 2, 3, 4]) == 2, "two pages stored, four asked for: 4 of 8 held"
+    asked: list[int] = []
+    lookup = store.batch_exists
+    store.batch_exists = lambda keys: asked.append(len(keys)) or lookup(keys)  # type: ignore[method-assign]
+    assert c.prefetch(c.root.id, None, [5, 6]) == 0, "declined: the running span is half the pool"
+    assert asked == [], "a declined prefetch asks storage nothing"
+    c.abort_prefetch(0)
+    assert c.prefetch(c.root.id, None, [5, 6]) == 2, "admitted once nothing runs"
+    c.admit_fraction = None
+    assert c.prefetch(c.root.id, None, [1, 2]) == 2, "a cache without the limit admits it"
 
 
 def test_timeout_is_linear_in_the_requested_pages_from_the_first_wait() -> None:

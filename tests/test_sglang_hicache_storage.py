@@ -8,6 +8,7 @@ conformance harness on both tree cores. Skipped as a whole without the `sglang` 
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any, Optional
 
@@ -90,7 +91,9 @@ def _consume(root: Path, stored: int = len(TOKENS)) -> tuple[int, Optional[torch
             requested = h.l3.prefetch(root_id, None, [], TOKENS, None)
             assert requested == stored
             pid = next(iter(h.l3.prefetches))
-            added = h.l3.check(pid)  # best_effort: ends at once; the file backend read every page at the start
+            while h.l3.fetch(pid):  # HiCacheFile reads one page per harness fetch, in one batch_get
+                pass
+            added = h.l3.check(pid)
         assert added is not None
         nodes = [v for v in h.nodes().values() if v["parent"] is not None]
         if not added:
@@ -121,7 +124,9 @@ def _page_files(root: Path) -> list[Path]:
 def test_file_backend_under_storage_faults(tmp_path: Path, damage: str) -> None:
     """The harness's page faults applied to HiCacheFile's files: a miss is safe, a corrupt page is served.
 
-    drop and torn (half the file: a short read raises) end the prefetch before the damaged page.
+    drop ends the prefetch before the damaged page (batch_exists stops there). torn (half the file)
+    makes HiCacheFile's short read raise inside the batch's one batch_get, so the whole batch is
+    lost, the good page before it too (SPEC.md §6.1 FETCH).
     corrupt (one byte flipped, same length) is read back as KV: HiCacheFile keeps no checksum
     (findings.md, F-L3-1), so the consumer's host KV differs from what the producer wrote.
     """
@@ -138,12 +143,12 @@ def test_file_backend_under_storage_faults(tmp_path: Path, damage: str) -> None:
     if damage == "drop":
         assert added == P  # batch_exists stops at the missing page: only page 0 is requested
     elif damage == "torn":
-        assert added == P  # page 1's read fails: the prefetch keeps page 0
+        assert added == 0  # page 1's read raises: SGLang counts no page of that batch
     else:
         assert added == len(TOKENS)
         assert host is not None and not _same(host, kv)  # wrong KV, served as a hit
         assert _same(host[:, :, :P], kv[:, :, :P]) and _same(host[:, :, 2 * P :], kv[:, :, 2 * P :])
-    if damage != "corrupt":
+    if damage == "drop":
         assert host is not None and _same(host, kv[:, :, :added])
 
 
@@ -203,8 +208,9 @@ def _publish(store: FaultyStorage, config: CacheConfig, ns: Any, tokens: list[in
 
 
 @pytest.mark.parametrize("ps", [1, 4])
-def test_prefetch_fetches_one_page_per_fetch(ps: int) -> None:
-    """One batch_exists at prefetch, one batch_get of one page per fetch; the host KV is the content function's."""
+def test_prefetch_reads_one_page_per_fetch_and_publishes_its_batch(ps: int) -> None:
+    """One batch_exists at prefetch and one batch_get of SGLang's whole batch (128 pages as shipped), which reads one
+    page per harness fetch; SGLang sees the progress when the batch ends; the host KV is the content function's."""
     backend, store, config = _storage_backend("wait_complete", ps)
     tokens = list(range(1, 3 * ps + 1))
     try:
@@ -212,16 +218,16 @@ def test_prefetch_fetches_one_page_per_fetch(ps: int) -> None:
         root = backend.snapshot().root
         assert backend.prefetch(root, None, tokens) == 3 * ps
         bridge = backend.h.l3.bridge  # type: ignore[union-attr]
-        assert bridge is not None and bridge.calls == [("batch_exists", 3)]
+        assert bridge is not None and bridge.calls == [("batch_exists", 3), ("batch_get", 3)] and bridge.reads == 0
         for k in range(3):
-            assert [(p.requested, p.fetched, p.failed) for p in backend.snapshot().prefetches] == [
-                (3 * ps, k * ps, False)
-            ]
+            assert [(p.requested, p.fetched, p.failed) for p in backend.snapshot().prefetches] == [(3 * ps, 0, False)]
             assert backend.check_prefetch(0) is None  # wait_complete: still running
             backend.fetch(0)
-            assert bridge.calls[-1] == ("batch_get", 1)
+            assert bridge.reads == k + 1
         with pytest.raises(UnknownPrefetch):
             backend.fetch(0)
+        assert [(p.requested, p.fetched, p.failed) for p in backend.snapshot().prefetches] == [(3 * ps, 3 * ps, False)]
+        assert bridge.calls == [("batch_exists", 3), ("batch_get", 3)]
         assert backend.check_prefetch(0) == 3 * ps
         (node,) = [v for v in backend.snapshot().nodes if v.parent is not None]
         assert node.slots is None and node.key == tuple(tokens)
@@ -233,7 +239,8 @@ def test_prefetch_fetches_one_page_per_fetch(ps: int) -> None:
 
 @pytest.mark.parametrize("fault", ["error", "corrupt", "drop"])
 def test_a_bad_page_fails_the_prefetch_and_is_never_kept(fault: str) -> None:
-    """Under any fault the page is a miss: the prefetch fails there and keeps only what came before it."""
+    """Under any fault the page is a miss: the prefetch fails there. A miss keeps the pages before it; a read that
+    raises loses its whole batch, as SGLang's _page_transfer counts no page of a batch whose batch_get raised."""
     backend, store, config = _storage_backend("wait_complete")
     tokens = [7, 8, 9]
     try:
@@ -246,13 +253,14 @@ def test_a_bad_page_fails_the_prefetch_and_is_never_kept(fault: str) -> None:
         else:
             assert store.corrupt(key) if fault == "corrupt" else store.drop(key)
         backend.fetch(0)
-        assert [(p.requested, p.fetched, p.failed) for p in backend.snapshot().prefetches] == [(3, 1, True)]
+        kept = 0 if fault == "error" else 1
+        assert [(p.requested, p.fetched, p.failed) for p in backend.snapshot().prefetches] == [(3, kept, True)]
         with pytest.raises(UnknownPrefetch):
             backend.fetch(0)
-        assert backend.check_prefetch(0) == 1
+        assert backend.check_prefetch(0) == kept
         snap = backend.snapshot()
-        assert [v.key for v in snap.nodes if v.parent is not None] == [(7,)]
-        assert len(snap.host_free_slots) == 6 - 1  # the two unfetched pages' host slots came back at once
+        assert [v.key for v in snap.nodes if v.parent is not None] == ([(7,)] if kept else [])
+        assert len(snap.host_free_slots) == 6 - kept  # the rest of the reservation came back at once
     finally:
         backend.close()
 
@@ -465,3 +473,77 @@ def test_a_reclaim_cascade_is_seated_under_the_core(factory: Any, profile: str) 
     trace = Trace.from_json(RECLAIM_CASCADE.read_text())
     caps = replace(factory.capabilities, profile=profile)
     run_trace(factory(trace.config), trace.config, caps, list(trace.ops))
+
+
+def test_admission_declines_while_running_spans_reach_half_the_host_pool() -> None:
+    """SGLang's prefetch_capacity_limit, as shipped: with a four-page request running on an eight-slot host pool, the
+    next prefetch is declined before any storage call, as the model (sglang-0.5.23 THROTTLE) says; once it ends, the
+    same prefetch is admitted. The same trace with the limit lifted fails: the rule is what the harness sees."""
+    from kvcert.spec.ops import AbortPrefetch, Match, Prefetch, Publish
+
+    config = CacheConfig(capacity=8, host_capacity=8, write_policy="write_through", prefetch_policy="wait_complete")
+    ops = [
+        Publish(None, (1, 2)),
+        Publish(None, (5, 6)),
+        Match(None, (1, 2, 3, 4)),
+        Prefetch(2),
+        Match(None, (5, 6)),
+        Prefetch(4),
+        AbortPrefetch(0),
+        Match(None, (5, 6)),
+        Prefetch(7),
+    ]
+    h = run_trace(factory_storage(config), config, factory_storage.capabilities, ops, quiesce=False, close=False)
+    try:
+        cache = h.backend.h.cache  # type: ignore[attr-defined]
+        stats = cache._prefetch_outcome_stats
+        assert stats["declined_rate_limited"] == 1 and stats["issued"] == 2
+        assert [p.requested for p in h.backend.snapshot().prefetches] == [2]
+    finally:
+        h.close()
+
+    lifted = factory_storage(config)
+    lifted.h.cc.prefetch_capacity_limit = 1 << 62  # type: ignore[attr-defined]
+    with pytest.raises(AssertionError, match="INV-PF-2"):
+        run_trace(lifted, config, factory_storage.capabilities, ops)
+
+
+def test_sglangs_own_file_backend_is_a_storage_target() -> None:
+    """`factory_storage_file` runs HiCacheFile unpatched: a peer's pages, the engine's own stores, a dropped page
+    file and a fetch across the batch all match the model; the harness's call faults are not declared (HiCacheFile
+    does its own I/O), and a corrupt page file is F-L3-1 (its traces are replayed in test_known_findings)."""
+    from kvcert.conformance.adapters.sglang_hicache_backend import factory_storage_file
+    from kvcert.conformance.certify import scope_gaps
+    from kvcert.spec.ops import CheckPrefetch, Complete, Fetch, Insert, Match, Poll, Prefetch, Publish, StorageFault
+
+    caps = factory_storage_file.capabilities  # type: ignore[attr-defined]
+    assert caps.storage_faults == ("corrupt", "drop")
+    assert any("storage faults error, partial_write, torn_write" in g for g in scope_gaps(caps, []))
+    config = CacheConfig(capacity=8, host_capacity=8, write_policy="write_through", prefetch_policy="wait_complete")
+    digest = l3.canonical_digest(1, config.model_id)
+    keys = l3.page_keys(None, (1, 2, 3), 1, digest)
+    stored = sorted(keys + l3.page_keys(None, (7, 8), 1, digest))  # StorageFault names a page by its place here
+    ops = [
+        Insert(None, (7, 8)),
+        Complete(0),
+        Poll(),
+        Complete(1),
+        Poll(),  # the engine's own store: HiCacheFile writes the two page files
+        Publish(None, (1, 2, 3)),
+        Match(None, (1, 2, 3)),
+        Prefetch(6),
+        Fetch(0),
+        StorageFault("drop", stored.index(keys[2])),
+        Fetch(0),
+        Fetch(0),  # the dropped page: a miss ends the batch with the two pages before it
+        CheckPrefetch(0),
+    ]
+    h = run_trace(factory_storage_file(config), config, caps, ops, quiesce=False, close=False)
+    try:
+        backend = h.backend
+        assert backend.files is not None and backend.h.l3.bridge is None  # type: ignore[attr-defined]
+        names = sorted(n for n in os.listdir(backend.h.cc.storage_backend.file_path) if n.endswith(".bin"))  # type: ignore[attr-defined]
+        assert len(names) == 2 + 2, "the engine's two pages and the peer's two left"
+        assert [v.key for v in backend.snapshot().nodes if v.slots is None and v.parent is not None] == [(1, 2)]
+    finally:
+        h.close()

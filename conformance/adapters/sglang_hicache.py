@@ -59,6 +59,7 @@ import contextlib
 import dataclasses
 import functools
 import io
+import json
 import os
 import re
 import sys
@@ -257,6 +258,8 @@ class HiCacheConfig:
     """Submit queued writes after insert and queued loads after init_load_back, as the scheduler does."""
     storage_dir: Optional[str] = None
     """Attach the L3 `file` backend at this directory (starts SGLang's storage threads)."""
+    file_backend: bool = False
+    """Stepped storage over SGLang's own `file` backend (HiCacheFile) in a temporary directory, not the bridge."""
     stepped_storage: bool = False
     """Attach L3 with SGLang's storage threads stepped by the driver
     (:class:`~kvcert.conformance.adapters.sglang_hicache_storage.SteppedStorage`, at :attr:`SGLangHiCache.l3`):
@@ -342,6 +345,8 @@ class SGLangHiCache:
             hicache_storage_backend="file" if storage_dir is not None else None,
             file_storage_path=storage_dir,
             hicache_storage_prefetch_policy=config.prefetch_policy,
+            # The operator's knob (SGLang's default is 256 tokens): prefetch a request of one page or more.
+            hicache_storage_backend_extra_config=json.dumps({"prefetch_threshold": config.page_size}),
         )
         self.kv_pool = SG.MHATokenToKVPool(
             size=self.capacity,
@@ -411,13 +416,16 @@ class SGLangHiCache:
         self.cc.ack_load_queue = _AckQueue(self, "load")
         if config.stepped_storage:
             self.l3 = SteppedStorage(
-                self, self.cache, config.page_size, config.layer_num, config.model_id, bridge=not config.storage_dir
+                self,
+                self.cache,
+                config.page_size,
+                config.layer_num,
+                config.model_id,
+                bridge=not (config.storage_dir or config.file_backend),
             )
             self.cache.prefetch_stop_policy = config.prefetch_policy
-            self.cache.prefetch_threshold = config.page_size  # SGLang's default is 256 tokens
+            assert self.cache.prefetch_threshold == config.page_size, "the extra config's prefetch_threshold"
             self.cache.prefetch_timeout_base, self.cache.prefetch_timeout_per_page = config.prefetch_timeout
-            # Admission rate limit (half the host pool, counted in requested spans): not modelled by §10 (D10).
-            self.cc.prefetch_capacity_limit = 1 << 62
 
     # ------------------------------------------------------------------ plumbing
 

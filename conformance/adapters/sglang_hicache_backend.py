@@ -57,6 +57,7 @@ Mapping (SPEC.md §9):
 
 from __future__ import annotations
 
+import dataclasses
 import types
 from collections.abc import Sequence
 from typing import Any, Optional
@@ -65,6 +66,7 @@ import torch
 
 from kvcert.conformance.adapters._sglang_env import SGLANG_VERSION
 from kvcert.conformance.adapters._sglang_kv import HEAD_DIM, HEAD_NUM, entries_of, write_pool
+from kvcert.conformance.adapters.sglang_file_store import SGLangFileStore
 from kvcert.conformance.adapters.sglang_hicache import (
     CORES,
     LAYOUTS,
@@ -73,7 +75,7 @@ from kvcert.conformance.adapters.sglang_hicache import (
     _root_path,
     _Segment,
 )
-from kvcert.conformance.adapters.sglang_hicache_storage import CLOCK
+from kvcert.conformance.adapters.sglang_hicache_storage import CLOCK, sglang_page_keys
 from kvcert.spec import pages
 from kvcert.spec.storage import StorageBackend
 from kvcert.spec.types import (
@@ -94,6 +96,9 @@ from kvcert.spec.types import (
     UnknownPrefetch,
     UnknownRetraction,
 )
+
+STORES = ("bridge", "file")
+"""The L3 store a storage target runs on: the checksumming bridge to the harness's store, or SGLang's `file`."""
 
 __all__ = [
     "SGLangHiCacheBackend",
@@ -123,7 +128,11 @@ def host_ratio_for(capacity: int, host_capacity: int, page_size: int) -> float:
 class SGLangHiCacheBackend:
     """One UnifiedRadixCache (+ HiCache when host_capacity > 0); node handles are SGLang NodeIds."""
 
-    def __init__(self, config: CacheConfig, core: str = "python", layout: str = "layer_first") -> None:
+    def __init__(
+        self, config: CacheConfig, core: str = "python", layout: str = "layer_first", store: str = "bridge"
+    ) -> None:
+        if store not in STORES:
+            raise ValueError(f"store must be one of {STORES}")
         if config.capacity % config.page_size:
             raise ValueError("capacity must be whole pages")
         self.config = config
@@ -140,7 +149,11 @@ class SGLangHiCacheBackend:
                 "prefetch_policy": config.prefetch_policy,
                 "prefetch_timeout": (float(config.prefetch_timeout_base), float(config.prefetch_timeout_per_page)),
                 "model_id": config.model_id,
+                "file_backend": store == "file",
             }
+        self.store = store
+        self.files: Optional[SGLangFileStore] = None
+        """The `file` store's view of HiCacheFile's directory, once the harness attached its store."""
         self.h = SGLangHiCache(
             HiCacheConfig(
                 page_size=ps,
@@ -221,9 +234,10 @@ class SGLangHiCacheBackend:
     def insert(
         self, namespace: Optional[str], tokens: Sequence[int], slots: Sequence[int], priority: int = 0
     ) -> InsertOut:
-        if self.storage:  # the harness wrote the request's KV (write_kv); the bridge learns its pages' paths
-            assert self.h.l3 is not None and self.h.l3.bridge is not None
-            self.h.l3.bridge.learn(namespace, tokens)
+        if self.storage:  # the harness wrote the request's KV (write_kv); the key translation learns its pages' paths
+            assert self.h.l3 is not None
+            for learn in self.h.l3.learners:
+                learn(namespace, tokens)
         # A head of slots the tree already holds is a running request's protected prefix (SPEC.md §4.8):
         # SGLang's checkpoint passes it as `prev_prefix_len`, so the insert does not free it as duplicates.
         # A prompt's re-insert after it holds only those and the duplicates SGLang freed at the first insert:
@@ -355,9 +369,18 @@ class SGLangHiCacheBackend:
     # ------------------------------------------------------------------ StorageTierBackend
 
     def attach_storage(self, storage: StorageBackend) -> None:
-        if self.h.l3 is None or self.h.l3.bridge is None:
+        """The bridge forwards SGLang's calls to `storage`. SGLang's `file` backend keeps its own files: the harness's
+        store (a `FaultyStorage`) is pointed at them, so what the harness publishes, damages and reads is those."""
+        if self.h.l3 is None:
             raise ValueError("this cache was built without storage (CacheConfig.prefetch_policy)")
-        self.h.l3.bridge.store = storage
+        if self.h.l3.bridge is not None:
+            self.h.l3.bridge.store = storage
+            return
+        if not hasattr(storage, "inner"):
+            raise ValueError("SGLang's file backend takes the harness's FaultyStorage: it views the engine's files")
+        self.files = SGLangFileStore(self.h.cc.storage_backend, self.page_size, self.config.model_id, sglang_page_keys)
+        storage.inner = self.files  # type: ignore[attr-defined]
+        self.h.l3.learners.append(self.files.learn)
 
     def prefetch(self, node: int, namespace: Optional[str], tokens: Sequence[int]) -> int:
         """The scheduler's `_prefetch_kvcache` for a request whose match ended at `node`.
@@ -502,17 +525,21 @@ def _meta(node: dict[str, Any]) -> Optional[tuple[int, int, int, int]]:
     return round(node["last_access_time"] * 100_000), int(node["hit_count"]), 0, 0
 
 
-def make_factory(core: str = "python", layout: str = "layer_first", storage: bool = False) -> Any:
+def make_factory(
+    core: str = "python", layout: str = "layer_first", storage: bool = False, store: str = "bridge"
+) -> Any:
     """A kvcert factory for one tree core ("python" | "rust") and host layout ("layer_first" | "page_first_direct").
 
     `storage`: also declare the L3 tier (every prefetch stop policy): storage cells run SGLang's
-    storage path stepped by the harness over a bridge to its store (`sglang_hicache_storage.py`).
+    storage path stepped by the harness, over a bridge to its store (`sglang_hicache_storage.py`), or with
+    `store="file"` over SGLang's own `file` backend (`sglang_file_store.py`).
     """
-    if core not in CORES or layout not in LAYOUTS:
-        raise ValueError(f"core must be one of {CORES}, layout one of {LAYOUTS}")
+    if core not in CORES or layout not in LAYOUTS or store not in STORES:
+        raise ValueError(f"core must be one of {CORES}, layout one of {LAYOUTS}, store one of {STORES}")
+    file = storage and store == "file"
 
     def factory(config: CacheConfig) -> SGLangHiCacheBackend:
-        return SGLangHiCacheBackend(config, core=core, layout=layout)
+        return SGLangHiCacheBackend(config, core=core, layout=layout, store=store)
 
     factory.__name__ = factory.__qualname__ = (
         "factory"
@@ -523,6 +550,7 @@ def make_factory(core: str = "python", layout: str = "layer_first", storage: boo
             ("rust", "page_first_direct"): "_rust_page_first",
         }[core, layout]
         + ("_storage" if storage else "")
+        + ("_file" if file else "")
     )
     factory.__doc__ = f"SGLang UnifiedRadixCache + HiCache, {core} tree core, {layout} host layout."
     snapshot_note = (
@@ -571,15 +599,24 @@ def make_factory(core: str = "python", layout: str = "layer_first", storage: boo
         + (
             (
                 "L3: a checksumming bridge to the harness's store replaces SGLang's own `file` backend (which serves "
-                "a corrupt page as KV: F-L3-1)",
-                "L3: prefetch threshold one page (SGLang ships 256 tokens) and the prefetch admission rate limit "
-                "lifted (SGLang ships half the host pool)",
-                "L3: STORAGE_BATCH_SIZE is 1 while a prefetch fetches (SGLang ships 128): a fetch is one page",
+                "a corrupt page as KV: F-L3-1); `...:factory_storage_file` certifies that backend",
             )
-            if storage
+            if storage and not file
             else ()
         ),
+        storage_faults=("corrupt", "drop") if file else Capabilities.storage_faults,
     )
+    if file:
+        factory.capabilities = dataclasses.replace(  # type: ignore[attr-defined]
+            factory.capabilities,
+            name=factory.capabilities.name + " + L3 file backend",  # type: ignore[attr-defined]
+            notes=factory.capabilities.notes  # type: ignore[attr-defined]
+            + (
+                "L3: SGLang's own `file` backend (HiCacheFile) in a temporary directory: SGLang writes and reads its "
+                "page files itself; the harness publishes a peer's pages, damages pages and reads what was stored "
+                "through those files (sglang_file_store.py)",
+            ),
+        )
     return factory
 
 
@@ -595,3 +632,5 @@ factory_storage = make_factory("python", "layer_first", storage=True)
 """`...:factory_storage`: Python core, layer_first, with the L3 storage tier (SPEC.md §10)."""
 factory_rust_storage = make_factory("rust", "layer_first", storage=True)
 """`...:factory_rust_storage`: Rust core, layer_first, with the L3 storage tier."""
+factory_storage_file = make_factory("python", "layer_first", storage=True, store="file")
+"""`...:factory_storage_file`: Python core, layer_first, with the L3 tier on SGLang's own `file` backend."""

@@ -12,8 +12,10 @@ says so, never on a timer, so a run is a pure function of its trace:
   scheduler's drain of the hit queue (host allocation, host eviction for room);
 * ``fetch``: the io-aux body (``_page_transfer``) runs on its own thread, but in lockstep:
   the bridge's ``batch_get`` parks it until the harness's next ``fetch`` and the driver
-  waits until it parks again or ends (:class:`Transfer`). Its batch size is one page
-  (``STORAGE_BATCH_SIZE`` = 1 while it runs), so a fetch is one ``batch_get`` of one page;
+  waits until it parks again or ends (:class:`Transfer`). Its batches are SGLang's
+  (``STORAGE_BATCH_SIZE`` = 128 pages): the bridge's ``batch_get`` reads one page per harness
+  ``fetch`` and returns the batch after its last page or first miss, so SGLang sees progress
+  per batch (SPEC.md §6.1 ``FETCH``);
 * ``check_prefetch`` / ``abort_prefetch``: one pass of the real ``prefetch_sync_thread_func``
   (acks to the scheduler), the scheduler's ack drain, then ``check_prefetch_progress`` or
   ``release_aborted_request``; an ended transfer is cancelled (its parked ``batch_get``
@@ -66,6 +68,8 @@ for _name in ("sglang.srt.managers.cache_controller", "sglang.srt.mem_cache.unif
     logging.getLogger(_name).setLevel(logging.CRITICAL)
 # Storage cells size the host pool like the device pool; SGLang warns about that on every cache it builds.
 logging.getLogger("sglang.srt.mem_cache.pool_host.base").setLevel(logging.ERROR)
+# HiCacheFile warns of every page it misses; a miss is an outcome the harness reports.
+logging.getLogger("sglang.srt.mem_cache.hicache_storage").setLevel(logging.ERROR)
 
 __all__ = ["BridgeStorage", "SteppedStorage", "canonical_kv", "sglang_page_keys", "stepped_threads"]
 
@@ -73,6 +77,10 @@ from kvcert.conformance.adapters._sglang_kv import HEAD_DIM, HEAD_NUM, KV_DTYPE 
 
 BACKUP_BATCH = _cc_mod.STORAGE_BATCH_SIZE
 """SGLang's storage batch (128 pages): a store copy of a node is one batch_set, as §10.2 wants."""
+if BACKUP_BATCH != l3.FETCH_BATCH_PAGES:
+    raise ImportError(
+        f"SGLang's STORAGE_BATCH_SIZE is {BACKUP_BATCH}, the sglang-0.5.23 profile pins {l3.FETCH_BATCH_PAGES} (FETCH)"
+    )
 
 
 def sglang_page_keys(namespace: Optional[str], tokens: Sequence[int], page_size: int) -> list[str]:
@@ -217,6 +225,8 @@ class Transfer:
     def __init__(self, cc: Any, operation: Any) -> None:
         self.cc, self.operation = cc, operation
         self.cancelled = False
+        self.missed = False
+        """A page read came back missing: the batch is over for the harness (SGLang uses nothing after it)."""
         self.done = False
         self.error: Optional[BaseException] = None
         self._go = threading.Semaphore(0)
@@ -280,7 +290,9 @@ class BridgeStorage(HiCacheStorage):
         self.store: Optional[l3.StorageBackend] = None
         self.paths: dict[str, tuple[Optional[str], tuple[int, ...]]] = {}
         self.calls: list[tuple[str, int]] = []
-        """(method, pages) of every call forwarded to the harness's store, in order."""
+        """(method, pages) of every call SGLang made, in order."""
+        self.reads = 0
+        """Pages read from the harness's store (a batch_get reads one per harness fetch)."""
 
     # ------------------------------------------------------------------ translation
 
@@ -318,21 +330,33 @@ class BridgeStorage(HiCacheStorage):
     def batch_get(
         self, keys: list[str], target_locations: Optional[Any] = None, target_sizes: Optional[Any] = None
     ) -> list[Optional[torch.Tensor]]:
+        """One of SGLang's storage batches, read page by page: under a transfer each page waits for the harness's
+        ``fetch``; reading stops at the first miss (the rest are misses SGLang never uses)."""
         transfer: Optional[Transfer] = getattr(_CURRENT, "transfer", None)
-        if transfer is not None and not transfer.gate():
-            return [None] * len(keys)  # the prefetch ended while this read waited: no storage call
         assert self.store is not None, "no storage attached"
-        spec = [self.spec_key(k) for k in keys]
         self.calls.append(("batch_get", len(keys)))
-        blobs = self.store.batch_get([k for k in spec if k is not None]) if all(spec) else [None] * len(keys)
-        out: list[Optional[torch.Tensor]] = []
-        for key, sk, blob in zip(keys, spec, blobs):
-            payload = l3.decode_page(sk, blob) if sk is not None else None
-            if payload is None or not self._payload_ok(key, payload):
-                out.append(None)  # missing, torn, corrupt or misfiled: a miss, never wrong KV
-            else:
-                out.append(torch.frombuffer(bytearray(payload), dtype=KV_DTYPE).clone())
+        out: list[Optional[torch.Tensor]] = [None] * len(keys)
+        for i, key in enumerate(keys):
+            if transfer is not None and not transfer.gate():
+                break  # the prefetch ended while this read waited: no storage call
+            page = self._read(key)
+            if page is None:
+                break
+            out[i] = page
         return out
+
+    def _read(self, key: str) -> Optional[torch.Tensor]:
+        """One page from the harness's store, checked: a missing, torn, corrupt or misfiled record is a miss."""
+        assert self.store is not None
+        sk = self.spec_key(key)
+        if sk is None:
+            return None
+        self.reads += 1
+        blob = self.store.batch_get([sk])[0]
+        payload = l3.decode_page(sk, blob)
+        if payload is None or not self._payload_ok(key, payload):
+            return None  # never wrong KV
+        return torch.frombuffer(bytearray(payload), dtype=KV_DTYPE).clone()
 
     def batch_set(
         self,
@@ -392,6 +416,25 @@ class Prefetch:
         self.transfer: Optional[Transfer] = None
 
 
+def _gate_reads(backend: Any) -> None:
+    """SGLang's own backend, stepped: each page its ``batch_get`` reads (one ``get`` per page, HiCacheFile's loop)
+    waits for the harness's next fetch; a read after the prefetch ended is a miss that touches no file. Only when
+    a page is read changes: what it reads, and how, is the backend's."""
+    read = backend.get
+
+    def get(key: str, target_location: Any = None, target_sizes: Any = None) -> Any:
+        transfer: Optional[Transfer] = getattr(_CURRENT, "transfer", None)
+        if transfer is None or transfer.missed:  # past a miss SGLang uses nothing: the rest of the batch is read free
+            return read(key, target_location, target_sizes)
+        if not transfer.gate():
+            return None
+        page = read(key, target_location, target_sizes)
+        transfer.missed = page is None
+        return page
+
+    backend.get = get
+
+
 class SteppedStorage:
     """The L3 half of the driver: SGLang's storage threads' bodies, run when the harness says."""
 
@@ -405,14 +448,18 @@ class SteppedStorage:
         assert cc is not None and cc.enable_storage, "the cache was built without a storage backend"
         self.page_size = page_size
         self.bridge: Optional[BridgeStorage] = None
-        """The harness's store behind SGLang's backend interface; None keeps SGLang's own backend (`file`).
-
-        Without the bridge nothing parks a transfer, so a prefetch reads all its pages when it starts."""
+        """The harness's store behind SGLang's backend interface; None keeps SGLang's own backend (`file`), whose
+        page reads then wait for the harness's fetches the same way (:func:`_gate_reads`)."""
+        self.learners: list[Any] = []
+        """Whatever translates SGLang's page keys to the spec's: told every token sequence SGLang is handed."""
         if bridge:
             self.bridge = BridgeStorage(page_size, layers, model_id)
             with contextlib.suppress(Exception):
                 cc.storage_backend.close()
             cc.storage_backend = self.bridge
+            self.learners.append(self.bridge.learn)
+        else:
+            _gate_reads(cc.storage_backend)
         stop = cc.storage_stop_event
         cc.prefetch_queue = StepQueue(stop)
         cc.prefetch_buffer = StepQueue(stop)
@@ -477,8 +524,8 @@ class SteppedStorage:
         pid = self._next_prefetch
         self._next_prefetch += 1
         request = CacheRequestHandle(f"kvcert-prefetch-{pid}", 0)
-        if self.bridge is not None:
-            self.bridge.learn(namespace, list(matched) + list(new_tokens))
+        for learn in self.learners:
+            learn(namespace, list(matched) + list(new_tokens))
         self.cache.prefetch_from_storage(
             request,
             anchor,
@@ -508,12 +555,7 @@ class SteppedStorage:
         self.prefetches[pid] = p
         assert self.cc.prefetch_buffer.held == [info.operation]
         self.cc.prefetch_buffer.held.clear()
-        old = _cc_mod.STORAGE_BATCH_SIZE
-        _cc_mod.STORAGE_BATCH_SIZE = 1
-        try:
-            p.transfer = Transfer(self.cc, info.operation)
-        finally:
-            _cc_mod.STORAGE_BATCH_SIZE = old
+        p.transfer = Transfer(self.cc, info.operation)
         return int(info.operation.storage_hit_count)
 
     def fetch(self, pid: int) -> bool:
@@ -521,12 +563,7 @@ class SteppedStorage:
         p = self.prefetches.get(pid)
         if p is None or p.transfer is None or p.transfer.done:
             return False
-        old = _cc_mod.STORAGE_BATCH_SIZE
-        _cc_mod.STORAGE_BATCH_SIZE = 1
-        try:
-            p.transfer.step()
-        finally:
-            _cc_mod.STORAGE_BATCH_SIZE = old
+        p.transfer.step()
         return True
 
     def progress(self, pid: int) -> tuple[int, int, bool]:
@@ -543,12 +580,7 @@ class SteppedStorage:
 
     def _end(self, p: Prefetch) -> None:
         if p.transfer is not None and not p.transfer.done:
-            old = _cc_mod.STORAGE_BATCH_SIZE
-            _cc_mod.STORAGE_BATCH_SIZE = 1
-            try:
-                p.transfer.finish()
-            finally:
-                _cc_mod.STORAGE_BATCH_SIZE = old
+            p.transfer.finish()
         self._sync_acks(p)  # the completion ack releases the unfetched host slots
         del self.prefetches[p.id]
 
