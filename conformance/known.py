@@ -231,14 +231,15 @@ def replay_findings(
 def _judged(finding: Finding, path: str, got: Replay, caps: Capabilities) -> Judged:
     """A replay's verdict on a logged trace: it reproduces, it no longer does, or it left the declared scope on the
     way (bad input to a backend sent only valid traffic; a lock on a host-only node its callers never take)."""
+    if got.failure is None and got.invalid:
+        return Judged(finding, path, False, (), f"out of this target's declared scope: {got.invalid}")
     if got.failure is None:
-        why = f" ({got.invalid})" if got.invalid else ""
         return Judged(
             finding,
             path,
             False,
             (),
-            f"does not reproduce on this target (fixed, or avoided by how its adapter drives the engine){why}",
+            "does not reproduce on this target (fixed, or avoided by how its adapter drives the engine)",
         )
     step = got.failure.step
     if not caps.strict_input and not got.valid_failure():

@@ -169,6 +169,9 @@ class RequestHarness:
             if not self.continues(op.session, op.namespace, op.tokens):
                 # A turn elsewhere moves its session; the client of an engine without moves closes it first.
                 raise TraceInvalid(f"{op.request}: a turn of {op.session} that does not continue its conversation")
+        broken = self._outside_client_rules(op)
+        if broken:  # the target's clients never send it (a logged trace of another target, or a shrink candidate)
+            raise TraceInvalid(f"outside this target's client rules: {broken}")
         index = len(self.ops)
         self.ops.append(op)
         self.clock += 1
@@ -183,6 +186,22 @@ class RequestHarness:
             ) from err
         self._record(index, op)
         self._check(index, op)
+
+    def _outside_client_rules(self, op: Op) -> str:
+        """The client rule (`Capabilities.client`, CLIENT_RULES) `op` breaks, or ""."""
+        rules = self.capabilities.client
+        if "no-aborts" in rules and isinstance(op, AbortRequest):
+            return "no-aborts"
+        if "sessions-only" in rules and isinstance(op, Submit) and op.session is None:
+            return "sessions-only"
+        if "idle-changes" in rules and isinstance(op, (CloseSession, Reprioritize)):
+            if op.session in self.busy_sessions():
+                return "idle-changes"
+        if "distinct-ids" in rules and isinstance(op, Submit):
+            rid = str(op.request)
+            if any(rid.startswith(str(other)) or str(other).startswith(rid) for other in self.sent):
+                return "distinct-ids"
+        return ""
 
     def _send(self, op: Op) -> None:
         b = self.backend
@@ -574,7 +593,9 @@ class RequestMachine:
         self.requests += 1
         rid = f"r{self.requests}"
         flying = self.h.in_flight()
-        if flying and data.integer(0, 15, "an id of its own unless 0") == 0:
+        if self.keeps("distinct-ids"):
+            rid = f"r{self.requests:06d}"  # fixed width: no id starts with another, as uuid4 rids do not
+        elif flying and data.integer(0, 15, "an id of its own unless 0") == 0:
             rid = f"{data.choice(flying, 'an id in flight')}.{self.requests}"  # ids are opaque: one may extend another
         if session is not None:
             self.priority[session] = priority
@@ -674,7 +695,7 @@ def request_scope_gaps(capabilities: Capabilities, cells: Sequence[Any]) -> list
             out.append(f"{what}: declared, but no step of this run exercised it")
     if not capabilities.priority_refs:
         out.append("priority tiers and session refs (SPEC.md §11, INV-RP-2/3/4): not declared by the target")
-    out += [f"traffic outside a client rule the target declares: {CLIENT_RULES[r]}" for r in capabilities.client]
+    out += [f"traffic outside a client rule the target declares ({r}): {CLIENT_RULES[r]}" for r in capabilities.client]
     out += [
         f"adapter deviation (the engine as certified differs from the engine as shipped): {d}"
         for d in capabilities.deviations

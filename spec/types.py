@@ -49,6 +49,7 @@ CLIENT_RULES: dict[str, str] = {
     "idle-changes": "a session's priority changes and its close arrive between its turns only, and a turn keeps its "
     "session's priority: a class changes through a priority change, never with a turn",
     "no-aborts": "no request is aborted",
+    "distinct-ids": "no request id starts with another's: ids the engine makes (SGLang's uuid4 rids), not the client",
 }
 """Rules a request-path target's clients keep (`Capabilities.client`), as its engine's own clients do: the traffic the
 suite sends keeps them, and the certificate prints each under NOT CHECKED."""

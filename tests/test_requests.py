@@ -170,3 +170,55 @@ def test_a_request_trace_round_trips_and_replays(tmp_path: Path) -> None:
     back = Trace.from_json(text)
     assert list(back.ops) == ops
     assert replay(engine_factory, CAPS, CONFIG, back.ops).failure is None
+
+
+@pytest.mark.parametrize(
+    "rule,ops",
+    [
+        ("no-aborts", [_turn("r1", None, (1, 2)), AbortRequest("r1")]),
+        ("sessions-only", [_turn("r1", None, (1, 2))]),
+        ("idle-changes", [_turn("r1", "s0", (1, 2), output=3), CloseSession("s0")]),
+        ("idle-changes", [_turn("r1", "s0", (1, 2), output=3), Reprioritize("s0", 0)]),
+        ("distinct-ids", [_turn("r1", None, (1, 2)), _turn("r1.2", None, (2, 2))]),
+        ("distinct-ids", [_turn("r10", None, (1, 2)), _turn("r1", None, (2, 2))]),
+    ],
+)
+def test_a_trace_outside_the_targets_client_rules_is_out_of_its_scope(rule: str, ops: list[Op]) -> None:
+    """A target's clients keep its rules (Capabilities.client): a trace that breaks one (another target's logged
+    trace, a shrink candidate) is not played, and says which rule; the same trace plays on a target without it."""
+    from dataclasses import replace as with_
+
+    assert replay(engine_factory, CAPS, CONFIG, ops).failure is None
+    got = replay(engine_factory, with_(CAPS, client=(rule,)), CONFIG, ops)
+    assert got.failure is None and got.invalid.endswith(rule), got.invalid
+
+
+def test_distinct_ids_clients_send_ids_none_of_which_starts_with_another(tmp_path: Path, monkeypatch: Any) -> None:
+    from dataclasses import replace as with_
+
+    from kvcert.conformance.requests import RequestHarness
+
+    sent: list[str] = []
+    step = RequestHarness.step
+
+    def recording(self: RequestHarness, op: Op) -> None:
+        if isinstance(op, Submit):
+            sent.append(str(op.request))
+        step(self, op)
+
+    monkeypatch.setattr(RequestHarness, "step", recording)
+    caps = with_(CAPS, client=("distinct-ids",))
+    cert = certify("kvcert.conformance.engine:factory", examples=20, steps=30, page_sizes=[1], policies=["lru"],
+                   write_policies=[], prefetch_policies=[], out_dir=tmp_path,
+                   factory=_with_caps(engine_factory, caps))  # fmt: skip
+    assert cert.passed and cert.total_steps > 0
+    assert any("(distinct-ids)" in g for g in cert.not_checked)
+    assert len(sent) > 20 and not any(a != b and a.startswith(b) for a in sent for b in sent)
+
+
+def _with_caps(make: Any, caps: Any) -> Any:
+    def factory(config: CacheConfig) -> Any:
+        return make(config)
+
+    factory.capabilities = caps  # type: ignore[attr-defined]
+    return factory

@@ -298,3 +298,21 @@ def test_abort_matches_rids_by_prefix() -> None:
     d.target.submit("r10", None, None, [3, 2, 1], 0, 2)
     d.target.abort("r1")
     assert {v.id: v.state for v in d.step()} == {"r1": "aborted", "r10": "aborted"}
+
+
+def test_clients_that_leave_ids_to_sglang_walk_past_sg_abort(tmp_path: Any) -> None:
+    """SG-ABORT needs a client-chosen id that extends one in flight. `factory_engine_ids` declares clients that leave
+    ids to SGLang (uuid4 rids), so SG-ABORT's traces are out of its scope and its cells walk on; every other logged
+    trace of the engine is still replayed before the walk."""
+    from kvcert.conformance import known
+    from kvcert.conformance.certify import certify
+
+    target = "kvcert.conformance.adapters.sglang_requests:factory_engine_ids"
+    caps = sglang_requests.factory_engine_ids.capabilities  # type: ignore[attr-defined]
+    assert caps.client == ("distinct-ids",) and caps.kind == "request-path"
+    judged = known.replay_findings(target, sglang_requests.factory_engine_ids, caps)
+    aborts = [j for j in judged if j.finding.id == "SG-ABORT"]
+    assert aborts and all(not j.reproduced and "distinct-ids" in j.summary for j in aborts)
+    cert = certify(target, examples=10, steps=30, page_sizes=[1], write_policies=[], prefetch_policies=[],
+                   out_dir=tmp_path)  # fmt: skip
+    assert cert.passed and cert.total_steps > 0, cert

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import importlib.util
 import json
 import os
@@ -1030,6 +1031,30 @@ factory_radix = _make("radix")
 """`...:factory_radix`: the plain RadixCache."""
 factory_sessions = _make("sessions")
 """`...:factory_sessions`: UnifiedRadixCache with --enable-session-radix-cache (radix-native sessions)."""
+
+
+def _with_engine_ids(base: Any, name: str) -> Any:
+    """`base` with clients that leave request ids to SGLang (its uuid4 hex rids: none starts with another), so the
+    walk goes on past SG-ABORT, which needs a client-chosen id that extends one in flight."""
+
+    def factory(config: CacheConfig) -> SGLangRequestPath:
+        return base(config)  # type: ignore[no-any-return]
+
+    factory.__name__ = factory.__qualname__ = name
+    factory.capabilities = dataclasses.replace(  # type: ignore[attr-defined]
+        base.capabilities,
+        client=("distinct-ids",),
+        notes=base.capabilities.notes
+        + ("clients leave request ids to SGLang: no id starts with another (CLIENT_RULES distinct-ids)",),
+    )
+    factory.__doc__ = f"{base.__doc__} Clients leave request ids to the engine."
+    return factory
+
+
+factory_engine_ids = _with_engine_ids(factory, "factory_engine_ids")
+"""`...:factory_engine_ids`: `factory` whose clients leave request ids to SGLang (the walk goes on past SG-ABORT)."""
+factory_sessions_engine_ids = _with_engine_ids(factory_sessions, "factory_sessions_engine_ids")
+"""`...:factory_sessions_engine_ids`: `factory_sessions` whose clients leave request ids to SGLang."""
 
 
 def _tracker_module(refs: Any) -> Any:
