@@ -27,7 +27,7 @@ from kvcert.conformance.determinism import fixed_generation
 from kvcert.conformance.driver import ConformanceFailure, Harness
 from kvcert.conformance.fuzz import run_random
 from kvcert.conformance.known import replay_findings
-from kvcert.conformance.machine import STORAGE_FAULTS, CacheMachine
+from kvcert.conformance.machine import CacheMachine
 from kvcert.conformance.requests import RequestHarness, RequestMachine, request_cells, request_scope_gaps
 from kvcert.conformance.runner import run_machine
 from kvcert.conformance.running import TraceInvalid
@@ -41,6 +41,7 @@ from kvcert.spec.types import (
     POLICIES,
     PREFETCH_POLICIES,
     PRIORITY_PARTS,
+    STORAGE_FAULTS,
     WRITE_POLICIES,
     CacheConfig,
     Capabilities,

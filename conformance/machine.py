@@ -51,15 +51,13 @@ from kvcert.spec.ops import (
     UpdateRef,
 )
 from kvcert.spec.pages import page_ceil
-from kvcert.spec.types import BadInput, CacheConfig, Capabilities, KVCertError
+from kvcert.spec.types import STORAGE_FAULTS, BadInput, CacheConfig, Capabilities, KVCertError
 
 NAMESPACES: tuple[Optional[str], ...] = (None, "lora-a")
 """A fresh key's namespace, usually: the default one and a LoRA id."""
 ODD_NAMESPACES: tuple[Optional[str], ...] = ("None", "", "lora-a\x00")
 """And one fresh key in four: names a cache that folds a namespace into a string or a truthiness test
 confuses with the default (`str(None)`, `""`), or that a C string cuts short (SPEC.md §1)."""
-STORAGE_FAULTS = ("error", "partial_write", "torn_write", "corrupt", "drop")
-"""Storage fault kinds; each run switches a random subset on (swarm testing)."""
 SWARM_RULES = (
     "lock",
     "evict",
@@ -188,6 +186,7 @@ class CacheMachine(RunningRules, RaceRules):
             odds = 3 if self.host() and not self.storage() else 1
             self.sessions_on = data.integer(0, odds, "priority rules") == 0
         if self.storage():
+            # Of the storage fault kinds the backend's store takes, each run switches a random subset on (swarm testing).
             kinds = tuple(k for k in STORAGE_FAULTS if k in self.capabilities.storage_faults)
             self.faults = sorted(data.subset(kinds, "fault kinds")) if kinds else []
             self.off = set(data.subset(SWARM_RULES, "rules switched off"))

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from kvcert.conformance.ledger import Ledger
+from kvcert.conformance.storage import page_order
 from kvcert.refimpl import RefCache
 from kvcert.spec.ops import Op
 from kvcert.spec.types import Capabilities, Snapshot
@@ -149,7 +150,7 @@ class Queries:
         store = oracle.storage
         if p is None or store is None or p.fetched >= len(p.keys):
             return -1
-        keys = sorted(store.inner.contents())  # type: ignore[attr-defined]
+        keys = page_order(store)  # type: ignore[arg-type]
         key = p.keys[p.fetched]
         return keys.index(key) if key in keys else -1
 

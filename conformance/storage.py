@@ -267,10 +267,15 @@ def publish(stores: Sequence[FaultyStorage], op: Publish, config: CacheConfig) -
         store.inner.batch_set([k for k, _ in pairs], [v for _, v in pairs])
 
 
+def page_order(store: FaultyStorage) -> list[str]:
+    """The keys `store` holds, in the order a page fault's `at` counts them."""
+    return sorted(store.inner.contents())
+
+
 def damage(stores: Sequence[FaultyStorage], op: StorageFault) -> None:
     """Damage every store alike; a page fault picks the `at`-th of the last store's (the oracle's) keys."""
     if op.kind in ("corrupt", "drop"):
-        keys = sorted(stores[-1].inner.contents())
+        keys = page_order(stores[-1])
         if not keys:
             return
         key = keys[op.at % len(keys)]

@@ -5,8 +5,9 @@ settings (stop policy, timeout, digest). A write ack issues one store copy of th
 host-locked until its own ack; its completion writes every page (`encode_page` of the host bytes
 transposed) in one `batch_set`. A prefetch asks `batch_exists` once, reserves host room for the
 part that fits (D9), fetches page by page (each verified against `page_payload` before it counts:
-never wrong KV), publishes its progress per batch of pages as SGLang's storage batches do, and, when it ends, hangs the kept pages below its anchor as host-only nodes or as
-backups of device nodes without one (D15). It works on its cache's tree (`GpuCache`, through
+never wrong KV), publishes its progress per batch of pages as SGLang's storage batches do, and,
+when it ends, hangs the kept pages below its anchor as host-only nodes or as backups of device
+nodes without one (D15). It works on its cache's tree (`GpuCache`, through
 `tree`) and, for host room, its host tier.
 """
 

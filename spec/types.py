@@ -30,6 +30,10 @@ FAULTS: tuple[str, ...] = ("host_alloc", "copy")
 """Faults a backend can have injected (SPEC.md §10.5): `host_alloc` makes its next host-slot
 allocation fail; `copy` makes the next copy the engine finishes (`complete`) fail instead."""
 
+STORAGE_FAULTS: tuple[str, ...] = ("error", "partial_write", "torn_write", "corrupt", "drop")
+"""Faults the harness applies to a backend's store (`StorageFault` kinds, SPEC.md §10.5): the next call fails, a write
+is partial or torn, a stored page is corrupted or dropped."""
+
 PRIORITY_PARTS: dict[str, str] = {
     "high": "two ref classes: HIGH_REF nodes that host eviction spares, adaptive demotion (SPEC.md §11.1-§11.4); "
     "without it every session is low",
@@ -501,7 +505,7 @@ class Capabilities:
     """Storage-tier stop policies supported; () for a cache without storage."""
     faults: tuple[str, ...] = ()
     """Fault kinds `inject_fault` accepts (FAULTS)."""
-    storage_faults: tuple[str, ...] = ("error", "partial_write", "torn_write", "corrupt", "drop")
+    storage_faults: tuple[str, ...] = STORAGE_FAULTS
     """The storage faults (`StorageFault` kinds, SPEC.md §10.5) the harness can apply to the backend's store: a
     backend whose engine does its own storage I/O (SGLang's `file` backend) takes only the page faults."""
     retraction: bool = False

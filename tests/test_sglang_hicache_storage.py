@@ -479,20 +479,12 @@ def test_admission_declines_while_running_spans_reach_half_the_host_pool() -> No
     """SGLang's prefetch_capacity_limit, as shipped: with a four-page request running on an eight-slot host pool, the
     next prefetch is declined before any storage call, as the model (sglang-0.5.23 THROTTLE) says; once it ends, the
     same prefetch is admitted. The same trace with the limit lifted fails: the rule is what the harness sees."""
-    from kvcert.spec.ops import AbortPrefetch, Match, Prefetch, Publish
+    from test_profiles import THROTTLE_TRACE  # the profile test's trace: SGLang declines its last prefetch
 
-    config = CacheConfig(capacity=8, host_capacity=8, write_policy="write_through", prefetch_policy="wait_complete")
-    ops = [
-        Publish(None, (1, 2)),
-        Publish(None, (5, 6)),
-        Match(None, (1, 2, 3, 4)),
-        Prefetch(2),
-        Match(None, (5, 6)),
-        Prefetch(4),
-        AbortPrefetch(0),
-        Match(None, (5, 6)),
-        Prefetch(7),
-    ]
+    from kvcert.spec.ops import AbortPrefetch, Match, Prefetch
+
+    config, declined = THROTTLE_TRACE
+    ops = [*declined, AbortPrefetch(0), Match(None, (5, 6)), Prefetch(7)]
     h = run_trace(factory_storage(config), config, factory_storage.capabilities, ops, quiesce=False, close=False)
     try:
         cache = h.backend.h.cache  # type: ignore[attr-defined]
