@@ -137,8 +137,9 @@ class Harness(Queries):
             for knob, value in self.profile.settings:  # the engine's own choices, where its profile pins them
                 setattr(self.oracle, knob, value)
             self.model = KVModel(self.config.kv_layers)
-            load_locked = self.profile.pinned(LOAD_LOCK) and self.profile.setting("load_host_lock", True)
-            self.checks = Checks(self.backend, self.config, self.capabilities, self.ledger, self.model, load_locked)
+            self.checks = Checks(
+                self.backend, self.config, self.capabilities, self.ledger, self.model, self.profile.load_host_lock
+            )
             if self.config.prefetch_policy:
                 self.storages = (FaultyStorage(MemoryStorage()), FaultyStorage(MemoryStorage()))
                 self.backend.attach_storage(self.storages[0])  # type: ignore[attr-defined]

@@ -34,6 +34,7 @@ from kvcert.conformance.scheduler import KVModel
 from kvcert.spec import contracts
 from kvcert.spec.invariants import Violation, check_snapshot
 from kvcert.spec.ops import AbortRequest, CloseSession, Op, Reprioritize, Step, Submit
+from kvcert.spec.profiles import profile
 from kvcert.spec.requests import RequestView, output_token
 from kvcert.spec.types import CLIENT_RULES, CacheConfig, Capabilities, Snapshot
 
@@ -132,7 +133,14 @@ class RequestHarness:
         try:
             self.model = KVModel(self.config.kv_layers)
             self.backend.attach_model(ModelPlayer(self.model))
-            self.checks = Checks(self.backend, self.config, self.capabilities, Ledger(), self.model)
+            self.checks = Checks(
+                self.backend,
+                self.config,
+                self.capabilities,
+                Ledger(),
+                self.model,
+                profile(self.capabilities.profile).load_host_lock,
+            )
             self.baseline = {k: v[0] for k, v in self.backend.bookkeeping().items()}
             self._check(0, None)
         except BaseException:
@@ -248,7 +256,7 @@ class RequestHarness:
 
     def _check(self, index: int, op: Optional[Op]) -> None:
         snap, views = self._snapshot(index, op)
-        violations = check_snapshot(snap)
+        violations = check_snapshot(snap, self.checks.load_host_lock)
         if not violations:  # KV is judged on a sound tree
             violations += self.checks.kv(snap)
             violations += self._rows(views)
@@ -600,6 +608,21 @@ class RequestMachine:
         if session is not None:
             self.priority[session] = priority
         self.do(Submit(rid, ns, prompt, priority, output, session))
+
+    @precondition(lambda self: not self.keeps("sessions-only") and len(self.h.in_flight()) < IN_FLIGHT)
+    @rule(data=draws())
+    def burst(self, data: Draws) -> None:
+        """Short questions with long answers arrive together: their decodes outgrow what an engine that admits on
+        an estimate of the output set aside, and it retracts a running request and resumes it later."""
+        ps = self.config.page_size
+        for _ in range(IN_FLIGHT - len(self.h.in_flight())):
+            ns = data.choice(self.namespaces, "namespace")
+            prompt = tokens_of(data.codes(1, 1, "pages"), ps, 0)
+            output = data.integer(self._room() * 2 // 3, self._room() - len(prompt), "long output tokens")
+            self.seen.append((ns, prompt))
+            self.requests += 1
+            rid = f"r{self.requests:06d}" if self.keeps("distinct-ids") else f"r{self.requests}"
+            self.do(Submit(rid, ns, prompt, data.integer(0, 2, "priority"), output, None))
 
     @rule()
     def step(self) -> None:

@@ -142,6 +142,12 @@ class Profile:
                 return value
         return default
 
+    @property
+    def load_host_lock(self) -> bool:
+        """Whether a pending load must host-lock its anchor's host copy (INV-HOST-6's LOAD_LOCK clause): only where
+        the profile pins LOAD_LOCK to SGLang's choice; open, or pinned to the fork's, the load's own pins do."""
+        return self.pinned(LOAD_LOCK) and bool(self.setting("load_host_lock", True))
+
 
 CORE = Profile("core", frozenset())
 SGLANG = Profile("sglang-0.5.23", frozenset(c.id for c in CHOICES))

@@ -222,3 +222,19 @@ def _with_caps(make: Any, caps: Any) -> Any:
 
     factory.capabilities = caps  # type: ignore[attr-defined]
     return factory
+
+
+@pytest.mark.parametrize("name, locks", [("sglang-0.5.23", True), ("refaware-0.5.10", False), ("core", False)])
+def test_a_pending_loads_host_lock_is_judged_as_the_targets_profile_says(name: str, locks: bool) -> None:
+    """INV-HOST-6's LOAD_LOCK clause (a pending load host-locks its anchor) binds only a profile that pins it to
+    SGLang's choice: the fork keeps a loading node's host copy by the load's own pins (H1), so judging its request
+    path by SGLang's choice reported a defect the fork's design does not have."""
+    from dataclasses import replace
+
+    from kvcert.conformance.requests import RequestHarness
+
+    h = RequestHarness(engine_factory(CONFIG), CONFIG, replace(CAPS, profile=name))
+    try:
+        assert h.checks.load_host_lock is locks
+    finally:
+        h.close()

@@ -316,3 +316,33 @@ def test_clients_that_leave_ids_to_sglang_walk_past_sg_abort(tmp_path: Any) -> N
     cert = certify(target, examples=10, steps=30, page_sizes=[1], write_policies=[], prefetch_policies=[],
                    out_dir=tmp_path)  # fmt: skip
     assert cert.passed and cert.total_steps > 0, cert
+
+
+def test_a_burst_of_long_answers_makes_sglang_retract_and_resume(monkeypatch: Any) -> None:
+    """Clients leave ignore_eos off, so SGLang admits on an estimate of each running request's remaining output:
+    three one-token questions with 24-token answers outgrow the 64-token pool while decoding. SGLang's own
+    update_running_batch retracts one (retract_decode) and resumes it later, and every step's checks hold (every
+    request finishing, INV-LIVE-3, among them)."""
+    from sglang.srt.managers import schedule_batch
+
+    from kvcert.conformance.certify import replay
+    from kvcert.conformance.requests import request_cells
+    from kvcert.spec.ops import Step, Submit
+
+    retracted: list[int] = []
+    retract = schedule_batch.ScheduleBatch.retract_decode
+
+    def counting(self: Any, *args: Any, **kwargs: Any) -> Any:
+        out = retract(self, *args, **kwargs)
+        retracted.append(len(out[0]))
+        return out
+
+    monkeypatch.setattr(schedule_batch.ScheduleBatch, "retract_decode", counting)
+    make = sglang_requests.factory_engine_ids
+    caps = make.capabilities  # type: ignore[attr-defined]
+    (config,) = request_cells([CacheConfig(page_size=1, capacity=8)], caps)
+    assert config.capacity == 64
+    ops = [Submit(f"r{i:06d}", None, (10 * i + 1,), 0, 24, None) for i in range(3)] + [Step() for _ in range(60)]
+    got = replay(make, caps, config, ops)
+    assert got.failure is None, got.failure
+    assert sum(retracted) >= 1, "no request was retracted: the burst no longer outgrows the pool"

@@ -16,8 +16,8 @@ registers refs (`_maybe_register_ref`), `/release_ref` and `/update_ref` are its
 What the adapter does, and nothing more:
 
 * `submit` queues the `TokenizedGenerateReqInput` the tokenizer would send (rid = the session, or the request when
-  it has none: the fork keys refs by rid, so a session is a reused rid; `max_new_tokens=output`,
-  `ignore_eos=True`, `priority`, `extra_key=namespace`); `close_session` / `reprioritize` / `abort` queue
+  it has none: the fork keys refs by rid, so a session is a reused rid; `max_new_tokens=output`, `ignore_eos`
+  off as clients leave it, `priority`, `extra_key=namespace`); `close_session` / `reprioritize` / `abort` queue
   `ReleaseRefReqInput` / `UpdateRefReqInput` / `AbortReq`. Each message is pickled as ZMQ would carry it.
 * `step` runs the fork's own `Scheduler.event_loop_normal` for exactly one iteration: the scheduler's ZMQ sockets
   are in-process stand-ins, and the tokenizer socket raises `_StepDone` (out of `recv_requests`, before it reads
@@ -569,7 +569,9 @@ class RefAwareRequestPath(RadixTreeAdapter):
         if request in self._tracked:
             raise ValueError(f"request {request!r} was submitted before")
         rid = session if session is not None else request
-        params = SamplingParams(max_new_tokens=output, ignore_eos=True)
+        # ignore_eos off, as clients leave it: the synthetic model has no EOS, so a request still ends at
+        # max_new_tokens, but admission sets aside only the new-token ratio of its output and decode can retract.
+        params = SamplingParams(max_new_tokens=output, ignore_eos=False)
         params.normalize(None)  # what the tokenizer manager does before it sends (no tokenizer: ids given)
         params.verify(VOCAB_SIZE)
         message = TokenizedGenerateReqInput(
@@ -919,7 +921,7 @@ factory.capabilities = Capabilities(  # type: ignore[attr-defined]
         "RefAwareRadixCache, or RefAwareHiRadixCache when host_capacity > 0 (direct io, layer_first, host pool sized "
         "exactly to host_capacity)",
         "submit: the TokenizedGenerateReqInput the tokenizer would send (rid = session, or the request id for a "
-        "one-shot request; max_new_tokens=output, ignore_eos, priority, extra_key=namespace), taken at the next step",
+        "one-shot request; max_new_tokens=output, ignore_eos off, priority, extra_key=namespace), taken at the next step",
         "close_session / reprioritize / abort: ReleaseRefReqInput / UpdateRefReqInput / AbortReq through the "
         "scheduler's dispatcher at the next step; the engine aborts every request whose rid starts with the rid",
         "requests(): read off the engine's Req objects (waiting queue, running batch, chunked request, last and current "

@@ -647,10 +647,11 @@ class SGLangRequestPath:
         output: int,
     ) -> None:
         """What the tokenizer sends for a generate request (`TokenizerManager._create_tokenized_object`):
-        normalized and verified sampling params, `ignore_eos`, `max_new_tokens=output`."""
+        normalized and verified sampling params, `max_new_tokens=output`, `ignore_eos` off as clients leave it (the
+        model never samples the EOS id, so the request still ends at `max_new_tokens`)."""
         if request in self._submitted:
             raise ValueError(f"request id {request!r} was submitted before")
-        sampling = SamplingParams(max_new_tokens=output, ignore_eos=True)
+        sampling = SamplingParams(max_new_tokens=output, ignore_eos=False)
         sampling.normalize(None)
         sampling.verify(VOCAB)
         message = TokenizedGenerateReqInput(
@@ -903,7 +904,9 @@ _NOTES = (
     "SGLang's Scheduler.event_loop_normal, one iteration per step(), on a stand-in Scheduler built by its own "
     "init_* methods; requests arrive as TokenizedGenerateReqInput through its recv_requests/handle_generate_request",
     "the model is the harness's: the scripted worker writes model.kv() of the tokens SGLang fed into the slots it "
-    "allocated (out_cache_loc) and returns model.next_token(); ignore_eos, max_new_tokens = output",
+    "allocated (out_cache_loc) and returns model.next_token(), never the EOS id; max_new_tokens = output and "
+    "ignore_eos as clients leave it (off): a request ends at max_new_tokens, while admission sets aside only the "
+    "new-token ratio of a running request's remaining output, so decode can run short and SGLang retracts",
     "server args: --chunked-prefill-size 2 pages (so prompts are chunked), --max-running-requests 8 (SGLang sizes it "
     "from GPU memory), --context-length 4 x capacity; schedule policy fcfs and priority scheduling off (defaults): "
     "a request's priority reaches the cache's insert only",
