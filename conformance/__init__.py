@@ -16,6 +16,7 @@ Which module owns what:
 | `fuzz` | the machine on a seeded random walk instead of Hypothesis (`kvcert fuzz`) |
 | `reports`, `explain`, `diff`, `pytest_plugin` | JUnit and Markdown certificates; an invariant's rule from SPEC.md; backend vs model snapshots side by side (`replay --diff-at`); certification cells as pytest tests |
 | `shrink`, `determinism` | trace shrinking; same seed, same run |
+| `hypothesis_compat` | every use of Hypothesis's internals, in one module |
 | `storage` | L3 stores with fault injection, storage-side trace events |
 | `zoo`, `selftest` | planted bugs and the suite's measured power on them |
 | `bench`, `cli` | `kvcert bench meta`; the command line |

@@ -35,9 +35,9 @@ def fixed_generation() -> Iterator[None]:
     Hypothesis versions without the harvest (before 6.131) need nothing; a version that
     moved it fails here loudly rather than generate from process history.
     """
-    try:
-        from hypothesis.internal.conjecture import providers
-    except ImportError:  # pragma: no cover - Hypothesis always has it
+    from kvcert.conformance.hypothesis_compat import providers
+
+    if providers is None:  # pragma: no cover - Hypothesis always has it
         yield
         return
     if not hasattr(providers, "_get_local_constants"):
@@ -56,12 +56,12 @@ def fixed_generation() -> Iterator[None]:
         if cache is not None:
             cache.cache.clear()
 
-    providers._get_local_constants = lambda: empty  # type: ignore[assignment]
+    providers._get_local_constants = lambda: empty
     _clear()
     try:
         yield
     finally:
-        providers._get_local_constants = saved  # type: ignore[assignment]
+        providers._get_local_constants = saved
         _clear()
 
 

@@ -25,10 +25,9 @@ from dataclasses import dataclass
 from typing import Any, Generic, Optional, TypeVar
 
 from hypothesis import strategies as st
-from hypothesis.internal.conjecture.data import ConjectureData
-from hypothesis.internal.conjecture.utils import calc_label_from_name
 from hypothesis.strategies import SearchStrategy
-from hypothesis.strategies._internal.lazy import unwrap_strategies
+
+from kvcert.conformance.hypothesis_compat import ConjectureData, calc_label_from_name, unwrap_strategies
 
 MAX_PAGES = 5
 """Pages in a drawn key at most."""

@@ -404,7 +404,7 @@ class Harness(Queries):
         if moved[0] != moved[1] or None in {p for _, p in moved[0]} or max(moved[0].values(), default=1) > 1:
             return
         node_of = {(c.kind, spec[n.id]): n.id for c in theirs for n in c.nodes}
-        groups = [(k, [] if k == "load" else [node_of[(k, p)] for p in ps]) for k, ps in cut_mine]
+        groups = [(k, [] if k == "load" else [node_of[(k, p)] for p in ps if p is not None]) for k, ps in cut_mine]
         self.oracle.regroup(len(theirs), groups)
         self._spec_snap = None
 

@@ -1,3 +1,4 @@
+# Over 600 lines: the state machine's rules, one per op kind, each read beside its neighbours; the generator's other parts live in draws, runner and queries.
 """The state machine: random traces over the op vocabulary, shrunk on failure.
 
 Every rule only chooses an `Op`; `Harness.step` runs and checks it. The machine remembers the
@@ -651,8 +652,8 @@ class CacheMachine(RunningRules, RaceRules):
                 delta = data.choice([-ps, ps], "value_len delta")
                 self.do(Insert(None, tokens, value_len=max(0, len(tokens) + delta)))
             else:
-                bad = data.choice([-1, 1.5, "7", True], "bad token")
-                self.do(Insert(None, tokens[:-1] + (bad,)))
+                token = data.choice([-1, 1.5, "7", True], "bad token")
+                self.do(Insert(None, tokens[:-1] + (token,)))
         elif kind == "match":
             self.do(Match(None, (0, data.choice([-3, 2.5, "x"], "bad token"))))
         elif kind == "handle":

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 from pathlib import Path
 from types import SimpleNamespace
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, cast
 
 import pytest
 
 if TYPE_CHECKING:
     from kvcert.conformance.backend import Factory
+    from kvcert.conformance.certify import CellResult
     from kvcert.spec.types import CacheConfig, Capabilities
 
 
@@ -68,7 +69,7 @@ class KVCertCells(pytest.Collector):
         super().__init__(**kwargs)
         self.target = target
 
-    def collect(self) -> list[CellItem]:
+    def collect(self) -> list[pytest.Item]:
         from dataclasses import replace
 
         from kvcert.conformance.backend import capabilities_of
@@ -152,7 +153,7 @@ class CellItem(pytest.Item):
                 f"--kvcert-certificate {path} is of (target, seed, examples, steps) {theirs}, not {ours}"
             )
         for cell in body.get("cells", []):
-            if cell_name(SimpleNamespace(**cell)) == config_name(self.cell):
+            if cell_name(cast("CellResult", SimpleNamespace(**cell))) == config_name(self.cell):
                 return str(cell.get("digest", ""))
         raise pytest.UsageError(f"--kvcert-certificate {path} has no cell {config_name(self.cell)}")
 

@@ -1,3 +1,4 @@
+# Over 600 lines: the request-path harness and its generator (SPEC.md §12), not yet split into the harness and generation rooms.
 """Request-path targets (SPEC.md §12): an engine driven through its own scheduler code, judged after every op.
 
 The API-level harness (`conformance.driver`) composes a cache's calls in the scheduler's place and compares the

@@ -22,10 +22,10 @@ from dataclasses import dataclass
 from typing import Any, Optional, TypeVar
 
 from hypothesis import given, seed, settings
-from hypothesis.internal.conjecture.utils import calc_label_from_name
 from hypothesis.strategies import SearchStrategy
 
 from kvcert.conformance.draws import EXAMPLE, Draws
+from kvcert.conformance.hypothesis_compat import calc_label_from_name
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 _RULE, _INIT, _PRE = "_kvcert_rule", "_kvcert_initialize", "_kvcert_preconditions"

@@ -189,4 +189,4 @@ def finish(side: Side, op: Finish, _ops: list[Any]) -> Optional[InsertOut]:
 
 def lent(requests: dict[int, tuple[Optional[Request], Optional[Request]]], column: int) -> tuple[int, ...]:
     """Every slot one side's running requests own, sorted (the snapshot's `lent_slots`)."""
-    return tuple(sorted(x for pair in requests.values() if pair[column] is not None for x in pair[column].own))
+    return tuple(sorted(x for pair in requests.values() if (r := pair[column]) is not None for x in r.own))

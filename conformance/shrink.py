@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, fields, replace
-from typing import Optional
+from typing import Any, Optional, cast
 
 from kvcert.spec.ops import OP_TYPES, Evict, EvictHost, Insert, Match, Op, Publish
 
@@ -28,11 +28,12 @@ def without(ops: list[Op], i: int) -> list[Op]:
     for j, op in enumerate(ops):
         if j == i:
             continue
-        if isinstance(op, BY_HANDLE) and isinstance(op.handle, int) and not isinstance(op.handle, bool):
-            if op.handle == i:
+        handle = getattr(op, "handle", None) if isinstance(op, BY_HANDLE) else None
+        if isinstance(handle, int) and not isinstance(handle, bool):
+            if handle == i:
                 continue
-            if op.handle > i:
-                op = replace(op, handle=op.handle - 1)
+            if handle > i:
+                op = replace(cast(Any, op), handle=handle - 1)
         out.append(op)
     return out
 
@@ -85,7 +86,7 @@ def shrink(ops: list[Op], verdict: Verdict, page_size: int, budget: int = 3000) 
         nonlocal replays
         replays += 1
         got = verdict(candidate)
-        return bool(got) and target in got
+        return got is not None and target in got
 
     changed = True
     while changed and replays < budget:

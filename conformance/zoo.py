@@ -1,12 +1,10 @@
+# Over 600 lines: the MUTANTS table, one entry per bug class with its edit and why it is real, read as one catalogue.
 """The bug zoo: source-level mutants of the reference model, one real bug class each.
 
 A mutant is a textual edit of `refimpl/cache.py` (each `find` must occur exactly
 once, so a refactor of the model breaks the zoo loudly instead of silently
 mutating nothing). `kvcert selftest` certifies every mutant; the suite proves
 its power by killing all of them while the unmodified model passes.
-
-Longer than this project's ~600-line rooms on purpose: most of it is the `MUTANTS` table, one
-entry per bug class with the edit and why it is a real bug, best read as one catalogue.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ anything changes. The components, each in its own module (docs/gpu.md has the ta
 - `kvcert.gpu.host.HostTier`: the host pool, backups, host eviction, load-back, retraction;
 - `kvcert.gpu.storage.StorageTier`: store copies and prefetch;
 - `kvcert.gpu.sessions.Sessions`: sessions and ref tiers;
-- `kvcert.gpu.admission.plan_admission`: admission plans from an `AdmissionCounters` record;
+- `kvcert.spec.admission.plan_admission` (the spec's, pure): admission plans from an `AdmissionCounters` record;
 - `kvcert.gpu.run.Run` (keys and slot runs, counted in items) and `kvcert.gpu.node` (the records).
 
 Time is the harness's logical clock (`set_clock`); nothing reads a wall clock.
@@ -32,7 +32,6 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from kvcert.gpu.admission import AdmissionCounters, plan_admission
 from kvcert.gpu.agreement import Agreement
 from kvcert.gpu.alloc import FREE, PageAllocator, to_bytes, to_tuple
 from kvcert.gpu.copy_engine import make_engine
@@ -44,6 +43,7 @@ from kvcert.gpu.sessions import Sessions
 from kvcert.gpu.storage import StorageTier
 from kvcert.gpu.tree import RadixTree, is_id
 from kvcert.spec import storage as l3
+from kvcert.spec.admission import AdmissionCounters, plan_admission
 from kvcert.spec.types import (
     FAULTS,
     HIGH_REF,
@@ -432,7 +432,7 @@ class GpuCache(RadixTree):
     ) -> AdmissionPlan:
         """What admitting a request of `tokens` new device tokens at `priority` takes (SPEC.md §11.5, §11.6).
 
-        A value computed from the counters and the arguments (`kvcert.gpu.admission`); it changes nothing.
+        A value computed from the counters and the arguments (`kvcert.spec.admission`); it changes nothing.
         """
         counters = AdmissionCounters(
             page_size=self.page_size,

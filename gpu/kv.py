@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Optional
+from typing import Optional, cast
 
 import numpy as np
 import torch
@@ -169,8 +169,7 @@ class KVPool:
             data = np.ascontiguousarray(self.gather_host(self.host_view, np.asarray(slots, dtype=np.int64)))
         else:
             data = self.gather(self.index(slots))[..., :KV_WIDTH].contiguous().cpu().numpy()
-        got: list[bytes] = data.reshape(len(slots), -1).view(self.entry).reshape(len(slots)).tolist()
-        return got
+        return cast(list[bytes], data.reshape(len(slots), -1).view(self.entry).reshape(len(slots)).tolist())
 
     def read_page_payload(self, slots: Sequence[int]) -> bytes:
         """A page's canonical storage payload: K then V, then layer, then token (`page_payload`'s order)."""

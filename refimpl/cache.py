@@ -1,3 +1,4 @@
+# Over 600 lines: one model class written as the spec reads, not yet split by tier (tree and device, host, storage, sessions).
 """The reference model: a deliberately plain radix tree over a device pool and an optional host pool.
 
 Readability first: dicts, lists and full scans, no heaps or indexes. Every rule

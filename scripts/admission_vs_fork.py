@@ -1,3 +1,4 @@
+# Over 600 lines: one calibration run: the fork's own scheduler state and the spec's admission plan, side by side, read top to bottom.
 """SPEC.md §11.5 admission plans beside the RefAware fork's own scheduler, state by state (calibration R8).
 
     .venv-refaware/bin/python scripts/admission_vs_fork.py          # the table and the summary
@@ -9,7 +10,7 @@ LOW_REF, HIGH_REF), free host slots, the running requests (priority, KV they hol
 the fork reserves for them) and one incoming request. Page size 1, threshold H = 1 (priority 0 is
 low, 2 is high).
 
-**kvcert's side** is `kvcert.gpu.admission.plan_admission` over the counters below.
+**kvcert's side** is `kvcert.spec.admission.plan_admission` over the counters below.
 
 **The fork's side runs the fork's own scheduler code**: `PrefillAdder` from
 `reference/sglang/srt/managers/schedule_policy.py` (the fork's file, loaded as a module; the
@@ -57,7 +58,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Optional
 
-from kvcert.gpu.admission import AdmissionCounters, plan_admission
+from kvcert.spec.admission import AdmissionCounters, plan_admission
 from kvcert.spec.types import AdmissionProfile, Running
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -579,7 +580,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title="§11.5 plan (kvcert.gpu.admission) vs the RefAware fork's PrefillAdder", show_lines=True)
+    table = Table(title="§11.5 plan (kvcert.spec.admission) vs the RefAware fork's PrefillAdder", show_lines=True)
     for col in ("state", "request | room | running (id:class kv+reserve)", "kvcert", "fork", "differences"):
         table.add_column(col, overflow="fold")
     for s, row in zip(states, rows):

@@ -1,4 +1,5 @@
 #!/usr/bin/env python
+# Over 600 lines: the one script a lent GPU runs, self-contained by design.
 """One bounded check of kvcert.gpu on a real GPU: engine smoke, certification on CUDA, copy bandwidth.
 
     python scripts/gpu_check.py            # on a CUDA machine: about 3 minutes, at most ~4

@@ -1,3 +1,4 @@
+# Over 600 lines: a catalogue of SGLang source mutants, one short patch each, read as one list.
 """Source mutants of SGLang 0.5.23's `RadixCache`: how much of a real engine's bug space `kvcert certify` kills.
 
 Each mutant is one or more exact edits of the installed `sglang/srt/mem_cache/radix_cache.py` (each `find` must

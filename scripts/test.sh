@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The test suite, as CI runs it: environment (with SGLang), lint, types, CrossHair, pytest.
+# The test suite, as CI runs it: environment (with SGLang), lint, types, layers, CrossHair, pytest.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -17,8 +17,10 @@ fi
 
 echo "== ruff"
 "$V/ruff" check .
-echo "== mypy kvcert.spec kvcert.refimpl"
+echo "== mypy (every package)"
 scripts/typecheck.sh
+echo "== layers (import-linter)"
+scripts/layers.sh
 echo "== crosshair (spec contracts)"
 PYTHON="$V/python" scripts/crosshair.sh
 PYTHON="$V/python" scripts/crosshair.sh spec/storage.py

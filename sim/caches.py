@@ -268,17 +268,15 @@ class ProtocolDriver:
 class SGLangDriver:
     """SGLang 0.5.23's UnifiedRadixCache + HiCache (LRU, write-through), through its native calls.
 
-    Built by kvcert's certified adapter (`sglang_hicache_backend`, for its CPU shims and its
+    Built by kvcert's certified target (`sglang_hicache_backend:factory`, for its CPU shims and its
     snapshot at the end); every call of the run goes to SGLang's driver (`adapter.h`) directly.
     """
 
     name = "SGLang 0.5.23 UnifiedRadixCache+HiCache (LRU)"
     priority = False
 
-    def __init__(self, costs: Any, core: str = "python") -> None:
-        from kvcert.conformance.adapters.sglang_hicache_backend import SGLangHiCacheBackend
-
-        self.adapter = SGLangHiCacheBackend(_config(costs), core=core)
+    def __init__(self, adapter: Any, costs: Any) -> None:
+        self.adapter = adapter
         self.h = self.adapter.h
         self.threshold = costs.load_back_threshold
         self.stats = {"evict_calls": 0, "evicted": 0, "loads": 0}

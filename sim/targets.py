@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -17,16 +18,23 @@ class Unavailable(RuntimeError):
     """This cache cannot be built in this environment (its engine is not installed); says how to get it."""
 
 
-def _gpu(costs: Costs, w: Workload, priority: bool) -> CacheDriver:
-    from kvcert.gpu import factory
+def built(target: str, costs: Costs) -> Any:
+    """The cache a kvcert target (`module:factory`, as `kvcert certify` names it) builds over `costs`' pools.
 
+    The simulator reaches every cache through its target, as certification does: it imports no cache and no
+    engine adapter, so what it times is what was certified."""
+    module, _, attr = target.partition(":")
+    return getattr(importlib.import_module(module), attr)(_config(costs))
+
+
+def _gpu(costs: Costs, w: Workload, priority: bool) -> CacheDriver:
     name = "kvcert.gpu, proactive (SPEC.md §11)" if priority else "kvcert.gpu, priority-blind (LRU)"
-    return ProtocolDriver(name, factory(_config(costs)), priority, costs.load_back_threshold)
+    return ProtocolDriver(name, built("kvcert.gpu:factory", costs), priority, costs.load_back_threshold)
 
 
 def _sglang(costs: Costs, w: Workload) -> CacheDriver:
     try:
-        return SGLangDriver(costs)
+        return SGLangDriver(built("kvcert.conformance.adapters.sglang_hicache_backend:factory", costs), costs)
     except ImportError as e:
         raise Unavailable(
             f"SGLang 0.5.23 is not importable here ({e}); run from .venv (KVCERT_SGLANG=1 ./kvcert)"
@@ -35,11 +43,7 @@ def _sglang(costs: Costs, w: Workload) -> CacheDriver:
 
 def _refaware(costs: Costs, w: Workload) -> CacheDriver:
     try:
-        from kvcert.conformance.adapters.refaware_hicache import factory_priority_flow
-    except ImportError as e:
-        raise Unavailable(f"the RefAware fork is not importable here ({e}); run from .venv-refaware") from e
-    try:
-        backend = factory_priority_flow(_config(costs))
+        backend = built("kvcert.conformance.adapters.refaware_hicache:factory_priority_flow", costs)
     except ImportError as e:
         raise Unavailable(f"the RefAware fork is not importable here ({e}); run from .venv-refaware") from e
     return ProtocolDriver("RefAware fork (SGLang 0.5.10), proactive", backend, True, costs.load_back_threshold)

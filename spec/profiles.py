@@ -166,7 +166,7 @@ REFAWARE = Profile(
     ),
 )
 """The priority-aware fork of SGLang 0.5.10 (the seed's implementation), held to its own design
-(REFAWARE_CALIBRATION.md): it ranks victims as §4.5/§11.3 do on both tiers; cuts one write copy per node, parents
+(docs/calibration/refaware.md): it ranks victims as §4.5/§11.3 do on both tiers; cuts one write copy per node, parents
 first (H11); host pressure demotes the high session queued with the fewest tokens when it was queued, ties to the
 smaller id, idle or not (H4, H8: its idle-high heap, which it fills at a registration or a restore as high, and
 the design fills at a raise to high too: H5 is the fork missing that); a released or moved high session restores

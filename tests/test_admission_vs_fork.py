@@ -1,8 +1,8 @@
 """The R8 calibration's claims replayed: §11.5 plans beside the RefAware fork's own scheduler.
 
 `scripts/admission_vs_fork.py` runs the fork's `PrefillAdder` (in `.venv-refaware`, a subprocess:
-the fork cannot share a process with SGLang 0.5.23) beside `kvcert.gpu.admission.plan_admission`.
-This checks that the differences REFAWARE_CALIBRATION.md records for a few of its states still
+the fork cannot share a process with SGLang 0.5.23) beside `kvcert.spec.admission.plan_admission`.
+This checks that the differences docs/calibration/refaware.md records for a few of its states still
 hold. With `KVCERT_REFAWARE=1` the environment is required: a missing one fails instead of skipping.
 """
 

@@ -6,9 +6,9 @@ from collections import Counter
 from collections.abc import Sequence
 
 import pytest
-from hypothesis.internal.conjecture.data import ConjectureData
 
 from kvcert.conformance.draws import MAX_PAGES, Draws, booleans, integers, sampled_from, tokens_of
+from kvcert.conformance.hypothesis_compat import ConjectureData
 
 
 def _fed(choices: Sequence[object]) -> tuple[Draws, ConjectureData]:

@@ -1,4 +1,4 @@
-"""`kvcert.gpu.admission`: plans as a pure function of a counters record, checked input, fewest retractions."""
+"""`kvcert.spec.admission`: plans as a pure function of a counters record, checked input, fewest retractions."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from dataclasses import FrozenInstanceError, replace
 
 import pytest
 
-from kvcert.gpu.admission import AdmissionCounters, fewest_covering, plan_admission
 from kvcert.gpu.cache import GpuCache
+from kvcert.spec.admission import AdmissionCounters, fewest_covering, plan_admission
 from kvcert.spec.types import AdmissionPlan, AdmissionProfile, CacheConfig, InvalidCount, InvalidPlan, Running
 
 C = AdmissionCounters(page_size=4, layers=2, high_threshold=1, free=8, evictable=16, held_high=8, host_free=8)

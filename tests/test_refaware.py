@@ -1,5 +1,5 @@
 """The RefAware fork (SGLang 0.5.10 + the priority-aware overlay) in its own environment, `.venv-refaware`
-(`scripts/install_refaware.sh`): its calibration traces still show what REFAWARE_CALIBRATION.md records, each
+(`scripts/install_refaware.sh`): its calibration traces still show what docs/calibration/refaware.md records, each
 is fine on the model, and the device adapter certifies at a small budget, the same under two hash seeds.
 
 The fork cannot share a process with SGLang 0.5.23, so its side runs in a subprocess of that environment.

@@ -1,5 +1,5 @@
 """The RefAware fork's host-tier cache, `RefAwareHiRadixCache`, in its own environment (`.venv-refaware`,
-`scripts/install_refaware.sh`): every calibration trace H* still shows what REFAWARE_CALIBRATION.md
+`scripts/install_refaware.sh`): every calibration trace H* still shows what docs/calibration/refaware.md
 ("RefAwareHiRadixCache") records and is fine on the model, and a small certify of each factory exercises
 the host tier and, for `factory_priority`, the fork's own demotion, restore and scoped eviction, failing
 only on calibrated differences.
@@ -45,7 +45,7 @@ EXPECTED = {
 CALIBRATED = set().union(*EXPECTED.values()) | {"INV-LOCK-2", "INV-HOST-9", "INV-TREE-4", "INV-ERR-1"}
 """What a generated failure of this adapter may name: the calibrated rules, the side rules their traces
 break too (H7's lock, H8's victim and tree), and INV-ERR-1, which the shrinker reaches when it turns H1's
-trace into one with an unlock of a handle that holds no lock (see REFAWARE_CALIBRATION.md)."""
+trace into one with an unlock of a handle that holds no lock (see docs/calibration/refaware.md)."""
 
 REPLAY = """
 import dataclasses, json, os, sys

@@ -5,7 +5,7 @@ invariants after basic host-tier operations, for both tree cores (Python, Rust) 
 layouts (layer_first, page_first_direct); KV bytes survive a load-back in either layout; and the
 Rust-core backend answers and snapshots exactly like the Python-core one over random traces
 (spec-independent: the two adapters are compared with each other, not with SPEC.md). No
-certification test: see conformance/adapters/HICACHE_CALIBRATION.md for the certify runs.
+certification test: see docs/calibration/hicache.md for the certify runs.
 Skipped as a whole when sglang (the `sglang` extra) cannot be imported.
 """
 

@@ -342,7 +342,7 @@ def test_same_trace_same_run() -> None:
 def test_storage_cells_are_certified(name: str, tmp_path: Path) -> None:
     """SGLang's L3 path (stepped threads, bridge store) passes every storage cell at P = 1 and 4.
 
-    SPEC.md §10 took calibration decisions D7-D16 (HICACHE_CALIBRATION.md); a short run for CI,
+    SPEC.md §10 took calibration decisions D7-D16 (docs/calibration/hicache.md); a short run for CI,
     the longer one's figures are in docs/sglang.md.
     """
     cert = certify(

@@ -1,6 +1,6 @@
 """SGLang 0.5.23's session-ref UnifiedRadixCache (`enable_session_radix_cache`) against SPEC.md §11.
 
-Every calibration trace in conformance/findings/session/ still shows what SESSION_CALIBRATION.md records and is
+Every calibration trace in conformance/findings/session/ still shows what docs/calibration/session.md records and is
 fine on the model; what SGLang and §11 agree on still passes; SGLang's generation fencing (S7, which no
 kvcert op reaches) still drops a request that outlives its session's close; and each factory of
 `conformance/adapters/sglang_session.py` runs a small certificate whose failures are all calibrated.

@@ -251,7 +251,7 @@ def _stub_torchvision() -> None:
         except Exception:
             for name in [m for m in sys.modules if m == "torchvision" or m.startswith("torchvision.")]:
                 del sys.modules[name]
-    members = {"torchvision": {"__version__": "0.0.0+kvcert.stub"}}
+    members: dict[str, dict[str, Any]] = {"torchvision": {"__version__": "0.0.0+kvcert.stub"}}
     for name in ("torchvision.transforms", "torchvision.transforms.functional"):
         members[name] = {"InterpolationMode": InterpolationMode}
     _stub_package("torchvision", members)

@@ -1,3 +1,4 @@
+# Over 600 lines: one adapter for the fork's host-tier cache; the snapshot building it shares with the SGLang adapters is not yet factored out.
 """The priority-aware ("ref-aware") SGLang fork's `RefAwareHiRadixCache` (base 0.5.10): host tier + SPEC.md §11.
 
     .venv-refaware/bin/kvcert certify kvcert.conformance.adapters.refaware_hicache:factory --policy lru
@@ -10,7 +11,7 @@ Runs only in the fork's own environment (`.venv-refaware`, `scripts/install_refa
 one-rank gloo group; device-only cells build what the fork's scheduler builds without
 `enable_hierarchical_cache`, its `RefAwareRadixCache`, through `refaware_radix.RefAwareRadixBackend`.
 The adapter only translates; no input checking (`strict_input=False`). Where the fork and SPEC.md
-differ is recorded in REFAWARE_CALIBRATION.md ("RefAwareHiRadixCache", H1-H11), not translated away,
+differ is recorded in docs/calibration/refaware.md ("RefAwareHiRadixCache", H1-H11), not translated away,
 except by the `*_load_locked` factories, which translate H1 (below) so that generation gets past it.
 
 Mapping (SPEC.md §9, §11):
@@ -48,7 +49,7 @@ Mapping (SPEC.md §9, §11):
   `RefInfo.priority`, `high` its `RefInfo.is_high`, `demoted` whether it is in `_adaptively_demoted_rids`;
   listed in the order of the adapter's own (re-)registrations (R9: the fork's demotion tie-break reads
   `(cached_tokens, rid)`, not that order, so the listing hides nothing).
-* `plan_admission`: SPEC.md §11.5 (`kvcert.gpu.admission`) over the fork's counters (R8).
+* `plan_admission`: SPEC.md §11.5 (`kvcert.spec.admission`) over the fork's counters (R8).
 * `factory_priority_flow`: `factory_priority` driven only as the fork's own scheduler drives it: no lock on a
   host-only node (`Capabilities.locks_host_only = False`: its scheduler locks `req.last_node`, a device node;
   H3 is what such a lock does to its counters) and no write-back cells (H2: the fork's write-back host
@@ -166,7 +167,7 @@ class _OrderedRefInfo(_core.RefInfo):
     """The fork's `RefInfo` with an insertion-ordered node set (see the module docstring)."""
 
     def __post_init__(self) -> None:
-        self.nodes = OrderedSet(self.nodes)
+        self.nodes = OrderedSet(self.nodes)  # type: ignore[has-type]  # RefInfo is the fork's, untyped
 
 
 def _start_gloo() -> None:
@@ -272,7 +273,7 @@ class RefAwareHiRadixBackend(RadixTreeAdapter):
         self._loading: Optional[tuple[list[int], set[int]]] = None
         """The nodes (deepest first) and root path of the load `load_back` is about to queue."""
         self.kv_pool, self.allocator, params = device_pools(config)
-        # What RefAwareHiRadixCache / HiRadixCache read off ServerArgs (REFAWARE_NOTES.md "Constructors").
+        # What RefAwareHiRadixCache / HiRadixCache read off ServerArgs (docs/calibration/refaware_notes.md "Constructors").
         server_args = SimpleNamespace(
             enable_priority_scheduling=True,
             high_priority_threshold=config.high_priority_threshold,
@@ -485,7 +486,7 @@ class RefAwareHiRadixBackend(RadixTreeAdapter):
         self, tokens: int, priority: int, running: Sequence[Running], profile: Optional[AdmissionProfile]
     ) -> AdmissionPlan:
         """SPEC.md §11.5 over the fork's own counters: its cache has no planner of its own (R8)."""
-        from kvcert.gpu.admission import AdmissionCounters, plan_admission
+        from kvcert.spec.admission import AdmissionCounters, plan_admission
 
         c = self.cache
         counters = AdmissionCounters(
@@ -679,7 +680,7 @@ factory_priority.capabilities = replace(  # type: ignore[attr-defined]
         "a registered session registered again is released first, then registered (the fork's own "
         "re-registration keeps refs on the path it left: R2)",
         "load_back passes no request: the fork evicts for its room in scope (True, False)",
-        "plan_admission: kvcert's planner (SPEC.md §11.5, kvcert.gpu.admission) over the fork's counters; the fork's "
+        "plan_admission: kvcert's planner (SPEC.md §11.5, kvcert.spec.admission) over the fork's counters; the fork's "
         "own admission (its PrefillAdder) is not run",
     ),
 )

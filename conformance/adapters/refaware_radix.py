@@ -25,15 +25,15 @@ The adapter only translates: real `MHATokenToKVPool` + `TokenToKVPoolAllocator` 
   fork's three tier counters as `tier_evictable`, and each rid as a session ending at the deepest
   node the fork tracks for it, in the order of the adapter's own `register_ref` calls (the fork keeps
   none that it uses: R9). The fork's device cache plans no admission (its scheduler does,
-  `schedule_policy.py`): `plan_admission` runs SPEC.md §11.5 (`kvcert.gpu.admission`) over the
+  `schedule_policy.py`): `plan_admission` runs SPEC.md §11.5 (`kvcert.spec.admission`) over the
   fork's own counters (free slots, `evictable_size_by_tier`). Where the fork and §11 differ is
-  recorded in REFAWARE_CALIBRATION.md, not translated away.
+  recorded in docs/calibration/refaware.md, not translated away.
 * `factory_priority_moves`: as `factory_priority`, except that registering a session again releases
   it first (the composition a scheduler would use to move a session), to reach the differences
-  that the fork's re-registration (REFAWARE_CALIBRATION.md R1, R2) otherwise hides.
+  that the fork's re-registration (docs/calibration/refaware.md R1, R2) otherwise hides.
 * `factory_priority_class_moves`: releases first only when the class changes (past R1, to R2).
 * `factory_priority_default_scope`: as `factory_priority`, except that SPEC.md's plain `evict(n)` is
-  the fork's plain `evict`, whose scope is `(True, False)` (REFAWARE_CALIBRATION.md R3).
+  the fork's plain `evict`, whose scope is `(True, False)` (docs/calibration/refaware.md R3).
 
 Determinism. The fork stamps nodes with `time.monotonic()` and numbers them from the process-wide
 `TreeNode.counter`; while (and only while) a call into the fork runs, the adapter swaps the `time`
@@ -116,7 +116,7 @@ class _OrderedRefInfo(_core.RefInfo):
     """The fork's `RefInfo` with an insertion-ordered node set (see the module docstring)."""
 
     def __post_init__(self) -> None:
-        self.nodes = OrderedSet(self.nodes)
+        self.nodes = OrderedSet(self.nodes)  # type: ignore[has-type]  # RefInfo is the fork's, untyped
 
 
 def device_pools(config: CacheConfig) -> tuple[Any, Any, Any]:
@@ -310,7 +310,7 @@ class RefAwareRadixBackend(RadixTreeAdapter):
         self, tokens: int, priority: int, running: Sequence[Running], profile: Optional[AdmissionProfile]
     ) -> AdmissionPlan:
         """SPEC.md §11.5 over the fork's own counters: its device cache has no planner of its own."""
-        from kvcert.gpu.admission import AdmissionCounters, plan_admission
+        from kvcert.spec.admission import AdmissionCounters, plan_admission
 
         c = self.cache
         counters = AdmissionCounters(
@@ -339,7 +339,7 @@ class RefAwareRadixBackend(RadixTreeAdapter):
         """Each rid as a session ending at the deepest node the fork tracks for it (the root: none).
 
         In (re-)registration order, as the spec lists sessions: the fork's `rid_to_ref_info` keeps a rid
-        where it was first registered, and its device cache never reads that order (REFAWARE_CALIBRATION.md
+        where it was first registered, and its device cache never reads that order (docs/calibration/refaware.md
         R9), so the adapter keeps the order of the calls it made; rids it did not register come last.
         """
         table = self.cache.rid_to_ref_info
@@ -437,7 +437,7 @@ def factory_priority(config: CacheConfig) -> RefAwareRadixBackend:
 def factory_priority_moves(config: CacheConfig) -> RefAwareRadixBackend:
     """`... refaware_radix:factory_priority_moves`: as `factory_priority`, but registering a session again
     is `release_ref` then `register_ref`, so the run gets past the fork's re-registration (R1, R2 in
-    REFAWARE_CALIBRATION.md) to what follows it."""
+    docs/calibration/refaware.md) to what follows it."""
     return RefAwareRadixBackend(config, priority_refs=True, moves="all")
 
 
@@ -489,7 +489,7 @@ factory_priority.capabilities = replace(  # type: ignore[attr-defined]
     + (
         "register_ref: the adapter builds the request it registers (rid, priority, the node it names as last_node); "
         "the fork's scheduler registers what its own finish path left in the request",
-        "plan_admission: kvcert's planner (SPEC.md §11.5, kvcert.gpu.admission) over the fork's counters; the fork's "
+        "plan_admission: kvcert's planner (SPEC.md §11.5, kvcert.spec.admission) over the fork's counters; the fork's "
         "own admission (its PrefillAdder) is not run",
     ),
 )

@@ -1,3 +1,4 @@
+# Over 600 lines: the fork's scheduler built and stepped on CPU; much of it is the request view and the declared deviations.
 """The priority-aware ("ref-aware") SGLang fork (base 0.5.10) driven through its own scheduler: a request-path target.
 
     .venv-refaware/bin/kvcert certify kvcert.conformance.adapters.refaware_requests:factory

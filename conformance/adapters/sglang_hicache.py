@@ -1,3 +1,4 @@
+# Over 600 lines: a deterministic driver of SGLang's HiCache and the ack ledgers its interface needs.
 """A deterministic CPU driver of SGLang's real hierarchical cache (0.5.23): UnifiedRadixCache + HiCache.
 
 Groundwork for a kvcert adapter of the host tier (the spec/protocol for it does
@@ -5,7 +6,7 @@ not exist yet). It builds the real objects -- ``ServerArgs``, the published
 runtime context, ``UnifiedRadixCache(CacheInitParams(tree_components=(FULL,)))``
 and ``.init_hicache(args, params)``, which assembles the real
 ``HybridCacheController`` and ``MHATokenToKVPoolHost`` -- and exposes plain
-methods over node ids. See ``SGLANG_HICACHE_NOTES.md`` for the facts (with
+methods over node ids. See ``docs/calibration/sglang_hicache_notes.md`` for the facts (with
 file:line references) this file relies on.
 
 CPU shims (installed once, process-wide, idempotent):
@@ -41,7 +42,7 @@ bodies itself: ``sglang_hicache_storage.py``).
 
 Observation. The Python core is read off its node objects. The Rust core has
 none; it is read through the tree-core interface only (``_snapshot_interface``,
-SGLANG_HICACHE_NOTES.md §8), and what that interface hides is kept in ledgers
+docs/calibration/sglang_hicache_notes.md §8), and what that interface hides is kept in ledgers
 of SGLang's own calls into the core: ``host_lock_ref`` (:class:`HostLockLedger`)
 and the nodes an in-flight load moves (:class:`LoadLedger`). Both are held to
 the Python core's node objects by the smoke tests.

@@ -1,3 +1,4 @@
+# Over 600 lines: one adapter (SGLang's HiCache behind the host-tier protocol); its capability blocks, a third of it, are not yet shared with the fork's.
 """SGLang's UnifiedRadixCache with HiCache (0.5.23) behind kvcert's HostTierBackend protocol.
 
     kvcert certify kvcert.conformance.adapters.sglang_hicache_backend:factory             # Python core
@@ -25,7 +26,7 @@ Mapping (SPEC.md §9):
   the caller's later free of them is a no-op. SGLang's ``prefix_len`` also counts the
   host-only tokens it restored with the request's slots; the adapter reports the spec's
   ``prefix_len`` (device duplicates) as SGLang's minus the request slots the tree adopted
-  inside it (see HICACHE_CALIBRATION.md, D1).
+  inside it (see docs/calibration/hicache.md, D1).
 * locks: the unified tree wants its lock receipt back; the adapter keeps a stack of
   receipts per node id.
 * match_prefix: ``MatchOut(device_prefix_len, path slots, last_device_node,
@@ -44,7 +45,7 @@ Mapping (SPEC.md §9):
 * snapshots: Python core, read off the node objects; Rust core, read through the tree-core
   interface (``SGLangHiCache._snapshot_interface``). The Rust core does not expose
   ``host_lock_ref``: it comes from the driver's ledger of SGLang's own
-  ``inc/dec_host_lock_ref`` calls (``HostLockLedger``; SGLANG_HICACHE_NOTES.md §8).
+  ``inc/dec_host_lock_ref`` calls (``HostLockLedger``; docs/calibration/sglang_hicache_notes.md §8).
 * layout: ``page_first_direct`` changes only where host bytes live; the driver's
   ``read_host_kv`` reads both layouts.
 * storage (``factory_storage``, ``factory_rust_storage``; SPEC.md §10): SGLang's L3 path with its
@@ -52,7 +53,7 @@ Mapping (SPEC.md §9):
   ``StorageOperation``s (one per backed-up node), prefetches its ``ongoing_prefetch`` entries;
   ``prefetch`` is the scheduler's ``_prefetch_kvcache`` (only from a backed-up anchor or the root).
   Inserts write the spec's synthetic KV into the request's device slots, so stored and fetched
-  bytes are checked (INV-STORE-1). Calibration: HICACHE_CALIBRATION.md D7-D15.
+  bytes are checked (INV-STORE-1). Calibration: docs/calibration/hicache.md D7-D15.
 """
 
 from __future__ import annotations
@@ -607,10 +608,11 @@ def make_factory(
         storage_faults=("corrupt", "drop") if file else Capabilities.storage_faults,
     )
     if file:
+        caps: Capabilities = factory.capabilities  # type: ignore[attr-defined]
         factory.capabilities = dataclasses.replace(  # type: ignore[attr-defined]
-            factory.capabilities,
-            name=factory.capabilities.name + " + L3 file backend",  # type: ignore[attr-defined]
-            notes=factory.capabilities.notes  # type: ignore[attr-defined]
+            caps,
+            name=caps.name + " + L3 file backend",
+            notes=caps.notes
             + (
                 "L3: SGLang's own `file` backend (HiCacheFile) in a temporary directory: SGLang writes and reads its "
                 "page files itself; the harness publishes a peer's pages, damages pages and reads what was stored "

@@ -1,3 +1,4 @@
+# Over 600 lines: SGLang's storage threads stepped by the harness and the bridge they write through: one seam of one engine.
 """SGLang's L3 storage path (HiCache + a storage backend, 0.5.23), stepped by the harness.
 
 SGLang runs storage on four background threads (``HiCacheController``: the prefetch thread
@@ -501,7 +502,7 @@ class SteppedStorage:
         """prefetch_sync_thread_func over the acks prefetch `p`'s transfer produced, then the scheduler's drain.
 
         Only `p`'s: a prefetch whose completion ack is drained ends there (``_handle_prefetch_result``
-        inserts it), so each prefetch's acks reach the scheduler at its own check or abort (HICACHE_CALIBRATION.md D12).
+        inserts it), so each prefetch's acks reach the scheduler at its own check or abort (docs/calibration/hicache.md D12).
         """
         queue = self.cc.prefetch_sync_queue
         queue.release([ack for ack in queue.held if ack.operation is p.operation])

@@ -65,6 +65,9 @@ class _Namespace:
     def __init__(self, **fields: Any) -> None:
         self.__dict__.update(fields)
 
+    def __getattr__(self, name: str) -> Any:  # only for names never set: typed as open, absent as on any object
+        raise AttributeError(name)
+
 
 class SGLangRadixBackend(RadixTreeAdapter):
     """One `RadixCache` over real CPU pools; node handles are `TreeNode.id`."""

@@ -1,3 +1,4 @@
+# Over 600 lines: SGLang's scheduler built and stepped on CPU; much of it is the request view and the declared deviations.
 """SGLang 0.5.23 driven through its own scheduler: a request-path target (SPEC.md §12).
 
     kvcert certify kvcert.conformance.adapters.sglang_requests:factory           # UnifiedRadixCache, Python core
@@ -37,7 +38,7 @@ What SGLang does on this path (tests/test_sglang_requests.py asserts the first):
 arrival, yet `set_finish_with_abort` replaces its input with token 0 and runs a one-token prefill whose KV is
 cached as a prefix [0] the client never sent (and, with sessions, the session is opened and stays open); with
 sessions a turn that does not extend its session's last turn leaves the session two frontiers (INV-TIER-1,
-SESSION_CALIBRATION.md S4), and a turn that finishes after its session's close registers nothing (S7).
+docs/calibration/session.md S4), and a turn that finishes after its session's close registers nothing (S7).
 """
 
 from __future__ import annotations
@@ -991,7 +992,7 @@ def _make(kind: str, core: str = "python") -> Any:
                 "--enable-session-radix-cache: requests carry session_id (ensure_session_generation at arrival, "
                 "register_session_ref at finish); close_session = CloseSessionReqInput -> release_radix_session",
                 "one class of session ref, no scoped eviction, no priority update: priority_parts (); a turn that does "
-                "not extend its session's last turn adds a second frontier (SESSION_CALIBRATION.md S4, INV-TIER-1); "
+                "not extend its session's last turn adds a second frontier (docs/calibration/session.md S4, INV-TIER-1); "
                 "a request finishing after its session's close registers nothing (S7, generation fencing)",
                 "the Rust core asked for with sessions falls back to the Python core in SGLang itself (S1)",
             )

@@ -16,9 +16,9 @@ Tree cores. SGLang 0.5.23's Rust core has no session refs: `RustTreeCore.__init_
 flag into the Python core (`unified_cache/tree_core_registry.py:44-46`, `:115-120`, logged "Using the
 Python TreeCore: session-aware caching requires the Python TreeCore"). `factory_rust` asks for the Rust
 core as a deployment with the default backend does and certifies what SGLang then builds: the Python core
-(asserted at construction; its capabilities' name says so). SESSION_CALIBRATION.md S1.
+(asserted at construction; its capabilities' name says so). docs/calibration/session.md S1.
 
-Mapping (SPEC.md §11 onto SGLang's own calls; SESSION_CALIBRATION.md has every difference):
+Mapping (SPEC.md §11 onto SGLang's own calls; docs/calibration/session.md has every difference):
 
 * `register_ref(session, node, priority)`: what the scheduler does for a radix-native session request.
   At its arrival `req.session_generation = cache.ensure_session_generation(session)` (scheduler.py:3036,
@@ -37,7 +37,7 @@ Mapping (SPEC.md §11 onto SGLang's own calls; SESSION_CALIBRATION.md has every 
 * `evict_host(n)`: SGLang's `evict_host(n)`, the same rank over host leaves (full.py:250-280); no demotion.
 * `plan_admission`: the engine has none (its scheduler admits against `available + evictable`, with no
   session tiers). `factory` / `factory_rust` raise `NotImplementedError` (an untyped error: INV-ERR-3, S9);
-  `factory_planned` / `factory_rust_planned` run SPEC.md §11.5 (`kvcert.gpu.admission`) over SGLang's own
+  `factory_planned` / `factory_rust_planned` run SPEC.md §11.5 (`kvcert.spec.admission`) over SGLang's own
   counters so that generation gets past admission to the session refs. Their admission verdicts judge
   kvcert's planner, not SGLang, and their names say so.
 * `factory_planned_moves`: as `factory_planned`, except that registering a session SGLang has open first
@@ -181,9 +181,9 @@ class SGLangSessionBackend(SGLangHiCacheBackend):
     ) -> AdmissionPlan:
         if not self.planned:
             raise NotImplementedError(
-                "SGLang 0.5.23's UnifiedRadixCache plans no admission (SESSION_CALIBRATION.md S9)"
+                "SGLang 0.5.23's UnifiedRadixCache plans no admission (docs/calibration/session.md S9)"
             )
-        from kvcert.gpu.admission import AdmissionCounters, plan_admission
+        from kvcert.spec.admission import AdmissionCounters, plan_admission
 
         snap = self.snapshot()
         assert snap.tier_evictable is not None
@@ -292,7 +292,7 @@ def _make(requested_core: str, planned: bool, moves: bool = False) -> Any:
             "one class of session ref: high_ref/low_ref split SGLang's session_ref by the priority the scheduler "
             "passed; evict(n, scope) = SGLang's plain evict (no scoped eviction); no demotion",
             (
-                "plan_admission: SPEC.md §11.5 (kvcert.gpu.admission) over SGLang's counters: kvcert's planner, "
+                "plan_admission: SPEC.md §11.5 (kvcert.spec.admission) over SGLang's counters: kvcert's planner, "
                 "not SGLang's"
                 if planned
                 else "plan_admission: SGLang has none; the call raises NotImplementedError"

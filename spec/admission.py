@@ -1,8 +1,12 @@
-"""Admission plans (SPEC.md §11.5, §11.6): a pure function of a few counters and the request.
+"""Admission plans (SPEC.md §11.5, §11.6) as a pure function of a few counters and the request.
 
-`GpuCache.plan_admission` snapshots its counters into an `AdmissionCounters` (free slots of both
-allocators, `evictable_size`, the HIGH_REF tier's evictable tokens) and calls `plan_admission`:
-no tree access, nothing changed, O(L + r log r) for `L` layers and `r` running requests.
+§11.5 asks for a plan that admits when free slots and in-scope evictable tokens cover the request, and
+otherwise, for a high-priority request, retracts the fewest low-priority ones that close the shortfall; §11.6 lets
+it keep fewer layers.
+This module states that as code over an `AdmissionCounters` record (free slots of both allocators,
+`evictable_size`, the HIGH_REF tier's evictable tokens): no tree access, nothing changed, O(L + r log r)
+for `L` layers and `r` running requests. `kvcert.gpu` plans with it, and so do the adapters of engines with
+no planner of their own; the reference model plans from its own state, independently, and the suite compares.
 """
 
 from __future__ import annotations

@@ -1,0 +1,54 @@
+"""The house rules a newcomer can rely on: rooms of at most 600 lines unless the room says why at its top, a
+README that fits on a few screens, and Hypothesis's internals reached from one module only. (The import layering
+is a contract of its own: scripts/layers.sh, in CI.)"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).parent.parent
+ROOMS = ("spec", "refimpl", "gpu", "conformance", "sim", "scripts", "examples")
+LONG = 600
+REASON = "# Over 600 lines: "
+
+
+def _modules() -> list[Path]:
+    return sorted(p for room in ROOMS for p in (ROOT / room).rglob("*.py") if "__pycache__" not in p.parts)
+
+
+@pytest.mark.parametrize("path", _modules(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_a_long_module_says_why_at_its_top(path: Path) -> None:
+    lines = path.read_text().splitlines()
+    if len(lines) <= LONG:
+        return
+    head = [line for line in lines[:2] if line.startswith(REASON)]
+    assert head and len(head[0]) > len(REASON) + 10, f"{len(lines)} lines and no '{REASON}<why>' line at its top"
+
+
+def test_the_readme_fits_in_150_lines() -> None:
+    assert len((ROOT / "README.md").read_text().splitlines()) <= 150
+
+
+def _imports(path: Path) -> set[str]:
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            out.add(node.module)
+        elif isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+    return out
+
+
+def test_hypothesis_internals_are_imported_in_one_module() -> None:
+    """Hypothesis's private modules move between releases: one module names them, so an upgrade breaks in one
+    place, at import (conformance/hypothesis_compat.py)."""
+    private = ("hypothesis.internal", "hypothesis.strategies._internal")
+    users = {
+        str(p.relative_to(ROOT))
+        for p in [*_modules(), *sorted((ROOT / "tests").rglob("*.py"))]
+        if any(m == q or m.startswith(q + ".") for m in _imports(p) for q in private)
+    }
+    assert users == {"conformance/hypothesis_compat.py"}
