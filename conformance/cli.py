@@ -17,9 +17,9 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from kvcert.conformance import explain, reports
 from kvcert.conformance.backend import Factory
-from kvcert.conformance.certify import (
+from kvcert.conformance.certification import explain, reports
+from kvcert.conformance.certification.certify import (
     CellResult,
     Certificate,
     CorpusError,
@@ -28,12 +28,12 @@ from kvcert.conformance.certify import (
     judged_as,
     load_factory,
 )
-from kvcert.conformance.cluster import RayUnavailable
-from kvcert.conformance.diff import NODE_FIELDS, snapshot_rows
-from kvcert.conformance.driver import ConformanceFailure, Harness, Outcome, run_trace
-from kvcert.conformance.requests import run_requests
-from kvcert.conformance.running import lent
-from kvcert.conformance.windows import SHORT, WINDOWS
+from kvcert.conformance.certification.cluster import RayUnavailable
+from kvcert.conformance.certification.diff import NODE_FIELDS, snapshot_rows
+from kvcert.conformance.generation.request_machine import run_requests
+from kvcert.conformance.harness.driver import ConformanceFailure, Harness, Outcome, run_trace
+from kvcert.conformance.harness.running import lent
+from kvcert.conformance.harness.windows import SHORT, WINDOWS
 from kvcert.sim.cli import policy_cmd
 from kvcert.spec.ops import Evict, Match, Op, RegisterRef, ReleaseRef, Trace, UpdateRef, op_to_json
 from kvcert.spec.types import CacheConfig, MatchOut
@@ -61,7 +61,7 @@ def _cell_line(cell: CellResult) -> str:
 
 
 def print_windows(cert: Certificate) -> None:
-    """Per cell, the steps that entered each race window (`conformance.windows`): where the races were tried."""
+    """Per cell, the steps that entered each race window (`conformance.harness.windows`): where the races were tried."""
     seen = [w for w in WINDOWS if any(c.ops.get(f"window:{w}") for c in cert.cells)]
     if not seen:
         return
@@ -481,7 +481,7 @@ def _replay_diff(factory: Factory, trace: Trace, name: str, at: int) -> None:
 
 
 def print_diff(h: Harness, i: int, op: Optional[Op], why: str = "") -> None:
-    """The backend's snapshot beside the oracle's at step `i` (`conformance.diff`): nodes by path, then the
+    """The backend's snapshot beside the oracle's at step `i` (`conformance.certification.diff`): nodes by path, then the
     scalar fields; what differs in red. Cells that differ read `backend / oracle`."""
     try:
         # The harness's view of the backend: the snapshot with the caller's lent slots filled in.
@@ -544,7 +544,7 @@ def selftest_cmd(
     directed: bool = typer.Option(True, "--directed/--no-directed", help="also run the directed mutants"),
 ) -> None:
     """Run the suite against every mutant in the bug zoo; each must be killed, the refimpl must pass."""
-    from kvcert.conformance.selftest import Verdict, run_selftest
+    from kvcert.conformance.zoo.selftest import Verdict, run_selftest
 
     def show(v: Verdict) -> None:
         if v.directed:
@@ -654,7 +654,7 @@ def bench_meta_cmd(
 
     Every implementation runs on a logical clock (the request number) and must answer every request
     with the same hit lengths; where one does not, the run says so and exits 1."""
-    from kvcert.conformance import bench
+    from kvcert.conformance.bench import meta as bench
 
     report = []
     differ = False

@@ -1,7 +1,7 @@
 """A reference engine: kvcert's own scheduler around a protocol cache, as a request-path target (SPEC.md §12).
 
 It is the positive control of the request-path harness: a scheduler written plainly, every decision the
-textbook one, so that what `conformance.requests` reports on a real engine is known to be the engine's. Its
+textbook one, so that what `conformance.harness.requests` reports on a real engine is known to be the engine's. Its
 scheduler is first-come first-served: a request is admitted when its whole final size (prompt and output,
 less its cached prefix) fits after eviction in its scope, so a running request never stalls; it prefills in
 chunks, decodes a token a step, and at its end caches the page-aligned part of what it computed, frees the

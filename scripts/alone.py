@@ -19,8 +19,8 @@ from typing import Optional
 import typer
 
 from kvcert.conformance import zoo
-from kvcert.conformance.certify import core_verdict
-from kvcert.conformance.selftest import EXAMPLES, STEPS
+from kvcert.conformance.certification.certify import core_verdict
+from kvcert.conformance.zoo.selftest import EXAMPLES, STEPS
 from kvcert.spec.ops import Trace
 
 ROOT = Path(__file__).resolve().parent.parent

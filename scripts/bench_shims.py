@@ -22,7 +22,7 @@ import contextlib
 from functools import partial
 from typing import Any
 
-from kvcert.conformance import bench
+from kvcert.conformance.bench import meta as bench
 
 
 class _AsShipped(bench.SGLangRadixDriver):

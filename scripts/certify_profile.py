@@ -20,13 +20,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import kvcert.conformance.checks as checks
-import kvcert.conformance.draws as draws
-import kvcert.conformance.driver as driver
-import kvcert.conformance.machine as machine
-import kvcert.conformance.runner as runner
+import kvcert.conformance.generation.draws as draws
+import kvcert.conformance.generation.machine as machine
+import kvcert.conformance.generation.runner as runner
+import kvcert.conformance.harness.checks as checks
+import kvcert.conformance.harness.driver as driver
 from kvcert.conformance.backend import capabilities_of
-from kvcert.conformance.certify import cells_for, load_factory, run_cell
+from kvcert.conformance.certification.certify import cells_for, load_factory, run_cell
 
 SPENT: dict[str, float] = defaultdict(float)
 ACTIVE: set[str] = set()

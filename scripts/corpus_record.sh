@@ -20,7 +20,7 @@ git -C "$ROOT" archive "$REV" --prefix=src/ | tar -x -C "$TMP"
 cd "$TMP"
 PYTHONPATH="$TMP/site-packages" KVCERT_CORPUS_COMMIT="$REV" "$PY" -c '
 import os, runpy, sys
-import kvcert.conformance.driver as d
+import kvcert.conformance.harness.driver as d
 assert d.__file__.startswith(os.environ["PYTHONPATH"]), d.__file__  # the recorded commit, not this checkout
 sys.path.insert(0, sys.argv[1])
 sys.argv = ["_corpus.py", "record"]

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from tempfile import mkdtemp
 
-from kvcert.conformance.certify import certify
+from kvcert.conformance.certification.certify import certify
 
 
 def main() -> None:

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from kvcert.conformance import zoo
-from kvcert.conformance.certify import certify
+from kvcert.conformance.certification.certify import certify
 
 
 def main() -> None:

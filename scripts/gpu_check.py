@@ -14,7 +14,7 @@ killed part still reports what it finished.
   pages, both layouts on each side, `dma` and `staged` plans, one event or one per layer
   (`wait_layer`), `copy_now`, an injected failure and its retry; every byte compared. Then a
   GpuCache on the engine: write-through backup, eviction to host, load-back, KV read back.
-- certify: the conformance suite (conformance/certify.py's cells and `run_cell`) on caches whose
+- certify: the conformance suite (conformance/certification/certify.py's cells and `run_cell`) on caches whose
   device pool lives on CUDA and whose copies go through `CudaCopyEngine`; host-tier and storage
   cells first (the ones that copy), device-only cells while budget lasts. Counterexample traces
   land in $OUT/gpu_check_failures when $OUT is set.
@@ -298,7 +298,7 @@ def _targets(ctx: Ctx) -> list[tuple[str, Any, float]]:
 
 def run_certify(ctx: Ctx) -> dict[str, Any]:
     from kvcert.conformance.backend import capabilities_of
-    from kvcert.conformance.certify import cells_for, run_cell
+    from kvcert.conformance.certification.certify import cells_for, run_cell
 
     a = ctx.args
     examples, steps = a.examples, a.steps

@@ -16,8 +16,8 @@ import sys
 from pathlib import Path
 from tempfile import mkdtemp
 
-from kvcert.conformance import checks
-from kvcert.conformance.certify import Certificate, certify
+from kvcert.conformance.certification.certify import Certificate, certify
+from kvcert.conformance.harness import checks
 
 MODES = ("every check on", "state checks off", "state and contract checks off")
 

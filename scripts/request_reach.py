@@ -13,7 +13,7 @@ import argparse
 from typing import Any
 
 from kvcert.conformance.adapters import sglang_requests  # noqa: F401  (SGLang's CPU import shims first)
-from kvcert.conformance.certify import certify
+from kvcert.conformance.certification.certify import certify
 
 
 def main() -> None:

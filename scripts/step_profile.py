@@ -17,8 +17,8 @@ from pathlib import Path
 
 from harness_breakdown import run  # this folder is first on sys.path: the same nine cells, every check on
 
-from kvcert.conformance import driver
-from kvcert.conformance.certify import load_factory
+from kvcert.conformance.certification.certify import load_factory
+from kvcert.conformance.harness import driver
 
 
 def main() -> None:

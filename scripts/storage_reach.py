@@ -21,7 +21,7 @@ import_sglang()  # SGLang's CPU import shims, before any sglang module
 from sglang.srt.managers import cache_controller as cc  # noqa: E402
 
 from kvcert.conformance.adapters import sglang_hicache_storage as stepped  # noqa: E402
-from kvcert.conformance.certify import certify  # noqa: E402
+from kvcert.conformance.certification.certify import certify  # noqa: E402
 
 
 def main() -> None:

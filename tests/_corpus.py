@@ -33,8 +33,8 @@ from dataclasses import asdict, dataclass, is_dataclass
 from pathlib import Path
 from typing import Any
 
-from kvcert.conformance.certify import load_factory
-from kvcert.conformance.driver import ConformanceFailure, run_trace
+from kvcert.conformance.certification.certify import load_factory
+from kvcert.conformance.harness.driver import ConformanceFailure, run_trace
 from kvcert.spec.ops import Op, Trace, op_from_json, op_to_json
 from kvcert.spec.types import CacheConfig, KVCertError
 
@@ -169,8 +169,8 @@ def key(case: Case) -> str:
 
 def _generate(label: str, cell: dict[str, Any]) -> dict[str, Any]:
     """Every example Hypothesis runs on the model for this cell (seed 0), until GENERATED_STEPS steps."""
-    from kvcert.conformance import certify
-    from kvcert.conformance.machine import CacheMachine
+    from kvcert.conformance.certification import certify
+    from kvcert.conformance.generation.machine import CacheMachine
 
     factory = load_factory(MODEL)
     caps = factory.capabilities  # type: ignore[attr-defined]
@@ -198,7 +198,7 @@ def _generate(label: str, cell: dict[str, Any]) -> dict[str, Any]:
 
     from hypothesis import HealthCheck, Phase, Verbosity, settings
 
-    from kvcert.conformance.determinism import fixed_generation
+    from kvcert.conformance.generation.determinism import fixed_generation
 
     bound = CacheMachine.bind(factory, config, caps)
     machine = type("Recording", (Recording, bound), {})
@@ -213,7 +213,7 @@ def _generate(label: str, cell: dict[str, Any]) -> dict[str, Any]:
     )
     with fixed_generation():
         try:  # the generator since issue 12's runner
-            from kvcert.conformance.runner import run_machine
+            from kvcert.conformance.generation.runner import run_machine
         except ImportError:  # b974eca, where the corpus was recorded: Hypothesis's stateful runner
             from hypothesis.stateful import run_state_machine_as_test
 
@@ -226,7 +226,7 @@ def _generate(label: str, cell: dict[str, Any]) -> dict[str, Any]:
 
 def record() -> None:
     """Write the corpus's generated traces and directed traces, then every case's result."""
-    from kvcert.conformance.selftest import DIRECTED_TRACES
+    from kvcert.conformance.zoo.selftest import DIRECTED_TRACES
 
     (CORPUS / "generated").mkdir(parents=True, exist_ok=True)
     for label, cell in GENERATED_CELLS.items():

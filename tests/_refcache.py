@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvcert.conformance import scheduler
+from kvcert.conformance.harness import scheduler
 from kvcert.refimpl import RefCache
 
 

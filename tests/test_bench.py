@@ -7,7 +7,7 @@ from pathlib import Path
 
 from typer.testing import CliRunner
 
-from kvcert.conformance import bench
+from kvcert.conformance.bench import meta as bench
 from kvcert.conformance.cli import app
 from kvcert.refimpl import RefCache
 from kvcert.spec.types import CacheConfig

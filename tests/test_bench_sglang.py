@@ -7,7 +7,7 @@ from _sglang import require_sglang
 
 require_sglang()
 
-from kvcert.conformance import bench  # noqa: E402
+from kvcert.conformance.bench import meta as bench  # noqa: E402
 
 SMALL = bench.TraceSpec(
     page_size=4, pages=64, requests=150, sessions=12, prompts=2, prompt_pages=2, max_context_pages=12

@@ -10,9 +10,9 @@ import pytest
 from typer.testing import CliRunner
 
 from kvcert.conformance import zoo
-from kvcert.conformance.certify import certify, replay_fails
+from kvcert.conformance.certification.certify import certify, replay_fails
 from kvcert.conformance.cli import app
-from kvcert.conformance.driver import ConformanceFailure, run_trace
+from kvcert.conformance.harness.driver import ConformanceFailure, run_trace
 from kvcert.refimpl import RefCache, factory
 from kvcert.spec.ops import Evict, Insert, Lock, Match, Trace, Unlock
 from kvcert.spec.types import CacheConfig
@@ -316,7 +316,7 @@ def test_certificates_of_the_same_run_are_the_same(tmp_path: Path) -> None:
 
 
 def test_the_shrinker_renumbers_every_op_that_names_a_handle() -> None:
-    from kvcert.conformance.shrink import BY_HANDLE, without
+    from kvcert.conformance.generation.shrink import BY_HANDLE, without
     from kvcert.spec.ops import OP_TYPES, LoadBack, Prefetch, RegisterRef, Retract
 
     assert {t.__name__ for t in BY_HANDLE} == {
@@ -418,9 +418,9 @@ def test_shrinking_keeps_a_lenient_backends_trace_valid() -> None:
     the Lock of `Lock, Unlock` leaves an unlock with no lock, which the oracle rejects (LockUnderflow)."""
     from dataclasses import replace
 
-    from kvcert.conformance.certify import Replay, guarded, replay
-    from kvcert.conformance.driver import ConformanceFailure
-    from kvcert.conformance.shrink import shrink
+    from kvcert.conformance.certification.certify import Replay, guarded, replay
+    from kvcert.conformance.generation.shrink import shrink
+    from kvcert.conformance.harness.driver import ConformanceFailure
     from kvcert.spec.invariants import Violation
 
     config = CacheConfig(page_size=1, capacity=8)
@@ -444,7 +444,7 @@ def test_shrinking_keeps_a_lenient_backends_trace_valid() -> None:
 
 def test_a_trace_that_will_not_shrink_says_why() -> None:
     """A failure whose trace does not fail again on a fresh backend comes back as found, with the reason."""
-    from kvcert.conformance.shrink import shrink
+    from kvcert.conformance.generation.shrink import shrink
 
     ops = [Insert(None, (1,)), Match(None, (1,))]
     got = shrink(list(ops), lambda _ops: None, 1)
@@ -456,7 +456,7 @@ def test_a_trace_that_will_not_shrink_says_why() -> None:
 def test_a_shrink_candidate_no_caller_could_play_is_discarded() -> None:
     """Deleting a running request's Start can leave an Unlock of the lock it held: the oracle cannot play that
     (TraceInvalid), and the replay reports it as no failure instead of raising out of the shrinker."""
-    from kvcert.conformance.certify import replay
+    from kvcert.conformance.certification.certify import replay
     from kvcert.spec.ops import Start
 
     config = CacheConfig(page_size=1, capacity=8)

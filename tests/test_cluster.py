@@ -1,4 +1,4 @@
-"""Where cells run (`conformance.cluster`) and the shared failure corpus.
+"""Where cells run (`conformance.certification.cluster`) and the shared failure corpus.
 
 A Ray run on a local cluster gives the certificate a one-process run gives, digest for digest; a failure found
 on a Ray worker comes back to the caller's disk and into the corpus; the next run replays the corpus first and
@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from kvcert.conformance.certify import CorpusError, certify, load_corpus
+from kvcert.conformance.certification.certify import CorpusError, certify, load_corpus
+from kvcert.conformance.certification.cluster import RayUnavailable, map_ordered
 from kvcert.conformance.cli import app
-from kvcert.conformance.cluster import RayUnavailable, map_ordered
 from kvcert.spec.ops import Trace
 
 TWO_CELLS = dict(page_sizes=[4], policies=["lru"], write_policies=["write_through"], prefetch_policies=[])

@@ -4,7 +4,7 @@ Three fresh interpreters run the same work: an editable install that imports the
 bench first (as `kvcert selftest` does), a wheel installed into a site-packages directory that
 imports nothing else (as a user's CI does), and an editable one that first certifies another
 mutant in the same process (process history). Each reports every cell's step digest
-(`conformance.determinism.StepDigest`: every op every example executed) and the bytes of the
+(`conformance.generation.determinism.StepDigest`: every op every example executed) and the bytes of the
 shrunk trace it saved; all three must be equal byte for byte. Different PYTHONHASHSEEDs (and
 ASLR, which moves every object address) ride along.
 """
@@ -29,7 +29,7 @@ out = Path(sys.argv[1])
 first, *imports = sys.argv[2:]
 for name in imports:
     importlib.import_module(name)
-import kvcert.conformance.certify as certify_mod
+import kvcert.conformance.certification.certify as certify_mod
 from kvcert.conformance import zoo
 from kvcert.refimpl import factory
 from kvcert.spec.types import CacheConfig
@@ -89,7 +89,7 @@ def wheel_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_generation_is_independent_of_install_imports_and_history(tmp_path: Path, wheel_site: Path) -> None:
     editable = _run(
-        tmp_path, "editable-cli", hashseed="0", imports=("kvcert.conformance.cli", "kvcert.conformance.bench")
+        tmp_path, "editable-cli", hashseed="0", imports=("kvcert.conformance.cli", "kvcert.conformance.bench.meta")
     )
     wheel = _run(tmp_path, "wheel", pythonpath=str(wheel_site), hashseed="12345")
     history = _run(tmp_path, "history", hashseed="random", first="prefetch_anchor_unpinned")

@@ -1,4 +1,4 @@
-"""What rules draw (`conformance.draws`): one primitive choice per value, read from Hypothesis's choice sequence."""
+"""What rules draw (`conformance.generation.draws`): one primitive choice per value, read from Hypothesis's choice sequence."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from collections.abc import Sequence
 
 import pytest
 
-from kvcert.conformance.draws import MAX_PAGES, Draws, booleans, integers, sampled_from, tokens_of
-from kvcert.conformance.hypothesis_compat import ConjectureData
+from kvcert.conformance.generation.draws import MAX_PAGES, Draws, booleans, integers, sampled_from, tokens_of
+from kvcert.conformance.generation.hypothesis_compat import ConjectureData
 
 
 def _fed(choices: Sequence[object]) -> tuple[Draws, ConjectureData]:

@@ -20,7 +20,7 @@ if str(ROOT) not in sys.path:
 from examples.tinycache import adapter  # noqa: E402
 from examples.tinycache.cache import InsertResult, MatchResult, RadixCache, TreeNode  # noqa: E402
 from kvcert.conformance.backend import Backend  # noqa: E402
-from kvcert.conformance.certify import certify  # noqa: E402
+from kvcert.conformance.certification.certify import certify  # noqa: E402
 from kvcert.spec.invariants import check_snapshot  # noqa: E402
 from kvcert.spec.types import CacheConfig  # noqa: E402
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from _sglang import required
 
-from kvcert.conformance.driver import ConformanceFailure, run_trace
+from kvcert.conformance.harness.driver import ConformanceFailure, run_trace
 from kvcert.refimpl import RefCache
 from kvcert.spec.ops import Trace
 
@@ -39,7 +39,7 @@ def test_sglang_still_behaves_as_logged(path: Path) -> None:
         if required():
             pytest.fail("KVCERT_SGLANG=1 but sglang is not installed", pytrace=False)
         pytest.skip("sglang not installed: run scripts/install_sglang.sh")
-    from kvcert.conformance.certify import load_factory
+    from kvcert.conformance.certification.certify import load_factory
 
     trace = Trace.from_json(path.read_text())
     make = load_factory(trace.target)

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from kvcert.conformance import zoo
-from kvcert.conformance.certify import certify
-from kvcert.conformance.fuzz import RandomChoices, run_random
+from kvcert.conformance.certification.certify import certify
+from kvcert.conformance.generation.fuzz import RandomChoices, run_random
 from kvcert.spec.ops import Trace
 
 CELL = dict(page_sizes=[1], policies=["lru"], write_policies=[], prefetch_policies=[])
@@ -146,7 +146,7 @@ def test_progress_inside_a_cell_sees_every_example_start_and_changes_nothing(tmp
 
 def test_a_steps_digest_bytes_are_its_json_encoding(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """`step_bytes` skips `asdict`; every op kind, from a walk over every tier with bad input, encodes as before."""
-    from kvcert.conformance import determinism
+    from kvcert.conformance.generation import determinism
     from kvcert.spec.ops import OP_TYPES, op_to_json
 
     fast, kinds = determinism.step_bytes, set()

@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
-from kvcert.conformance.certify import certify
-from kvcert.conformance.driver import ConformanceFailure, run_trace
-from kvcert.conformance.storage import MemoryStorage
+from kvcert.conformance.certification.certify import certify
+from kvcert.conformance.harness.driver import ConformanceFailure, run_trace
+from kvcert.conformance.harness.storage import MemoryStorage
 from kvcert.gpu import CAPABILITIES, GpuCache, factory, make_factory
 from kvcert.gpu.agreement import Agreement
 from kvcert.gpu.copy_engine import DeferredCopyEngine
@@ -288,7 +288,7 @@ def test_retraction_backup_of_a_prefix_still_loading_holds_its_kv() -> None:
     """Found by certification (seed 0, page size 4, write-back): a request whose prefix is being
     loaded back is retracted before the load lands. The backup must hold the prefix's KV — read from
     its host copy, which the load protects — not the device slots the load has yet to fill."""
-    from kvcert.conformance.driver import run_trace
+    from kvcert.conformance.harness.driver import run_trace
     from kvcert.gpu import factory
     from kvcert.spec.ops import Evict, Insert, LoadBack, Match, Retract
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from kvcert.conformance.certify import certify
+from kvcert.conformance.certification.certify import certify
 
 
 def test_gpu_is_certified_on_every_cell(tmp_path: Path) -> None:

@@ -152,7 +152,7 @@ def test_plans_merge_runs_and_pick_a_strategy() -> None:
 
 
 def test_planned_engine_certifies_on_a_host_tier_cell(tmp_path: Path) -> None:
-    from kvcert.conformance.certify import certify
+    from kvcert.conformance.certification.certify import certify
 
     build = _script()._planned_factory("dma", "page_first", "layer_first")
     cert = certify(
@@ -273,7 +273,7 @@ def test_cuda_engine_realistic_pages_land_bit_for_bit() -> None:  # pragma: no c
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("engine", ["cuda", "cuda-dma", "cuda-staged"])
 def test_cuda_caches_certify_on_host_tier_cells(engine: str, tmp_path: Path) -> None:  # pragma: no cover
-    from kvcert.conformance.certify import certify
+    from kvcert.conformance.certification.certify import certify
 
     build = make_factory(host_layout="page_first", engine=engine, device=torch.device("cuda"))
     cert = certify(

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvcert.conformance import scheduler
+from kvcert.conformance.harness import scheduler
 from kvcert.gpu.cache import GpuCache
 from kvcert.gpu.host import HostTier
 from kvcert.gpu.node import Node
@@ -17,7 +17,7 @@ def cache_of(**kw: object) -> tuple[GpuCache, HostTier]:
 
 
 def put(cache: GpuCache, tokens: tuple[int, ...]) -> Node:
-    """The caller's side of an insert (`conformance.scheduler`)."""
+    """The caller's side of an insert (`conformance.harness.scheduler`)."""
     return cache.nodes[scheduler.insert_request(cache, None, tokens).node]
 
 

@@ -15,7 +15,7 @@ from typing import Any, Optional
 
 import pytest
 
-from kvcert.conformance import scheduler
+from kvcert.conformance.harness import scheduler
 from kvcert.gpu import CAPABILITIES, GpuCache, factory
 from kvcert.refimpl import RefCache
 from kvcert.spec.invariants import check_snapshot

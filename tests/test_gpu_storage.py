@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from kvcert.conformance import scheduler
-from kvcert.conformance.storage import MemoryStorage
+from kvcert.conformance.harness import scheduler
+from kvcert.conformance.harness.storage import MemoryStorage
 from kvcert.gpu.cache import GpuCache
 from kvcert.gpu.node import Node
 from kvcert.gpu.storage import StorageTier
@@ -23,7 +23,7 @@ def cache_of(store: MemoryStorage, host: int = 16, **kw: object) -> tuple[GpuCac
 
 
 def put(cache: GpuCache, tokens: tuple[int, ...]) -> Node:
-    """The caller's side of an insert, the model's KV written (`conformance.scheduler`)."""
+    """The caller's side of an insert, the model's KV written (`conformance.harness.scheduler`)."""
     out = scheduler.insert_request(
         cache, None, tokens, write=lambda slots: cache.write_kv(slots, l3.token_entries(None, tokens, cache.kv_layers))
     )

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from kvcert.conformance import known, reports
-from kvcert.conformance.certify import CellResult, certify, scope_gaps
+from kvcert.conformance.certification import known, reports
+from kvcert.conformance.certification.certify import CellResult, certify, scope_gaps
 from kvcert.conformance.cli import app
 from kvcert.refimpl import RefCache
 from kvcert.spec.ops import Evict, Insert, Lock, Trace, UpdateRef

@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 
 import pytest
 
-from kvcert.conformance.storage import FaultyStorage, MemoryStorage
+from kvcert.conformance.harness.storage import FaultyStorage, MemoryStorage
 from kvcert.refimpl import RefCache
 from kvcert.spec import storage as l3
 from kvcert.spec.contracts import node_paths

@@ -14,9 +14,9 @@ from collections import Counter
 
 import pytest
 
-import kvcert.conformance.checks as checks
+import kvcert.conformance.harness.checks as checks
 from kvcert.conformance.backend import capabilities_of
-from kvcert.conformance.certify import cells_for, load_factory, run_cell
+from kvcert.conformance.certification.certify import cells_for, load_factory, run_cell
 from kvcert.spec import invariants as inv
 from kvcert.spec.types import Snapshot
 

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from kvcert.conformance import known
-from kvcert.conformance.certify import replay
+from kvcert.conformance.certification import known
+from kvcert.conformance.certification.certify import replay
 from kvcert.conformance.engine import factory as reference_engine
 from kvcert.refimpl import RefCache
 from kvcert.spec.ops import REQUEST_OPS, Trace
@@ -23,8 +23,8 @@ LOGGED = [(f, path) for f in known.findings() for path in f.traces]
 
 REPLAY = """
 import json, sys
-from kvcert.conformance import known
-from kvcert.conformance.certify import judged_as, load_factory, replay
+from kvcert.conformance.certification import known
+from kvcert.conformance.certification.certify import judged_as, load_factory, replay
 from kvcert.spec.ops import Trace
 out = {}
 for path in sys.argv[1:]:
@@ -68,7 +68,7 @@ def test_every_sglang_trace_still_fails_on_its_engine() -> None:
     paths = [p for f, p in LOGGED if not p.startswith(("refaware/", "refaware_requests/"))]
     for path in paths:
         trace = Trace.from_json(known.trace_text(path))
-        from kvcert.conformance.certify import judged_as, load_factory
+        from kvcert.conformance.certification.certify import judged_as, load_factory
 
         make = load_factory(trace.target)
         got = replay(make, judged_as(make.capabilities, trace), trace.config, trace.ops)

@@ -12,7 +12,7 @@ from typing import Optional
 
 import pytest
 
-from kvcert.conformance.driver import ConformanceFailure, run_trace
+from kvcert.conformance.harness.driver import ConformanceFailure, run_trace
 from kvcert.refimpl import RefCache
 from kvcert.spec import storage as l3
 from kvcert.spec.ops import Complete, Evict, Insert, Match, Op, Poll, Restore, Retract

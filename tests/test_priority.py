@@ -13,7 +13,7 @@ import pytest
 from _refcache import put, settle
 
 from kvcert.conformance.cli import plain_ops
-from kvcert.conformance.driver import run_trace
+from kvcert.conformance.harness.driver import run_trace
 from kvcert.refimpl import RefCache
 from kvcert.spec import contracts
 from kvcert.spec.invariants import check_snapshot
@@ -284,7 +284,7 @@ def test_an_eviction_whose_ranks_change_midway_is_judged_by_replay() -> None:
     its path shares drops a tier halfway through the eviction and goes before an older HIGH_REF node
     (SPEC.md §11.4). No order over the ranks before the call explains that; the harness lets the oracle
     re-rank as it goes instead of reporting INV-EVICT-4 against a correct cache (found by a refimpl run)."""
-    from kvcert.conformance.driver import run_trace
+    from kvcert.conformance.harness.driver import run_trace
     from kvcert.refimpl import RefCache
     from kvcert.spec.ops import Evict, Insert, RegisterRef, UpdateRef
     from kvcert.spec.types import CacheConfig
@@ -356,7 +356,7 @@ class _NoMoves(RefCache):
 def test_a_backend_without_moves_is_sent_none_and_the_certificate_says_so(tmp_path: Path) -> None:
     """Without the `move` part a session is registered again only at or below its node (its next turn), else
     released first; with it (the model) the same seed moves sessions, and the certificate counts the moves."""
-    from kvcert.conformance.certify import certify
+    from kvcert.conformance.certification.certify import certify
 
     def run(make: type[RefCache]) -> object:
         return certify(

@@ -16,8 +16,8 @@ import pytest
 
 from kvcert.conformance import zoo
 from kvcert.conformance.adapters import sglang_radix  # noqa: F401  (declares its profile without SGLang)
-from kvcert.conformance.certify import certify, core_verdict, judged_as, load_factory, replay_fails
-from kvcert.conformance.driver import ConformanceFailure, run_trace
+from kvcert.conformance.certification.certify import certify, core_verdict, judged_as, load_factory, replay_fails
+from kvcert.conformance.harness.driver import ConformanceFailure, run_trace
 from kvcert.refimpl import RefCache, alternative, factory
 from kvcert.spec import profiles
 from kvcert.spec import storage as l3
@@ -566,7 +566,7 @@ def test_kvcert_gpu_reports_its_choices_as_the_model_does(target: str) -> None:
 def test_the_certificate_says_what_the_profile_leaves_open() -> None:
     """Under the core the certificate lists each open choice the backend's declarations make arise, and the
     SGLang choices pinned under every profile; under sglang-0.5.23 no choice is left open."""
-    from kvcert.conformance.certify import scope_gaps
+    from kvcert.conformance.certification.certify import scope_gaps
 
     caps = factory.capabilities  # type: ignore[attr-defined]
     core = scope_gaps(replace(caps, profile="core"), [])

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvcert.conformance.certify import cells_for
-from kvcert.conformance.pytest_plugin import cell_id
+from kvcert.conformance.certification.certify import cells_for
+from kvcert.conformance.certification.pytest_plugin import cell_id
 from kvcert.refimpl import RefCache
 
 pytest_plugins = ["pytester"]
@@ -78,7 +78,7 @@ def test_a_cells_digest_is_checked_against_certifys(pytester: pytest.Pytester) -
     """With `--kvcert-certificate`, each cell must make certify's run, op for op: its digest is compared."""
     import json
 
-    from kvcert.conformance.certify import certify
+    from kvcert.conformance.certification.certify import certify
 
     cert = certify("kvcert.refimpl:factory", examples=3, steps=8, page_sizes=[1], policies=["lru"],
                    write_policies=[], prefetch_policies=[], out_dir=pytester.path / "f")  # fmt: skip

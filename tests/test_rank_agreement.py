@@ -114,7 +114,7 @@ def test_single_rank_agreement_is_the_local_count() -> None:
 
 def _gpu_rank(rank: int, world: int, store: str, out: str) -> None:
     """One rank's kvcert.gpu cache; rank 1 alone has a failing copy and a corrupt stored page."""
-    from kvcert.conformance.storage import MemoryStorage
+    from kvcert.conformance.harness.storage import MemoryStorage
     from kvcert.gpu.cache import GpuCache
     from kvcert.spec import storage as l3
     from kvcert.spec.contracts import shape

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from kvcert.conformance.driver import run_trace
+from kvcert.conformance.harness.driver import run_trace
 from kvcert.refimpl import RefCache
 from kvcert.spec.ops import Trace
 
@@ -35,7 +35,7 @@ EXPECTED = {
 
 REPLAY = """
 import json, sys
-from kvcert.conformance.certify import judged_as, load_factory, replay_failure
+from kvcert.conformance.certification.certify import judged_as, load_factory, replay_failure
 from kvcert.spec.ops import Trace
 out = {}
 for path in sys.argv[1:]:

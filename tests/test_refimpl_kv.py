@@ -11,7 +11,7 @@ from typing import Optional
 import pytest
 from _refcache import settle
 
-from kvcert.conformance.storage import FaultyStorage, MemoryStorage
+from kvcert.conformance.harness.storage import FaultyStorage, MemoryStorage
 from kvcert.refimpl import RefCache
 from kvcert.spec import storage as l3
 from kvcert.spec.types import CacheConfig, LengthMismatch, SlotNotOwned

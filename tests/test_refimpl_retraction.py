@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 from _refcache import put, settle
 
-from kvcert.conformance.driver import Harness, run_trace
+from kvcert.conformance.harness.driver import Harness, run_trace
 from kvcert.conformance.zoo import MUTANTS, build
 from kvcert.refimpl import RefCache
 from kvcert.refimpl.cache import factory
@@ -164,7 +164,7 @@ def test_failed_load_is_retried_and_keeps_both_ends() -> None:
 
 
 def test_failed_store_copy_ends_without_writing() -> None:
-    from kvcert.conformance.storage import MemoryStorage
+    from kvcert.conformance.harness.storage import MemoryStorage
 
     c = RefCache(CacheConfig(capacity=16, host_capacity=16, prefetch_policy="best_effort"))
     store = MemoryStorage()

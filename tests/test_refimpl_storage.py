@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from _refcache import put, settle
 
-from kvcert.conformance.storage import FaultyStorage, MemoryStorage
+from kvcert.conformance.harness.storage import FaultyStorage, MemoryStorage
 from kvcert.refimpl import RefCache
 from kvcert.spec import storage as l3
 from kvcert.spec.invariants import check_snapshot
@@ -205,7 +205,7 @@ def test_an_anchor_that_lost_its_backup_asks_storage_nothing() -> None:
     """Write-back's reclaim strips the anchor's backup between match and prefetch: the prefetch gate (a
     backed-up anchor or the root) holds when the prefetch is made, so nothing is asked and nothing is
     host-protected (D18; an earlier spec prefetched from it and kept it protected)."""
-    from kvcert.conformance.driver import run_trace
+    from kvcert.conformance.harness.driver import run_trace
     from kvcert.refimpl import factory
     from kvcert.spec.ops import CheckPrefetch, Evict, EvictHost, Fetch, Insert, Match, Prefetch, Publish
 
@@ -235,7 +235,7 @@ def test_harness_follows_a_write_back_attempt_that_was_skipped() -> None:
     """Found by the long run: under write-back an eviction tries a node whose backup fails (an armed
     fault) and skips it, then evicts a tied victim. The oracle must try the same node first, or the
     fault lands on the victim instead (SPEC.md §9.3; the harness tries both orders)."""
-    from kvcert.conformance.driver import run_trace
+    from kvcert.conformance.harness.driver import run_trace
     from kvcert.refimpl import factory
     from kvcert.spec.ops import Evict, InjectFault, Insert
 

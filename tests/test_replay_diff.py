@@ -7,8 +7,8 @@ from pathlib import Path
 
 from typer.testing import CliRunner
 
+from kvcert.conformance.certification.diff import snapshot_rows
 from kvcert.conformance.cli import app
-from kvcert.conformance.diff import snapshot_rows
 from kvcert.refimpl import RefCache
 from kvcert.spec.ops import Trace
 from kvcert.spec.types import CacheConfig

@@ -14,8 +14,8 @@ import pytest
 import xmlschema
 from typer.testing import CliRunner
 
-from kvcert.conformance import explain, reports
-from kvcert.conformance.certify import CellResult, Certificate, certify
+from kvcert.conformance.certification import explain, reports
+from kvcert.conformance.certification.certify import CellResult, Certificate, certify
 from kvcert.conformance.cli import app
 from kvcert.spec.invariants import SNAPSHOT_INVARIANTS
 

@@ -9,10 +9,10 @@ from typing import Any
 
 import pytest
 
-from kvcert.conformance.certify import certify, replay
+from kvcert.conformance.certification.certify import certify, replay
 from kvcert.conformance.engine import ReferenceEngine, _Request
 from kvcert.conformance.engine import factory as engine_factory
-from kvcert.conformance.requests import turn_tokens
+from kvcert.conformance.harness.requests import turn_tokens
 from kvcert.refimpl import RefCache
 from kvcert.spec.ops import AbortRequest, CloseSession, Op, Reprioritize, Step, Submit
 from kvcert.spec.requests import output_token
@@ -196,7 +196,7 @@ def test_a_trace_outside_the_targets_client_rules_is_out_of_its_scope(rule: str,
 def test_distinct_ids_clients_send_ids_none_of_which_starts_with_another(tmp_path: Path, monkeypatch: Any) -> None:
     from dataclasses import replace as with_
 
-    from kvcert.conformance.requests import RequestHarness
+    from kvcert.conformance.harness.requests import RequestHarness
 
     sent: list[str] = []
     step = RequestHarness.step
@@ -231,7 +231,7 @@ def test_a_pending_loads_host_lock_is_judged_as_the_targets_profile_says(name: s
     path by SGLang's choice reported a defect the fork's design does not have."""
     from dataclasses import replace
 
-    from kvcert.conformance.requests import RequestHarness
+    from kvcert.conformance.harness.requests import RequestHarness
 
     h = RequestHarness(engine_factory(CONFIG), CONFIG, replace(CAPS, profile=name))
     try:

@@ -1,4 +1,4 @@
-"""The generator's loop (`conformance.runner`): rules, preconditions, swarm, seeds, failures."""
+"""The generator's loop (`conformance.generation.runner`): rules, preconditions, swarm, seeds, failures."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 from hypothesis import HealthCheck, Phase, Verbosity, settings
 from hypothesis import strategies as st
 
-from kvcert.conformance.runner import initialize, precondition, rule, rules_of, run_machine
+from kvcert.conformance.generation.runner import initialize, precondition, rule, rules_of, run_machine
 
 
 def _conf(examples: int, steps: int = 20) -> settings:

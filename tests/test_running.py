@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 
 import kvcert.gpu as gpu
-from kvcert.conformance.certify import replay_failure
-from kvcert.conformance.driver import ConformanceFailure, Harness, run_trace
+from kvcert.conformance.certification.certify import replay_failure
+from kvcert.conformance.harness.driver import ConformanceFailure, Harness, run_trace
 from kvcert.refimpl import RefCache
 from kvcert.refimpl import factory as ref_factory
 from kvcert.spec.ops import Checkpoint, Evict, Extend, Finish, Insert, Lock, Match, Op, Start, Unlock

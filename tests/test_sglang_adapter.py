@@ -208,7 +208,7 @@ def test_agrees_with_the_reference_model(page_size: int, policy: str) -> None:
 @pytest.mark.parametrize("page_size", [1, 4, 16])
 def test_short_certification_passes(page_size: int, tmp_path) -> None:
     """CI's short certification: every declared policy at this page size (docs/sglang.md has the full run)."""
-    from kvcert.conformance.certify import certify
+    from kvcert.conformance.certification.certify import certify
 
     cert = certify(
         "kvcert.conformance.adapters.sglang_radix:factory",

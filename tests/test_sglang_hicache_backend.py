@@ -25,7 +25,7 @@ import torch  # noqa: E402
 from kvcert.conformance.adapters import sglang_hicache_backend as adapter  # noqa: E402
 from kvcert.conformance.adapters.sglang_hicache_backend import SGLangHiCacheBackend  # noqa: E402
 from kvcert.conformance.backend import Backend, HostTierBackend  # noqa: E402
-from kvcert.conformance.driver import run_trace  # noqa: E402
+from kvcert.conformance.harness.driver import run_trace  # noqa: E402
 from kvcert.spec.invariants import check_snapshot  # noqa: E402
 from kvcert.spec.ops import Complete, Evict, EvictHost, Insert, LoadBack, Match, Poll  # noqa: E402
 from kvcert.spec.types import CacheConfig, PoolExhausted, Snapshot  # noqa: E402
@@ -103,7 +103,7 @@ def test_protocols_and_capabilities(core: str, layout: str) -> None:
 
 def test_factories_are_module_level_targets() -> None:
     """`kvcert certify ...sglang_hicache_backend:<name>` finds each factory, with its capabilities."""
-    from kvcert.conformance.certify import load_factory
+    from kvcert.conformance.certification.certify import load_factory
 
     for name in ("factory", "factory_rust", "factory_page_first", "factory_rust_page_first"):
         loaded = load_factory(f"kvcert.conformance.adapters.sglang_hicache_backend:{name}")

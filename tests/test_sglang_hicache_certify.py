@@ -13,7 +13,7 @@ from _sglang import require_sglang
 
 require_sglang()
 
-from kvcert.conformance.certify import certify  # noqa: E402
+from kvcert.conformance.certification.certify import certify  # noqa: E402
 
 pytestmark = pytest.mark.sglang
 

@@ -29,9 +29,9 @@ from kvcert.conformance.adapters.sglang_hicache_storage import (  # noqa: E402
     canonical_kv,
     sglang_page_keys,
 )
-from kvcert.conformance.certify import certify  # noqa: E402
-from kvcert.conformance.driver import run_trace  # noqa: E402
-from kvcert.conformance.storage import FaultyStorage, MemoryStorage  # noqa: E402
+from kvcert.conformance.certification.certify import certify  # noqa: E402
+from kvcert.conformance.harness.driver import run_trace  # noqa: E402
+from kvcert.conformance.harness.storage import FaultyStorage, MemoryStorage  # noqa: E402
 from kvcert.spec import storage as l3  # noqa: E402
 from kvcert.spec.ops import op_from_json  # noqa: E402
 from kvcert.spec.types import CacheConfig, UnknownPrefetch  # noqa: E402
@@ -372,7 +372,7 @@ D16 = Path(__file__).parent / "traces" / "d16-prefetch-end-is-an-access.json"
 def test_d16_ending_a_prefetch_is_an_access(factory: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """Calibration D16: SGLang stamps the anchor and the walked nodes when a prefetch ends (`insert_host` ->
     `_touch_node`). Its trace passes on SGLang and on the model; a model that touches nothing fails it."""
-    from kvcert.conformance.driver import ConformanceFailure
+    from kvcert.conformance.harness.driver import ConformanceFailure
     from kvcert.refimpl import cache as refcache
     from kvcert.spec.ops import Trace
 
@@ -395,7 +395,7 @@ D17 = Path(__file__).parent / "traces" / "d17-retraction-reclaims-its-size.json"
 def test_d17_a_retraction_backup_reclaims_its_whole_size(factory: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """Calibration D17: SGLang's `HostPoolGroup.alloc(reclaim=...)` host-evicts the backup's whole size when it
     does not fit. The trace passes on SGLang and on the model; a model that reclaims the shortfall fails it."""
-    from kvcert.conformance.driver import ConformanceFailure
+    from kvcert.conformance.harness.driver import ConformanceFailure
     from kvcert.refimpl import cache as refcache
     from kvcert.spec.ops import Trace
 
@@ -416,7 +416,7 @@ D18 = Path(__file__).parent / "traces" / "d18-prefetch-gate-at-prefetch-time.jso
 def test_d18_the_prefetch_gate_holds_when_the_prefetch_is_made(factory: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """Calibration D18: a deferred prefetch whose anchor lost its backup since its match asks storage nothing
     (SGLang's scheduler gates on `is_backuped` when it prefetches). A model that prefetches anyway fails."""
-    from kvcert.conformance.driver import ConformanceFailure
+    from kvcert.conformance.harness.driver import ConformanceFailure
     from kvcert.refimpl import cache as refcache
     from kvcert.spec.ops import Trace
 
@@ -505,7 +505,7 @@ def test_sglangs_own_file_backend_is_a_storage_target() -> None:
     file and a fetch across the batch all match the model; the harness's call faults are not declared (HiCacheFile
     does its own I/O), and a corrupt page file is F-L3-1 (its traces are replayed in test_known_findings)."""
     from kvcert.conformance.adapters.sglang_hicache_backend import factory_storage_file
-    from kvcert.conformance.certify import scope_gaps
+    from kvcert.conformance.certification.certify import scope_gaps
     from kvcert.spec.ops import CheckPrefetch, Complete, Fetch, Insert, Match, Poll, Prefetch, Publish, StorageFault
 
     caps = factory_storage_file.capabilities  # type: ignore[attr-defined]

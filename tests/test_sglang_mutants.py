@@ -20,7 +20,7 @@ from kvcert.conformance.adapters._sglang_env import import_sglang  # noqa: E402
 
 SG = import_sglang()
 
-from kvcert.conformance.certify import certify  # noqa: E402
+from kvcert.conformance.certification.certify import certify  # noqa: E402
 
 pytestmark = pytest.mark.sglang
 RC = SG.radix_cache.RadixCache

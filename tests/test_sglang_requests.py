@@ -304,8 +304,8 @@ def test_clients_that_leave_ids_to_sglang_walk_past_sg_abort(tmp_path: Any) -> N
     """SG-ABORT needs a client-chosen id that extends one in flight. `factory_engine_ids` declares clients that leave
     ids to SGLang (uuid4 rids), so SG-ABORT's traces are out of its scope and its cells walk on; every other logged
     trace of the engine is still replayed before the walk."""
-    from kvcert.conformance import known
-    from kvcert.conformance.certify import certify
+    from kvcert.conformance.certification import known
+    from kvcert.conformance.certification.certify import certify
 
     target = "kvcert.conformance.adapters.sglang_requests:factory_engine_ids"
     caps = sglang_requests.factory_engine_ids.capabilities  # type: ignore[attr-defined]
@@ -325,8 +325,8 @@ def test_a_burst_of_long_answers_makes_sglang_retract_and_resume(monkeypatch: An
     request finishing, INV-LIVE-3, among them)."""
     from sglang.srt.managers import schedule_batch
 
-    from kvcert.conformance.certify import replay
-    from kvcert.conformance.requests import request_cells
+    from kvcert.conformance.certification.certify import replay
+    from kvcert.conformance.generation.request_machine import request_cells
     from kvcert.spec.ops import Step, Submit
 
     retracted: list[int] = []

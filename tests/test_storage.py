@@ -21,7 +21,7 @@ from _contracts import check_contract, contracted
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from kvcert.conformance.storage import CALL_FAULTS, Fault, FaultyStorage, FileStorage, MemoryStorage
+from kvcert.conformance.harness.storage import CALL_FAULTS, Fault, FaultyStorage, FileStorage, MemoryStorage
 from kvcert.spec import storage
 from kvcert.spec.storage import (
     KV_PARTS,

@@ -44,11 +44,11 @@ def _imports(path: Path) -> set[str]:
 
 def test_hypothesis_internals_are_imported_in_one_module() -> None:
     """Hypothesis's private modules move between releases: one module names them, so an upgrade breaks in one
-    place, at import (conformance/hypothesis_compat.py)."""
+    place, at import (conformance/generation/hypothesis_compat.py)."""
     private = ("hypothesis.internal", "hypothesis.strategies._internal")
     users = {
         str(p.relative_to(ROOT))
         for p in [*_modules(), *sorted((ROOT / "tests").rglob("*.py"))]
         if any(m == q or m.startswith(q + ".") for m in _imports(p) for q in private)
     }
-    assert users == {"conformance/hypothesis_compat.py"}
+    assert users == {"conformance/generation/hypothesis_compat.py"}

@@ -1,12 +1,12 @@
-"""Race windows (conformance/windows.py): each is recognised on a step that enters it, and not on one that
+"""Race windows (conformance/harness/windows.py): each is recognised on a step that enters it, and not on one that
 does not; a certification counts them per cell and says which it never entered."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from kvcert.conformance.certify import certify, scope_gaps
-from kvcert.conformance.driver import Harness
+from kvcert.conformance.certification.certify import certify, scope_gaps
+from kvcert.conformance.harness.driver import Harness
 from kvcert.refimpl import RefCache
 from kvcert.refimpl import factory as ref_factory
 from kvcert.spec.ops import Complete, Evict, EvictHost, Insert, LoadBack, Lock, Match, Op, Poll, Start

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from kvcert.conformance import zoo
-from kvcert.conformance.selftest import DIRECTED_TRACES, SelftestReport, directed_failure, run_selftest
+from kvcert.conformance.zoo.selftest import DIRECTED_TRACES, SelftestReport, directed_failure, run_selftest
 
 
 def test_every_edit_applies_once() -> None:
@@ -72,7 +72,7 @@ def test_failed_store_visible_is_caught_by_its_trace() -> None:
     """A failed storage write must stay invisible: the mutant that indexes it is caught at the prefetch.
 
     Generation kills it too (it is in the zoo); this trace pins down why, in ten ops."""
-    from kvcert.conformance.driver import ConformanceFailure, run_trace
+    from kvcert.conformance.harness.driver import ConformanceFailure, run_trace
     from kvcert.spec.ops import Complete, Evict, EvictHost, Insert, Match, Poll, Prefetch, StorageFault
     from kvcert.spec.types import CacheConfig
 

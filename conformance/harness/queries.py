@@ -1,6 +1,6 @@
 """What the generator may ask about the state a trace has reached: a narrow, cached query API.
 
-The rules of `conformance.machine` choose their next op from these answers only — positions a trace
+The rules of `conformance.generation.machine` choose their next op from these answers only — positions a trace
 can name (live handles, open copies, running prefetches, ...) and a few counts — never from the
 oracle's private fields. Most answers come from the oracle's snapshot (the observable state);
 `own_locks` and `host_alloc_armed` from the oracle's public attributes, because no snapshot shows a
@@ -14,8 +14,8 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from kvcert.conformance.ledger import Ledger
-from kvcert.conformance.storage import page_order
+from kvcert.conformance.harness.ledger import Ledger
+from kvcert.conformance.harness.storage import page_order
 from kvcert.refimpl import RefCache
 from kvcert.spec.ops import Op
 from kvcert.spec.types import Capabilities, Snapshot

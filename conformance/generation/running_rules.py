@@ -10,12 +10,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Optional
 
-from kvcert.conformance.draws import Draws, draws, sampled_from, tokens_of
-from kvcert.conformance.runner import precondition, rule
+from kvcert.conformance.generation.draws import Draws, draws, sampled_from, tokens_of
+from kvcert.conformance.generation.runner import precondition, rule
 from kvcert.spec.ops import Checkpoint, Extend, Finish, Start
 
 if TYPE_CHECKING:
-    from kvcert.conformance.driver import Harness
+    from kvcert.conformance.harness.driver import Harness
     from kvcert.spec.ops import Op
     from kvcert.spec.types import CacheConfig
 

@@ -16,10 +16,10 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from kvcert.conformance.backend import Backend
-from kvcert.conformance.ledger import Ledger
-from kvcert.conformance.scheduler import KVModel, Outcome, running_of
-from kvcert.conformance.steering import path_order
-from kvcert.conformance.storage import FaultyStorage
+from kvcert.conformance.harness.ledger import Ledger
+from kvcert.conformance.harness.scheduler import KVModel, Outcome, running_of
+from kvcert.conformance.harness.steering import path_order
+from kvcert.conformance.harness.storage import FaultyStorage
 from kvcert.refimpl import RefCache
 from kvcert.spec import contracts, pages
 from kvcert.spec.invariants import Violation, check_snapshot

@@ -4,17 +4,17 @@
 replayed traces and the bug zoo all exercise the same code. A step is four jobs, each in its own
 module:
 
-- the caller's side of the op on each cache (`conformance.scheduler`: a `Side` per cache, ops
+- the caller's side of the op on each cache (`conformance.harness.scheduler`: a `Side` per cache, ops
   dispatched through one table),
-- the ids a trace's positions name on each side (`conformance.ledger`),
+- the ids a trace's positions name on each side (`conformance.harness.ledger`),
 - steering the oracle to the backend's choice wherever SPEC.md §6 allows one
-  (`conformance.steering`),
-- the checks (`conformance.checks`): the op's contract, the state invariants of the backend's
+  (`conformance.harness.steering`),
+- the checks (`conformance.harness.checks`): the op's contract, the state invariants of the backend's
   snapshot, and the backend against the oracle, every KV byte included.
 
 It is incremental: the oracle's snapshot is taken once per step and reused as the next step's
 "before"; derived structures are computed once per snapshot; KV is read in one batch per tier;
-the generator's queries (`conformance.queries`) are answered once per step.
+the generator's queries (`conformance.harness.queries`) are answered once per step.
 """
 
 from __future__ import annotations
@@ -26,14 +26,14 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
 from kvcert.conformance.backend import Backend
-from kvcert.conformance.checks import Checks
-from kvcert.conformance.ledger import UNKNOWN_NODE, Ledger, Numbered, Pairs
-from kvcert.conformance.queries import Queries
-from kvcert.conformance.running import lent
-from kvcert.conformance.scheduler import KVModel, Outcome, Side, StepNotes, run_op
-from kvcert.conformance.steering import Steering, agrees
-from kvcert.conformance.storage import FaultyStorage, MemoryStorage, damage, publish
-from kvcert.conformance.windows import entered, events
+from kvcert.conformance.harness.checks import Checks
+from kvcert.conformance.harness.ledger import UNKNOWN_NODE, Ledger, Numbered, Pairs
+from kvcert.conformance.harness.queries import Queries
+from kvcert.conformance.harness.running import lent
+from kvcert.conformance.harness.scheduler import KVModel, Outcome, Side, StepNotes, run_op
+from kvcert.conformance.harness.steering import Steering, agrees
+from kvcert.conformance.harness.storage import FaultyStorage, MemoryStorage, damage, publish
+from kvcert.conformance.harness.windows import entered, events
 from kvcert.refimpl import RefCache
 from kvcert.spec import contracts
 from kvcert.spec.invariants import Violation, rooted
@@ -108,10 +108,10 @@ class Harness(Queries):
     """Per admission that fit, whether the backend could then allocate the planned slots."""
     closed: bool = False
     count_windows: bool = False
-    """Whether each step works out the race windows it entered (`conformance.windows`), into `windows`."""
+    """Whether each step works out the race windows it entered (`conformance.harness.windows`), into `windows`."""
     windows: list[str] = field(default_factory=list)
     events: list[str] = field(default_factory=list)
-    """With `count_windows`, the §11 events the step caused (`conformance.windows.events`)."""
+    """With `count_windows`, the §11 events the step caused (`conformance.harness.windows.events`)."""
     ignore: frozenset[str] = frozenset()
     """Rules whose violations this harness drops: the checker ablation that shows a rule alone kills a
     mutant (tests/test_profiles.py). Never set by `certify`."""

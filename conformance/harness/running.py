@@ -29,7 +29,7 @@ PRIORITY_MAX = 2**63 - 1
 """The prompt's priority bump saturates here, as SGLang's does at int64's top."""
 
 if TYPE_CHECKING:
-    from kvcert.conformance.scheduler import Side
+    from kvcert.conformance.harness.scheduler import Side
 
 
 class TraceInvalid(Exception):

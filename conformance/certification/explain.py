@@ -201,7 +201,7 @@ def explain(inv_id: str) -> str:
     if not found:
         out += [
             "checker: no function of kvcert.spec.invariants / kvcert.spec.contracts names it; "
-            "the harness checks it (conformance/checks.py and the modules SPEC.md §8 lists)",
+            "the harness checks it (conformance/harness/checks.py and the modules SPEC.md §8 lists)",
             "",
         ]
     if spec.mentions.get(inv):

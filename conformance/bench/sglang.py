@@ -1,6 +1,6 @@
 """`kvcert bench meta`'s SGLang drivers: its trees through their own native APIs, on the bench's logical clock.
 
-Split from `conformance.bench` (which imports it only when SGLang is installed): the timed path
+Split from `conformance.bench.meta` (which imports it only when SGLang is installed): the timed path
 calls SGLang's methods directly, no adapter in between, and SGLang's clocks read a logical clock
 (`_LogicalTime`) so that its LRU stamps are as deterministic as kvcert's.
 """
@@ -14,7 +14,7 @@ import time
 from array import array
 from typing import Any
 
-from kvcert.conformance.bench import HOST_RATIO, Driver, Hit, Request, _patched
+from kvcert.conformance.bench.meta import HOST_RATIO, Driver, Hit, Request, _patched
 
 
 class _LogicalTime:

@@ -16,8 +16,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
-from kvcert.conformance import running
-from kvcert.conformance.ledger import Ledger
+from kvcert.conformance.harness import running
+from kvcert.conformance.harness.ledger import Ledger
 from kvcert.refimpl.cache import Chooser
 from kvcert.spec import pages
 from kvcert.spec import storage as l3
@@ -377,7 +377,7 @@ HANDLERS: dict[type[Op], Handler] = {
     Finish: running.finish,
 }
 """Op type -> what the caller does on one side. Storage-side events (Publish, StorageFault) make no
-cache call: the harness applies them to both stores (`conformance.storage`)."""
+cache call: the harness applies them to both stores (`conformance.harness.storage`)."""
 
 
 def run_op(side: Side, op: Op, ops: list[Op]) -> Outcome:

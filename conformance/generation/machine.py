@@ -3,12 +3,12 @@
 
 Every rule only chooses an `Op`; `Harness.step` runs and checks it. The machine remembers the
 last harness it built, so after Hypothesis has replayed a failing example, `last_trace()` is its
-trace (then shrunk as a list of ops, `conformance.shrink`).
+trace (then shrunk as a list of ops, `conformance.generation.shrink`).
 
-Its rules run on Hypothesis's choices through `conformance.runner` (one rule per step, drawn among
+Its rules run on Hypothesis's choices through `conformance.generation.runner` (one rule per step, drawn among
 those whose preconditions hold, a swarm of rules off per example). Rules decide from the harness's
-queries (`conformance.queries`: positions a trace can name, a few counts), never from the
-oracle's private state, and draw through `conformance.draws`.
+queries (`conformance.harness.queries`: positions a trace can name, a few counts), never from the
+oracle's private state, and draw through `conformance.generation.draws`.
 """
 
 from __future__ import annotations
@@ -19,12 +19,12 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from kvcert.conformance.backend import Factory
-from kvcert.conformance.determinism import StepDigest
-from kvcert.conformance.draws import MAX_PAGES, Draws, booleans, draws, integers, sampled_from, tokens_of
-from kvcert.conformance.driver import Harness
-from kvcert.conformance.race_rules import RaceRules
-from kvcert.conformance.runner import initialize, precondition, rule
-from kvcert.conformance.running_rules import RunningRules
+from kvcert.conformance.generation.determinism import StepDigest
+from kvcert.conformance.generation.draws import MAX_PAGES, Draws, booleans, draws, integers, sampled_from, tokens_of
+from kvcert.conformance.generation.race_rules import RaceRules
+from kvcert.conformance.generation.runner import initialize, precondition, rule
+from kvcert.conformance.generation.running_rules import RunningRules
+from kvcert.conformance.harness.driver import Harness
 from kvcert.spec.ops import (
     AbortPrefetch,
     Admit,

@@ -17,7 +17,7 @@ import pytest
 
 if TYPE_CHECKING:
     from kvcert.conformance.backend import Factory
-    from kvcert.conformance.certify import CellResult
+    from kvcert.conformance.certification.certify import CellResult
     from kvcert.spec.types import CacheConfig, Capabilities
 
 
@@ -49,7 +49,7 @@ def pytest_configure(config: pytest.Config) -> None:
 def cell_id(config: CacheConfig) -> str:
     """A cell's test id: page size, policy, then the tiers as the certificate names them (`device` for none).
     pytest's `-k` grammar has no `=`, hence `page_size:4`."""
-    from kvcert.conformance.certify import _tier
+    from kvcert.conformance.certification.certify import _tier
 
     return f"page_size:{config.page_size}-{config.policy}-{_tier(config) or 'device'}"
 
@@ -73,7 +73,7 @@ class KVCertCells(pytest.Collector):
         from dataclasses import replace
 
         from kvcert.conformance.backend import capabilities_of
-        from kvcert.conformance.certify import cells_for, load_factory
+        from kvcert.conformance.certification.certify import cells_for, load_factory
         from kvcert.spec import profiles
 
         factory = load_factory(self.target)
@@ -103,7 +103,7 @@ class CellItem(pytest.Item):
         self.add_marker("kvcert")
 
     def runtest(self) -> None:
-        from kvcert.conformance.certify import run_cell
+        from kvcert.conformance.certification.certify import run_cell
 
         opt = self.config.getoption
         result = run_cell(
@@ -138,8 +138,8 @@ class CellItem(pytest.Item):
         seed or budget, or one without this cell, is a usage error."""
         import json
 
-        from kvcert.conformance.certify import config_name
-        from kvcert.conformance.reports import cell_name
+        from kvcert.conformance.certification.certify import config_name
+        from kvcert.conformance.certification.reports import cell_name
 
         path = self.config.getoption("kvcert_certificate")
         if path is None:
@@ -167,7 +167,7 @@ class CellItem(pytest.Item):
 
 
 class FindingsItem(pytest.Item):
-    """The target's logged findings (`conformance.known`), replayed as `kvcert certify` replays them before its
+    """The target's logged findings (`conformance.certification.known`), replayed as `kvcert certify` replays them before its
     cells: one that still reproduces fails this test, as it makes the certificate NOT CERTIFIED."""
 
     def __init__(self, *, factory: Factory, capabilities: Capabilities, **kwargs: Any) -> None:
@@ -176,7 +176,7 @@ class FindingsItem(pytest.Item):
         self.add_marker("kvcert")
 
     def runtest(self) -> None:
-        from kvcert.conformance.known import replay_findings
+        from kvcert.conformance.certification.known import replay_findings
 
         judged = replay_findings(self.config.getoption("kvcert_target"), self.factory, self.capabilities)
         self.user_properties += [(f"{j.finding.id} {j.trace}", j.summary) for j in judged]

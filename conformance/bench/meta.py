@@ -413,8 +413,8 @@ def _makers(config: CacheConfig) -> dict[str, Callable[[], Driver]]:
 
 
 def _sglang() -> Any:
-    """`conformance.bench_sglang` when SGLang is installed and imports here, else None."""
-    from kvcert.conformance import bench_sglang
+    """`conformance.bench.sglang` when SGLang is installed and imports here, else None."""
+    from kvcert.conformance.bench import sglang as bench_sglang
 
     return bench_sglang if bench_sglang.sglang_available() else None
 
@@ -448,9 +448,9 @@ def host_drivers(page_size: int, capacity: int, which: Sequence[str]) -> list[tu
 
 
 def __getattr__(name: str) -> Any:
-    """`bench.SGLangRadixDriver` and the other SGLang drivers, from `conformance.bench_sglang`."""
+    """`bench.SGLangRadixDriver` and the other SGLang drivers, from `conformance.bench.sglang`."""
     if name in ("SGLangRadixDriver", "SGLangUnifiedDriver"):
-        from kvcert.conformance import bench_sglang
+        from kvcert.conformance.bench import sglang as bench_sglang
 
         return getattr(bench_sglang, name)
     raise AttributeError(name)

@@ -1,4 +1,4 @@
-"""The state machine's rule for race windows (`conformance.windows`), mixed into `CacheMachine`.
+"""The state machine's rule for race windows (`conformance.harness.windows`), mixed into `CacheMachine`.
 
 Generation left to itself enters the in-flight windows real races live in only by luck: a split
 needs a match that ends inside the edge of a node a copy is moving. This rule aims there, in the
@@ -15,12 +15,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from kvcert.conformance.draws import Draws, draws, tokens_of
-from kvcert.conformance.runner import precondition, rule
+from kvcert.conformance.generation.draws import Draws, draws, tokens_of
+from kvcert.conformance.generation.runner import precondition, rule
 from kvcert.spec.ops import Evict, EvictHost, Insert, Match
 
 if TYPE_CHECKING:
-    from kvcert.conformance.driver import Harness
+    from kvcert.conformance.harness.driver import Harness
     from kvcert.spec.ops import Op
     from kvcert.spec.types import CacheConfig
 

@@ -104,7 +104,7 @@ class Ledger:
     retractions: Numbered = field(default_factory=Numbered)
     """Retraction backups in creation order; `Restore(k)` names the k-th."""
     running: dict[int, tuple[Any, Any]] = field(default_factory=dict)
-    """Start op index -> (backend's, oracle's) `conformance.running.Request` while it runs (None on a side
+    """Start op index -> (backend's, oracle's) `conformance.harness.running.Request` while it runs (None on a side
     where it ended or never started)."""
     owners: dict[tuple[str, int], int] = field(default_factory=dict)
     """("prefetch" | "retraction", k) -> the handle of the request that started it (for aborts)."""

@@ -9,7 +9,7 @@ example first switches a random subset of the rules off (swarm testing: Groce et
 splices examples step by step.
 
 What it leaves out is what this suite never uses: bundles, invariants, step printing, and
-Hypothesis's shrinking (failures are shrunk as traces of ops, `conformance.shrink`). Hypothesis's
+Hypothesis's shrinking (failures are shrunk as traces of ops, `conformance.generation.shrink`). Hypothesis's
 own runner spends about a third of a conformance step choosing the rule (a filtered draw that
 re-evaluates every precondition and its bookkeeping several times a step); here a step's rule
 costs one integer draw.
@@ -24,8 +24,8 @@ from typing import Any, Optional, TypeVar
 from hypothesis import given, seed, settings
 from hypothesis.strategies import SearchStrategy
 
-from kvcert.conformance.draws import EXAMPLE, Draws
-from kvcert.conformance.hypothesis_compat import calc_label_from_name
+from kvcert.conformance.generation.draws import EXAMPLE, Draws
+from kvcert.conformance.generation.hypothesis_compat import calc_label_from_name
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 _RULE, _INIT, _PRE = "_kvcert_rule", "_kvcert_initialize", "_kvcert_preconditions"
@@ -39,7 +39,7 @@ SWARM_LEVELS = 255
 
 def rule(**arguments: Any) -> Callable[[_F], _F]:
     """Mark a method as a rule; each keyword is drawn for every call, from a Hypothesis strategy or a
-    `conformance.draws` argument (one primitive choice, or the step's `Draws`)."""
+    `conformance.generation.draws` argument (one primitive choice, or the step's `Draws`)."""
 
     def mark(f: _F) -> _F:
         setattr(f, _RULE, arguments)
@@ -135,7 +135,7 @@ def run_machine(machine: Callable[[], Any], conf: settings, seed_value: int) -> 
 
 def run_example(machine: Callable[[], Any], cd: Any, init: Optional[Rule], rules: list[Rule], steps: int) -> None:
     """One example: a fresh machine, its initialize rule, the swarm, then up to `steps` steps, every choice drawn
-    from `cd` (Hypothesis's `ConjectureData`, or `conformance.fuzz.RandomChoices`: the same draws either way)."""
+    from `cd` (Hypothesis's `ConjectureData`, or `conformance.generation.fuzz.RandomChoices`: the same draws either way)."""
     m = machine()
     try:
         if init is not None:

@@ -5,11 +5,11 @@ boolean), taken straight from its choice sequence. Drawing through strategies (`
 made the same kind of choices but cost three to seven times as much per value (validation,
 timing, a span and a recorded value per draw, a fresh `sampled_from` strategy per call), about a
 seventh of a certification; the suite needs none of it, since it shrinks its failures as traces of
-ops (`conformance.shrink`) and never prints Hypothesis's report.
+ops (`conformance.generation.shrink`) and never prints Hypothesis's report.
 
 What it does need are the spans Hypothesis's engine mutates: it copies one span's choices over
 another span of the same label, which is how a key drawn in one step comes back in a later one.
-Each step is one span (`conformance.runner`), and so is each key (`codes`) and each choice among
+Each step is one span (`conformance.generation.runner`), and so is each key (`codes`) and each choice among
 options (`choice`), labelled by what it means: without them, generation made half as many
 load-backs that landed (host hits need a key to come back).
 
@@ -27,7 +27,7 @@ from typing import Any, Generic, Optional, TypeVar
 from hypothesis import strategies as st
 from hypothesis.strategies import SearchStrategy
 
-from kvcert.conformance.hypothesis_compat import ConjectureData, calc_label_from_name, unwrap_strategies
+from kvcert.conformance.generation.hypothesis_compat import ConjectureData, calc_label_from_name, unwrap_strategies
 
 MAX_PAGES = 5
 """Pages in a drawn key at most."""

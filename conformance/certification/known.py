@@ -46,7 +46,7 @@ from kvcert.spec.types import ONE_CLASS_THRESHOLD, Capabilities
 
 if TYPE_CHECKING:
     from kvcert.conformance.backend import Factory
-    from kvcert.conformance.certify import Replay
+    from kvcert.conformance.certification.certify import Replay
 
 __all__ = ["CLASSES", "Finding", "findings", "findings_for", "in_scope", "trace_text"]
 
@@ -213,7 +213,7 @@ def replay_findings(
     target: str, factory: Factory, capabilities: Capabilities, extra: Sequence[Finding] = ()
 ) -> list[Judged]:
     """Replay every logged trace of `target`'s engine in its declared scope on a fresh backend of `factory`."""
-    from kvcert.conformance.certify import replay  # the replay machinery is certification's
+    from kvcert.conformance.certification.certify import replay  # the replay machinery is certification's
 
     out = []
     for finding in [*findings_for(target), *extra]:

@@ -108,7 +108,7 @@ SCALARS: tuple[tuple[str, Callable[[Snapshot], object]], ...] = (
     ),
     ("high priority threshold", lambda s: s.high_priority_threshold),
 )
-"""Snapshot fields comparable across implementations (no slot or node ids), as `conformance.checks` compares them."""
+"""Snapshot fields comparable across implementations (no slot or node ids), as `conformance.harness.checks` compares them."""
 
 
 def scalar_rows(backend: Snapshot, oracle: Snapshot) -> list[Row]:

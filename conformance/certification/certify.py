@@ -23,17 +23,18 @@ from hypothesis import HealthCheck, Phase, Verbosity, settings
 from hypothesis.errors import Flaky
 
 from kvcert.conformance.backend import Factory, capabilities_of
-from kvcert.conformance.cluster import map_ordered
-from kvcert.conformance.determinism import fixed_generation
-from kvcert.conformance.driver import ConformanceFailure, Harness
-from kvcert.conformance.fuzz import run_random
-from kvcert.conformance.known import replay_findings
-from kvcert.conformance.machine import CacheMachine
-from kvcert.conformance.requests import RequestHarness, RequestMachine, request_cells, request_scope_gaps
-from kvcert.conformance.runner import run_machine
-from kvcert.conformance.running import TraceInvalid
-from kvcert.conformance.shrink import shrink
-from kvcert.conformance.windows import WINDOWS
+from kvcert.conformance.certification.cluster import map_ordered
+from kvcert.conformance.certification.known import replay_findings
+from kvcert.conformance.generation.determinism import fixed_generation
+from kvcert.conformance.generation.fuzz import run_random
+from kvcert.conformance.generation.machine import CacheMachine
+from kvcert.conformance.generation.request_machine import RequestMachine, request_cells, request_scope_gaps
+from kvcert.conformance.generation.runner import run_machine
+from kvcert.conformance.generation.shrink import shrink
+from kvcert.conformance.harness.driver import ConformanceFailure, Harness
+from kvcert.conformance.harness.requests import RequestHarness
+from kvcert.conformance.harness.running import TraceInvalid
+from kvcert.conformance.harness.windows import WINDOWS
 from kvcert.spec import profiles
 from kvcert.spec.ops import Op, Trace, op_to_json
 from kvcert.spec.types import (
@@ -215,7 +216,7 @@ def _settings(examples: int, steps: int) -> settings:
         verbosity=Verbosity.quiet,
         print_blob=False,
         report_multiple_bugs=False,
-        phases=(Phase.explicit, Phase.reuse, Phase.generate),  # shrinking happens on the trace: conformance/shrink.py
+        phases=(Phase.explicit, Phase.reuse, Phase.generate),  # shrinking happens on the trace: conformance/generation/shrink.py
     )
 
 
@@ -237,7 +238,7 @@ def run_cell(
 ) -> CellResult:
     """One cell: first every `corpus` trace (JSON text) recorded on this config, replayed on a fresh backend (the
     first that fails is the cell's failure, as found); then examples of the machine under `driver`
-    ("hypothesis", or "random": `conformance.fuzz`'s seeded walk, for `seconds` when given, else `examples`). A
+    ("hypothesis", or "random": `conformance.generation.fuzz`'s seeded walk, for `seconds` when given, else `examples`). A
     failure of the walk is shrunk, replayed and saved either way."""
     if driver not in DRIVERS:
         raise ValueError(f"driver {driver!r}: one of {', '.join(DRIVERS)}")
@@ -359,7 +360,7 @@ class Replay:
     invalid: str = ""
     """Why no caller could play the trace (`TraceInvalid`), or ""."""
     windows: list[tuple[int, str]] = field(default_factory=list)
-    """(step, race window) for each window a step entered (`conformance.windows`), with `replay(windows=True)`."""
+    """(step, race window) for each window a step entered (`conformance.harness.windows`), with `replay(windows=True)`."""
 
     def valid_failure(self) -> bool:
         """It fails, and on valid traffic: no step up to the failing one was bad input."""
@@ -703,9 +704,9 @@ def certify(
 ) -> Certificate:
     """Run every cell; the certificate passes only if every cell does. `fail_fast` stops at the first failing cell.
     `profile` holds the backend to that profile instead of the one it declares (SPEC.md §6). `driver` "random"
-    walks each cell with `conformance.fuzz` instead of Hypothesis; `seconds` (random only) is split evenly
+    walks each cell with `conformance.generation.fuzz` instead of Hypothesis; `seconds` (random only) is split evenly
     across the cells and replaces `examples` as the budget. `jobs` > 1 runs cells in that many spawned interpreters,
-    `ray` (an address, or "local") as tasks on a Ray cluster (`conformance.cluster`); either needs a target loaded
+    `ray` (an address, or "local") as tasks on a Ray cluster (`conformance.certification.cluster`); either needs a target loaded
     by name (each worker imports it), and a cell's result does not depend on where it ran, so the certificate is
     the same. `corpus` is a shared failure corpus, a directory of traces: every cell replays those recorded on its
     config before its walk, and each new failure's trace is added to it. `on_progress(cert)` sees the certificate

@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Optional
 
 from kvcert.conformance import zoo
-from kvcert.conformance.certify import Certificate
-from kvcert.conformance.driver import ConformanceFailure, run_trace
+from kvcert.conformance.certification.certify import Certificate
+from kvcert.conformance.harness.driver import ConformanceFailure, run_trace
 from kvcert.spec.ops import (
     Complete,
     Evict,

@@ -1,12 +1,12 @@
 """`kvcert fuzz`: the certification machine driven by a seeded random walk instead of Hypothesis.
 
-The machine's rules take every choice as a primitive draw (`conformance.draws`: an integer in a
+The machine's rules take every choice as a primitive draw (`conformance.generation.draws`: an integer in a
 range, a boolean, spans that label them). Hypothesis's `ConjectureData` records, mutates and
 replays those choices: what finds a bug in a small budget, and what a long run does not need.
 `RandomChoices` answers the same draws from a seeded PRNG, so a fuzz run is the same op
 vocabulary, the same swarm (each example switches a random subset of rules off), the same
 harness checks after every step, and the same failure path: the failing example's ops are
-shrunk as a trace (`conformance.shrink`), replayed on a fresh backend and saved.
+shrunk as a trace (`conformance.generation.shrink`), replayed on a fresh backend and saved.
 
 Determinism: example `k` of cell `c` draws from `Random("kvcert-fuzz/<seed>/<k>")`, whatever ran
 before it, so `--examples N` is one exact run and a `--seconds` run is a prefix of one (how many
@@ -20,13 +20,13 @@ import time
 from collections.abc import Callable
 from typing import Any, Optional
 
-from kvcert.conformance.runner import rules_of, run_example
+from kvcert.conformance.generation.runner import rules_of, run_example
 
 __all__ = ["RandomChoices", "run_random"]
 
 
 class RandomChoices:
-    """The primitive choices `conformance.draws` and the machine's rules make, from a seeded PRNG.
+    """The primitive choices `conformance.generation.draws` and the machine's rules make, from a seeded PRNG.
 
     Stands in for Hypothesis's `ConjectureData` (duck-typed: the draws call nothing else).
     """

@@ -35,7 +35,7 @@ def fixed_generation() -> Iterator[None]:
     Hypothesis versions without the harvest (before 6.131) need nothing; a version that
     moved it fails here loudly rather than generate from process history.
     """
-    from kvcert.conformance.hypothesis_compat import providers
+    from kvcert.conformance.generation.hypothesis_compat import providers
 
     if providers is None:  # pragma: no cover - Hypothesis always has it
         yield

@@ -18,9 +18,9 @@ from importlib.resources import files
 from pathlib import Path
 from typing import Optional
 
-from kvcert.conformance.certify import CellResult, Certificate
-from kvcert.conformance.explain import ids_in
-from kvcert.conformance.windows import SHORT, WINDOWS
+from kvcert.conformance.certification.certify import CellResult, Certificate
+from kvcert.conformance.certification.explain import ids_in
+from kvcert.conformance.harness.windows import SHORT, WINDOWS
 from kvcert.spec.types import KINDS
 
 OPS_LEGEND = (

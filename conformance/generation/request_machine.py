@@ -1,0 +1,289 @@
+"""Client traffic for request-path targets (SPEC.md §12), and the run that sends it.
+
+`RequestMachine` generates what clients send an engine: one-shot requests and multi-turn sessions (a next turn's
+prompt is the last turn's prompt and output plus new tokens, at any priority), bursts of short questions with
+long answers, scheduler steps, and closes, priority changes and aborts arriving at any point, mid-turn included.
+`conformance.harness.requests.RequestHarness` sends it and judges the engine after every op.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from typing import Any, Optional
+
+from kvcert.conformance.backend import Backend
+from kvcert.conformance.generation.draws import MAX_PAGES, Draws, draws, tokens_of
+from kvcert.conformance.generation.machine import NAMESPACES, RunStats
+from kvcert.conformance.generation.runner import precondition, rule
+from kvcert.conformance.harness.requests import RequestHarness
+from kvcert.spec.ops import AbortRequest, CloseSession, Op, Reprioritize, Step, Submit
+from kvcert.spec.types import CLIENT_RULES, CacheConfig, Capabilities
+
+__all__ = ["RequestMachine", "request_cells", "request_scope_gaps", "run_requests"]
+
+IN_FLIGHT = 3
+"""Requests the generator keeps in flight at most: each holds KV of its own, and the device is small."""
+SESSIONS = ("s0", "s1", "s2")
+
+
+class RequestMachine:
+    """Client traffic for a request-path target: the rules, one example per fresh engine (`runner.run_machine`)."""
+
+    factory: Callable[[CacheConfig], Backend]
+    config: CacheConfig
+    capabilities: Capabilities
+    stats: RunStats
+    last: Optional[RequestHarness] = None
+
+    @classmethod
+    def bind(
+        cls, factory: Any, config: CacheConfig, capabilities: Capabilities, bad_input: Optional[bool] = None
+    ) -> type[RequestMachine]:
+        attrs = {"factory": staticmethod(factory), "config": config, "capabilities": capabilities,
+                 "stats": RunStats(), "last": None}  # fmt: skip
+        return type("RequestMachine", (cls,), attrs)
+
+    @classmethod
+    def last_trace(cls) -> list[Op]:
+        return list(cls.last.ops) if cls.last is not None else []
+
+    def __init__(self) -> None:
+        self.h = RequestHarness(type(self).factory(type(self).config), type(self).config, type(self).capabilities)
+        type(self).last = self.h
+        stats = type(self).stats
+        stats.examples += 1
+        stats.digest.example()
+        if stats.on_example is not None:
+            stats.on_example(stats)
+        self.failed = False
+        self.requests = 0
+        self.seen: list[tuple[Optional[str], tuple[int, ...]]] = []
+        self.namespaces = NAMESPACES if self.capabilities.namespaces else (None,)
+        self.counted: set[str] = set()
+        self.priority: dict[str, int] = {}
+        """Each session's priority as its client last set it (a turn's, or a change's)."""
+
+    def keeps(self, rule: str) -> bool:
+        """Whether the target's clients keep `rule` (`Capabilities.client`)."""
+        return rule in self.capabilities.client
+
+    def changeable(self) -> list[str]:
+        """Sessions a close or a priority change may reach now: every open one, or the idle ones where clients change
+        a session between its turns only."""
+        sessions = self.h.open_sessions()
+        if self.keeps("idle-changes"):
+            busy = self.h.busy_sessions()
+            sessions = [s for s in sessions if s not in busy]
+        return sessions
+
+    def do(self, op: Op) -> None:
+        stats = type(self).stats
+        stats.steps += 1
+        stats.digest.step(op)
+        stats.ops[type(op).__name__] += 1
+        read = self.h.checks.kv_entries_read
+        try:
+            self.h.step(op)
+        except BaseException:
+            self.failed = True
+            raise
+        if self.h.checks.kv_entries_read > read:
+            stats.ops["kv:entries"] += self.h.checks.kv_entries_read - read
+        if getattr(op, "namespace", None) is not None:
+            stats.ops["namespace:named"] += 1
+        for r in self.h.finished:
+            if r not in self.counted:
+                self.counted.add(r)
+                stats.ops["event:finished"] += 1
+
+    def _room(self) -> int:
+        """The most tokens one turn (prompt and output) may take: half the device, so an engine that reserves room
+        for a request's whole length (SGLang: the pool less a few tokens) takes every request the client sends."""
+        return max(self.config.page_size, self.config.capacity // 2)
+
+    @precondition(lambda self: len(self.h.in_flight()) < IN_FLIGHT)
+    @rule(data=draws())
+    def submit(self, data: Draws) -> None:
+        """A request arrives: a session's next turn (its conversation plus new tokens), a new session, or a one-shot
+        request, sharing prefixes with earlier prompts often."""
+        ps = self.config.page_size
+        output = data.integer(1, 4, "output tokens")
+        priority = data.integer(0, 2, "priority")
+        busy = self.h.busy_sessions()
+        idle = [s for s in SESSIONS if s not in busy]
+        if self.keeps("sessions-only") and not idle:
+            self.do(Step())
+            return
+        turn = self.keeps("sessions-only") or data.boolean("a session's turn")
+        session = data.choice(idle, "session") if idle and turn else None
+        if session is not None and self.keeps("idle-changes") and session in self.priority:
+            priority = self.priority[session]  # its clients change a class with a priority change, between turns
+        said = self.h.conversation
+        if session is not None and session in said and data.integer(0, 3, "a new conversation unless 0"):
+            ns, prompt = said[session]
+            prompt += tokens_of(data.codes(1, 2, "new pages"), ps, data.integer(0, ps - 1, "partial page"))
+        else:
+            ns = data.choice(self.namespaces, "namespace")
+            if self.seen and data.boolean("shares a prefix"):
+                ns, base = data.choice(self.seen, "earlier prompt")
+                prompt = base[: data.integer(0, len(base), "cut")]
+            else:
+                prompt = ()
+            prompt += tokens_of(data.codes(1, MAX_PAGES, "pages"), ps, data.integer(0, ps - 1, "partial page"))
+        if len(prompt) + output > self._room():
+            prompt = prompt[-(self._room() - output) :]  # too long a conversation: the client starts afresh
+        if session is not None and not self.h.continues(session, ns, prompt) and not self.h.moves():
+            # A turn that does not continue the conversation moves the session (SPEC.md §11.1): to an engine that
+            # does not declare moves, the client ends the old conversation first, as the API machine does.
+            self.do(CloseSession(session))
+        self.seen.append((ns, prompt))
+        self.requests += 1
+        rid = f"r{self.requests}"
+        flying = self.h.in_flight()
+        if self.keeps("distinct-ids"):
+            rid = f"r{self.requests:06d}"  # fixed width: no id starts with another, as uuid4 rids do not
+        elif flying and data.integer(0, 15, "an id of its own unless 0") == 0:
+            rid = f"{data.choice(flying, 'an id in flight')}.{self.requests}"  # ids are opaque: one may extend another
+        if session is not None:
+            self.priority[session] = priority
+        self.do(Submit(rid, ns, prompt, priority, output, session))
+
+    @precondition(lambda self: not self.keeps("sessions-only") and len(self.h.in_flight()) < IN_FLIGHT)
+    @rule(data=draws())
+    def burst(self, data: Draws) -> None:
+        """Short questions with long answers arrive together: their decodes outgrow what an engine that admits on
+        an estimate of the output set aside, and it retracts a running request and resumes it later."""
+        ps = self.config.page_size
+        for _ in range(IN_FLIGHT - len(self.h.in_flight())):
+            ns = data.choice(self.namespaces, "namespace")
+            prompt = tokens_of(data.codes(1, 1, "pages"), ps, 0)
+            output = data.integer(self._room() * 2 // 3, self._room() - len(prompt), "long output tokens")
+            self.seen.append((ns, prompt))
+            self.requests += 1
+            rid = f"r{self.requests:06d}" if self.keeps("distinct-ids") else f"r{self.requests}"
+            self.do(Submit(rid, ns, prompt, data.integer(0, 2, "priority"), output, None))
+
+    @rule()
+    def step(self) -> None:
+        self.do(Step())
+
+    @rule(data=draws())
+    def steps(self, data: Draws) -> None:
+        """A few scheduler iterations with nothing sent: prefill chunks and decode steps run, turns finish."""
+        for _ in range(data.integer(1, 4, "steps")):
+            self.do(Step())
+
+    @precondition(lambda self: self.capabilities.priority_refs and bool(self.changeable()))
+    @rule(data=draws())
+    def close(self, data: Draws) -> None:
+        """A client ends a session: between turns, or while a turn of it is still running."""
+        name = data.choice(self.changeable(), "session")
+        self.do(CloseSession(name))
+
+    @precondition(
+        lambda self: (
+            self.capabilities.priority_refs and "update" in self.capabilities.priority_parts and bool(self.changeable())
+        )
+    )
+    @rule(data=draws())
+    def reprioritize(self, data: Draws) -> None:
+        """A client changes a session's priority: between turns, or mid-turn."""
+        name, priority = data.choice(self.changeable(), "session"), data.integer(0, 2, "priority")
+        self.priority[name] = priority
+        self.do(Reprioritize(name, priority))
+
+    @precondition(lambda self: bool(self.h.in_flight()) and not self.keeps("no-aborts"))
+    @rule(data=draws())
+    def abort(self, data: Draws) -> None:
+        """A client gives up on a request, now and then: one draw in three (most requests run to their end)."""
+        if data.integer(0, 2, "abort unless >0"):
+            self.do(Step())
+        else:
+            self.do(AbortRequest(data.choice(self.h.in_flight(), "request")))
+
+    def teardown(self) -> None:
+        try:
+            if not self.failed:
+                self.h.quiesce()
+        finally:
+            self.h.close()
+
+
+def request_cells(configs: list[CacheConfig], capabilities: Capabilities) -> list[CacheConfig]:
+    """A request-path target's cells: the same coordinates, with a device that holds a few turns at once."""
+    if capabilities.kind != "request-path":
+        return configs
+    out = []
+    for c in configs:
+        if c.prefetch_policy:
+            continue  # no storage tier on a request path yet
+        pages = max(REQUEST_DEVICE_PAGES, -(-REQUEST_DEVICE_TOKENS // c.page_size))
+        out.append(
+            replace(c, capacity=pages * c.page_size, host_capacity=2 * pages * c.page_size if c.host_capacity else 0)
+        )
+    return out
+
+
+REQUEST_DEVICE_PAGES = 24
+"""Device pages of a request-path cell, at least: a few turns fit at once, so the engine admits, chunks and evicts."""
+REQUEST_DEVICE_TOKENS = 64
+"""Device tokens of a request-path cell, at least: at page size 1, 24 pages would hold one short turn."""
+
+
+def request_scope_gaps(capabilities: Capabilities, cells: Sequence[Any]) -> list[str]:
+    """What a request-path certificate does not cover (SPEC.md §12.3), and what its cells did not exercise."""
+    ops: Counter[str] = Counter()
+    for c in cells:
+        ops.update(c.ops)
+    out = [
+        "the reference model beside the engine (SPEC.md §12.3): not run on a request path; eviction victims, copy "
+        "cuts and the exact tree after each step are judged by the state invariants only, and the profile's choices "
+        f"({capabilities.profile}) not at all: the engine's API-level target compares them",
+    ]
+    parts = [
+        ("KV bytes (INV-KV-1/2, INV-REQ-2: every cached slot and every request's row read back)", capabilities.kv_reads,
+         ops["kv:entries"] > 0),
+        ("finished turns (requests the engine finished and released)", True, ops["event:finished"] > 0),
+        ("aborted requests", True, ops["AbortRequest"] > 0),
+        ("namespaces (INV-NS-*)", capabilities.namespaces, ops["namespace:named"] > 0),
+        ("sessions closed by the client (INV-RP-3)", capabilities.priority_refs, ops["CloseSession"] > 0),
+        ("priority changes (INV-RP-4)", capabilities.priority_refs and "update" in capabilities.priority_parts,
+         ops["Reprioritize"] > 0),
+    ]  # fmt: skip
+    for what, declared, exercised in parts:
+        if not declared:
+            out.append(f"{what}: not declared by the target")
+        elif not exercised:
+            out.append(f"{what}: declared, but no step of this run exercised it")
+    if not capabilities.priority_refs:
+        out.append("priority tiers and session refs (SPEC.md §11, INV-RP-2/3/4): not declared by the target")
+    out += [f"traffic outside a client rule the target declares ({r}): {CLIENT_RULES[r]}" for r in capabilities.client]
+    out += [
+        f"adapter deviation (the engine as certified differs from the engine as shipped): {d}"
+        for d in capabilities.deviations
+    ]
+    return out
+
+
+def run_requests(
+    backend: Any,
+    config: CacheConfig,
+    capabilities: Capabilities,
+    ops: Sequence[Op],
+    hook: Optional[Callable[[int, Op, None], None]] = None,
+    quiesce: bool = True,
+) -> RequestHarness:
+    """Replay a request-path trace; raises ConformanceFailure at the first broken rule (`driver.run_trace`'s twin)."""
+    h = RequestHarness(backend, config, capabilities)
+    try:
+        for i, op in enumerate(ops):
+            h.step(op)
+            if hook is not None:
+                hook(i, op, None)
+        if quiesce:
+            h.quiesce()
+    finally:
+        h.close()
+    return h

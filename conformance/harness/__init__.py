@@ -1,0 +1,15 @@
+"""The harness: one step of a trace on a backend, judged.
+
+| module | owns |
+|---|---|
+| `driver` | `Harness`: one step = the op on the backend, the oracle steered beside it, every check; `run_trace` |
+| `scheduler` | the caller's side of each op on one cache (`Side`, the op table), `settle`, `insert_request` |
+| `ledger` | what a trace's positions (handles, the k-th copy, ...) name on each side |
+| `steering` | leading the oracle to the backend's legal choices (eviction witness, reclaim order) |
+| `checks` | the op's contract, the state invariants, the state against the oracle, KV bytes |
+| `queries` | the narrow, per-step cached questions the generator may ask |
+| `running` | running requests: the caller's row, its checkpoint, `TraceInvalid` |
+| `windows` | the in-flight race windows a step entered |
+| `storage` | L3 stores with fault injection, storage-side trace events |
+| `requests` | `RequestHarness`: a request-path target sent what clients send and judged after every op (SPEC.md §12) |
+"""

@@ -1,0 +1,129 @@
+"""The bug zoo: source-level mutants of the reference model, one real bug class each.
+
+A mutant is a textual edit of `refimpl/cache.py` (each `find` must occur exactly
+once, so a refactor of the model breaks the zoo loudly instead of silently
+mutating nothing). `kvcert selftest` certifies every mutant; the suite proves
+its power by killing all of them while the unmodified model passes.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import multiprocessing
+import sys
+import types
+from dataclasses import replace
+from pathlib import Path
+from typing import Optional
+
+import kvcert.refimpl.cache as refcache
+from kvcert.conformance.backend import Factory
+from kvcert.conformance.certification.certify import Certificate, cells_for, certify, config_name, run_cell
+from kvcert.conformance.zoo.mutants import DIRECTED, MUTANTS, Mutant
+from kvcert.spec.types import CacheConfig
+
+__all__ = ["DIRECTED", "MUTANTS", "Mutant", "build", "run_control", "run_mutant", "run_mutant_isolated"]
+
+
+def build(mutant: Mutant) -> Factory:
+    """Compile the mutated model as its own module and return a factory for it."""
+    source = Path(refcache.__file__).read_text()
+    for find, repl in mutant.edits:
+        if source.count(find) != 1:
+            raise AssertionError(
+                f"mutant {mutant.name}: edit target occurs {source.count(find)} times in refimpl/cache.py"
+            )
+        source = source.replace(find, repl)
+    name = f"kvcert.refimpl._mutant_{mutant.name}"
+    module = types.ModuleType(name)
+    module.__file__ = f"<mutant {mutant.name}>"
+    sys.modules[name] = module
+    exec(compile(source, module.__file__, "exec"), module.__dict__)
+    cls = module.RefCache
+
+    def factory(config: CacheConfig):
+        return cls(config)
+
+    factory.capabilities = replace(cls.capabilities, name=f"mutant:{mutant.name}")  # type: ignore[attr-defined]
+    return factory
+
+
+def run_mutant_isolated(
+    mutant: Mutant, *, examples: int, steps: int, seed: int, out_dir: Optional[Path] = None
+) -> Certificate:
+    """`run_mutant` in a fresh interpreter: a mutant's verdict at a seed is then what a run of it alone
+    gives. In one long process verdicts once depended on what ran before: Hypothesis drew from literals
+    it harvested from every module imported so far, compiled mutants included
+    (`conformance.generation.determinism.fixed_generation` now switches that off; tests/test_determinism.py shows
+    a run after another mutant's is the same run). A fresh interpreter per mutant stays: it also isolates
+    crashes and leaks, and lets `kvcert selftest --jobs` run mutants side by side."""
+    ctx = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=ctx) as pool:
+        return pool.submit(_run_named, mutant.name, examples, steps, seed, out_dir).result()
+
+
+def _run_named(name: str, examples: int, steps: int, seed: int, out_dir: Optional[Path]) -> Certificate:
+    (mutant,) = [m for m in MUTANTS + DIRECTED if m.name == name]
+    return run_mutant(mutant, examples=examples, steps=steps, seed=seed, out_dir=out_dir)
+
+
+def run_mutant(mutant: Mutant, *, examples: int, steps: int, seed: int, out_dir: Optional[Path] = None) -> Certificate:
+    return certify(
+        f"kvcert.conformance.zoo:{mutant.name}",
+        factory=build(mutant),
+        examples=examples * mutant.budget,
+        steps=steps,
+        seed=seed,
+        page_sizes=mutant.page_sizes,
+        policies=mutant.policies,
+        out_dir=out_dir or Path("kvcert-failures/zoo"),
+        fail_fast=True,
+        write_policies=mutant.write_policies,
+        device_cells=not mutant.write_policies,
+        prefetch_policies=mutant.prefetch_policies,
+        host_cells=not mutant.prefetch_policies,
+    )
+
+
+def run_control(*, examples: int, steps: int, seed: int, out_dir: Optional[Path] = None) -> Certificate:
+    """The unmodified model on every cell some mutant runs: it must pass them all."""
+    caps = refcache.RefCache.capabilities
+    configs: list[CacheConfig] = []
+    budget: dict[CacheConfig, int] = {}
+    for m in MUTANTS:
+        cells, _ = cells_for(
+            caps,
+            m.page_sizes,
+            m.policies,
+            write_policies=m.write_policies,
+            device_cells=not m.write_policies,
+            prefetch_policies=m.prefetch_policies,
+            host_cells=not m.prefetch_policies,
+        )
+        configs += [c for c in cells if c not in configs]
+        for c in cells:
+            budget[c] = max(budget.get(c, 1), m.budget)
+    cert = Certificate("kvcert.refimpl:factory", caps.name, seed, examples, steps, caps.strict_input)
+    cert.planned = [config_name(c) for c in configs]
+    for config in configs:
+        cert.cells.append(
+            run_cell(
+                refcache.factory,
+                caps,
+                config,
+                examples=examples * budget[config],
+                steps=steps,
+                seed=seed,
+                target="kvcert.refimpl:factory",
+                out_dir=out_dir or Path("kvcert-failures/zoo"),
+            )
+        )
+    return cert
+
+
+def __getattr__(name: str) -> Factory:
+    """`kvcert.conformance.zoo:<mutant>` is a loadable target, so saved zoo traces replay."""
+    for m in MUTANTS + DIRECTED:
+        if m.name == name:
+            return build(m)
+    raise AttributeError(name)
