@@ -18,7 +18,7 @@ from typing import Any, Optional, Union
 
 from kvcert.conformance.harness import running
 from kvcert.conformance.harness.ledger import Ledger
-from kvcert.refimpl.cache import Chooser
+from kvcert.refimpl.records import Chooser
 from kvcert.spec import pages
 from kvcert.spec import storage as l3
 from kvcert.spec.invariants import Violation

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from kvcert.refimpl import RefCache
-from kvcert.refimpl.cache import Chooser
+from kvcert.refimpl.records import Chooser
 from kvcert.spec import contracts
 from kvcert.spec.invariants import Violation, load_anchor
 from kvcert.spec.ops import Evict, EvictHost, Op

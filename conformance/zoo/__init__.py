@@ -1,8 +1,8 @@
 """The bug zoo: source-level mutants of the reference model, one real bug class each.
 
-A mutant is a textual edit of `refimpl/cache.py` (each `find` must occur exactly
-once, so a refactor of the model breaks the zoo loudly instead of silently
-mutating nothing). `kvcert selftest` certifies every mutant; the suite proves
+A mutant is a textual edit of the reference model's modules it names (each `find`
+must occur exactly once in them, so a refactor of the model breaks the zoo loudly
+instead of silently mutating nothing). `kvcert selftest` certifies every mutant; the suite proves
 its power by killing all of them while the unmodified model passes.
 """
 
@@ -25,21 +25,36 @@ from kvcert.spec.types import CacheConfig
 __all__ = ["DIRECTED", "MUTANTS", "Mutant", "build", "run_control", "run_mutant", "run_mutant_isolated"]
 
 
+MODEL = ("records", "tree", "device", "host", "sessions", "storage", "cache")
+"""The reference model's modules, each importing only those before it (and the spec)."""
+
+
 def build(mutant: Mutant) -> Factory:
-    """Compile the mutated model as its own module and return a factory for it."""
-    source = Path(refcache.__file__).read_text()
+    """Compile the mutated model as a package of its own and return a factory for it.
+
+    Every module of the model is compiled afresh under `kvcert.refimpl._mutant_<name>`, the mutated ones from their
+    edited source, so the mutant shares no class or function with the model the harness runs beside it."""
+    model = Path(refcache.__file__).parent
+    sources = {f"{m}.py": (model / f"{m}.py").read_text() for m in MODEL}
+    unknown = [f for f in mutant.files if f not in sources]
+    if not mutant.files or unknown:
+        raise AssertionError(f"mutant {mutant.name}: names {mutant.files}, not modules of the model {MODEL}")
     for find, repl in mutant.edits:
-        if source.count(find) != 1:
-            raise AssertionError(
-                f"mutant {mutant.name}: edit target occurs {source.count(find)} times in refimpl/cache.py"
-            )
-        source = source.replace(find, repl)
-    name = f"kvcert.refimpl._mutant_{mutant.name}"
-    module = types.ModuleType(name)
-    module.__file__ = f"<mutant {mutant.name}>"
-    sys.modules[name] = module
-    exec(compile(source, module.__file__, "exec"), module.__dict__)
-    cls = module.RefCache
+        where = [f for f in mutant.files if find in sources[f]]
+        count = sum(sources[f].count(find) for f in mutant.files)
+        if count != 1:
+            raise AssertionError(f"mutant {mutant.name}: edit target occurs {count} times in refimpl/{mutant.files}")
+        sources[where[0]] = sources[where[0]].replace(find, repl)
+    package = f"kvcert.refimpl._mutant_{mutant.name}"
+    sys.modules[package] = types.ModuleType(package)
+    module = None
+    for m in MODEL:
+        module = types.ModuleType(f"{package}.{m}")
+        module.__file__ = f"<mutant {mutant.name}: refimpl/{m}.py>"
+        sys.modules[module.__name__] = module
+        source = sources[f"{m}.py"].replace("from kvcert.refimpl.", f"from {package}.")
+        exec(compile(source, module.__file__, "exec"), module.__dict__)
+    cls = module.RefCache  # type: ignore[union-attr]
 
     def factory(config: CacheConfig):
         return cls(config)

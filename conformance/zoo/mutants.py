@@ -1,8 +1,8 @@
 # Over 600 lines: the MUTANTS table, one entry per bug class with its edit and why it is real, read as one catalogue.
-"""The zoo's mutants: textual edits of `refimpl/cache.py`, one real bug class each.
+"""The zoo's mutants: textual edits of the reference model (`refimpl/`), one real bug class each.
 
-Each `find` must occur exactly once in the model's source, so a refactor of the model breaks the zoo loudly
-instead of silently mutating nothing. `MUTANTS` are killed by generation; `DIRECTED` by hand-written traces
+Each mutant names the model's modules it edits, and each `find` must occur exactly once in them, so a refactor of
+the model breaks the zoo loudly instead of silently mutating nothing. `MUTANTS` are killed by generation; `DIRECTED` by hand-written traces
 (`conformance.zoo.selftest.DIRECTED_TRACES`), generation being tried on them too.
 """
 
@@ -19,6 +19,9 @@ class Mutant:
     doc: str
     """The real bug class this reproduces."""
     edits: tuple[tuple[str, str], ...]
+    """(find, replace) pairs; each `find` occurs exactly once in the files named."""
+    files: tuple[str, ...] = ()
+    """The model's modules (`refimpl/<file>`) its edits touch."""
     page_sizes: tuple[int, ...] = (1, 4)
     policies: tuple[str, ...] = ("lru",)
     write_policies: tuple[str, ...] = ()
@@ -40,6 +43,7 @@ MUTANTS: tuple[Mutant, ...] = (
                 "        cur: Optional[Node] = node.parent\n        while cur is not None and cur is not self.root:",
             ),
         ),
+        files=("tree.py",),
     ),
     Mutant(
         "size_units_mismatch",
@@ -50,6 +54,7 @@ MUTANTS: tuple[Mutant, ...] = (
                 "            self.evictable_size += sign * (len(node.key) // self.page_size if sign > 0 else len(node.key))\n",
             ),
         ),
+        files=("tree.py",),
         page_sizes=(4,),
     ),
     Mutant(
@@ -63,6 +68,7 @@ MUTANTS: tuple[Mutant, ...] = (
                 "            if victim.host_slots is None and",
             ),
         ),
+        files=("device.py",),
     ),
     Mutant(
         "evict_never_stops",
@@ -73,11 +79,13 @@ MUTANTS: tuple[Mutant, ...] = (
                 "        while True:\n            leaves = [v for v in self.evictable_leaves() if v.id not in skipped]",
             ),
         ),
+        files=("device.py",),
     ),
     Mutant(
         "split_drops_lock",
         "split creates the prefix node with lock_ref 0 instead of the child's",
         (("            lock_ref=child.lock_ref,\n", "            lock_ref=0,\n"),),
+        files=("tree.py",),
     ),
     Mutant(
         "match_crosses_namespace",
@@ -88,6 +96,7 @@ MUTANTS: tuple[Mutant, ...] = (
                 "        return None, pages.first_page(key, self.page_size)",
             ),
         ),
+        files=("tree.py",),
     ),
     Mutant(
         "split_unaligned",
@@ -102,6 +111,7 @@ MUTANTS: tuple[Mutant, ...] = (
                 "        head_key, tail_key = child.key[:at], child.key[at:]",
             ),
         ),
+        files=("tree.py",),
         page_sizes=(4,),
     ),
     Mutant(
@@ -113,6 +123,7 @@ MUTANTS: tuple[Mutant, ...] = (
                 "        self.pool.release(leaf.slots or ())\n        self.pool.release((leaf.slots or ())[:1])\n",
             ),
         ),
+        files=("device.py",),
     ),
     Mutant(
         "unlock_below_zero",
@@ -123,6 +134,7 @@ MUTANTS: tuple[Mutant, ...] = (
                 "        if node.own_locks < 0:\n            raise LockUnderflow",
             ),
         ),
+        files=("device.py",),
     ),
     Mutant(
         "evict_locked",
@@ -133,6 +145,7 @@ MUTANTS: tuple[Mutant, ...] = (
                 "            and n.slots is not None\n            and not any(",
             ),
         ),
+        files=("device.py",),
     ),
     Mutant(
         "stale_handle_accepted",
@@ -148,11 +161,13 @@ MUTANTS: tuple[Mutant, ...] = (
                 "        node = node or getattr(self, 'graveyard', {}).get(node_id)\n",
             ),
         ),
+        files=("device.py", "tree.py"),
     ),
     Mutant(
         "evict_leaks_slots",
         "an evicted leaf's slots never return to the pool",
         (("        self.pool.release(leaf.slots or ())\n", ""),),
+        files=("device.py",),
     ),
     Mutant(
         "insert_overwrites_prefix",
@@ -164,6 +179,7 @@ MUTANTS: tuple[Mutant, ...] = (
                 "            node.slots = tuple(slots[:len(node.slots)])\n",
             ),
         ),
+        files=("device.py",),
         page_sizes=(1,),
     ),
     Mutant(
@@ -180,12 +196,14 @@ MUTANTS: tuple[Mutant, ...] = (
             ),
             ("            on_node(child)\n", "            if on_node is not None:\n                on_node(child)\n"),
         ),
+        files=("tree.py", "device.py"),
         page_sizes=(1,),
     ),
     Mutant(
         "lfu_ignores_hits",
         "LFU never counts hits on re-insert, so a hot prefix ranks as cold",
         (("            node.hit_count += 1\n", "            pass\n"),),
+        files=("device.py",),
         page_sizes=(1,),
         policies=("lfu",),
     ),
@@ -194,6 +212,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "demote_without_backup",
         "eviction demotes a node that has no host copy: its KV is on neither tier (silent loss)",
         (("            if victim.host_slots is not None:\n", "            if True:\n"),),
+        files=("device.py",),
         page_sizes=(1,),
         write_policies=("write_through_selective",),
     ),
@@ -201,6 +220,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "selective_ignores_threshold",
         "write_through_selective backs up on the first hit, like write_through",
         (("and node.hit_count >= threshold", "and node.hit_count >= 1"),),
+        files=("host.py",),
         page_sizes=(1,),
         write_policies=("write_through_selective",),
     ),
@@ -208,6 +228,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "write_ack_keeps_lock",
         "a consumed write ack never releases its node: protected size grows forever",
         (("                    self._lock_path(anchor, -1)\n", "                    pass\n"),),
+        files=("host.py",),
         page_sizes=(1,),
         write_policies=("write_through",),
     ),
@@ -220,6 +241,7 @@ MUTANTS: tuple[Mutant, ...] = (
                 "            and not n.children\n",
             ),
         ),
+        files=("host.py",),
         page_sizes=(1,),
         write_policies=("write_through",),
     ),
@@ -232,6 +254,7 @@ MUTANTS: tuple[Mutant, ...] = (
                 "        head_host, child_host = None, _cut(child.host_slots, at)[1]\n",
             ),
         ),
+        files=("tree.py",),
         page_sizes=(1,),
         write_policies=("write_through",),
     ),
@@ -244,6 +267,7 @@ MUTANTS: tuple[Mutant, ...] = (
                 "                self.pool.adopt(node.slots)\n                self.host.release(node.host_slots or ())  # type: ignore[union-attr]\n",
             ),
         ),
+        files=("device.py",),
         page_sizes=(1,),
         write_policies=("write_through",),
     ),
@@ -257,6 +281,7 @@ MUTANTS: tuple[Mutant, ...] = (
             ),
             ("                    n.host_lock_ref -= 1\n", "                    pass\n"),
         ),
+        files=("host.py",),
         page_sizes=(1,),
         write_policies=("write_through",),
     ),
@@ -269,6 +294,7 @@ MUTANTS: tuple[Mutant, ...] = (
                 "            node.host_lock_ref -= 1\n            return 0\n",
             ),
         ),
+        files=("host.py",),
         page_sizes=(1, 4),
         write_policies=("write_through",),
     ),
@@ -281,6 +307,7 @@ MUTANTS: tuple[Mutant, ...] = (
                 "        device = list(path)\n",
             ),
         ),
+        files=("device.py",),
         page_sizes=(1,),
         write_policies=("write_through",),
     ),
@@ -293,6 +320,7 @@ MUTANTS: tuple[Mutant, ...] = (
                 "            slots=tuple(x for n in reversed(device) for x in n.slots or ()),\n",
             ),
         ),
+        files=("device.py",),
     ),
     Mutant(
         "host_hit_counts_device_part",
@@ -303,6 +331,7 @@ MUTANTS: tuple[Mutant, ...] = (
                 "            host_length=sum(len(n.key) for n in path),\n",
             ),
         ),
+        files=("device.py",),
         page_sizes=(1,),
         write_policies=("write_through",),
     ),
@@ -317,6 +346,7 @@ MUTANTS: tuple[Mutant, ...] = (
                 "        self._next_copy += 1\n        return len(node.key)\n",
             ),
         ),
+        files=("host.py",),
         page_sizes=(1,),
         write_policies=("write_through",),
     ),
@@ -329,6 +359,7 @@ MUTANTS: tuple[Mutant, ...] = (
                 "                self.pool.adopt(node.slots)\n                node.host_slots = None\n",
             ),
         ),
+        files=("device.py",),
         page_sizes=(1,),
         write_policies=("write_through",),
     ),
@@ -336,6 +367,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "reclaim_during_inflight_load",
         "write-back's host reclaim ignores in-flight loads and host locks: it frees pages a load is reading",
         (("            and n.host_lock_ref == 0\n            and id(n) not in moving\n", ""),),
+        files=("host.py",),
         page_sizes=(1,),
         write_policies=("write_back",),
     ),
@@ -343,6 +375,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "host_leaves_ignore_locks",
         "the host-leaf set is computed from the host lock alone: a locked host-only node is host-evicted",
         (("            and not n.children\n            and n.lock_ref == 0\n", "            and not n.children\n"),),
+        files=("host.py",),
         page_sizes=(1,),
         write_policies=("write_back",),
     ),
@@ -350,6 +383,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "split_copy_keeps_suffix",
         "a split between a backup's issue and its ack leaves the new prefix half out of the copy",
         (("            if child in copy.nodes:\n                copy.nodes.append(head)\n", ""),),
+        files=("tree.py",),
         page_sizes=(1,),
         write_policies=("write_through",),
     ),
@@ -361,6 +395,7 @@ MUTANTS: tuple[Mutant, ...] = (
             ("        if size == 0 or self.host is None:\n", "        if self.host is None:\n"),
             ("        if take < self.page_size:\n", "        if take < min(size, self.page_size):\n"),
         ),
+        files=("storage.py",),
         page_sizes=(1,),
         write_policies=("write_through",),
         prefetch_policies=("wait_complete",),
@@ -380,6 +415,7 @@ MUTANTS: tuple[Mutant, ...] = (
             ),
             ("        locked = [anchor] if anchor is not self.root else []\n", "        locked: list[Node] = []\n"),
         ),
+        files=("storage.py",),
         page_sizes=(1,),
         write_policies=("write_through",),
         prefetch_policies=("wait_complete",),
@@ -393,6 +429,7 @@ MUTANTS: tuple[Mutant, ...] = (
                 "        if blob is not None or payload == l3.page_payload(",
             ),
         ),
+        files=("storage.py",),
         page_sizes=(1, 4),
         write_policies=("write_through", "write_back"),
         prefetch_policies=("wait_complete",),
@@ -413,6 +450,7 @@ MUTANTS: tuple[Mutant, ...] = (
                 "        keys = l3.page_keys(namespace, key, self.page_size, self.digest)[start // self.page_size :]\n",
             ),
         ),
+        files=("storage.py",),
         page_sizes=(1,),
         write_policies=("write_through",),
         prefetch_policies=("best_effort",),
@@ -426,6 +464,7 @@ MUTANTS: tuple[Mutant, ...] = (
                 '            if victim.host_slots is not None or self.write_policy == "write_back":\n',
             ),
         ),
+        files=("device.py",),
         page_sizes=(1,),
         write_policies=("write_back",),
         prefetch_policies=("best_effort",),
@@ -445,6 +484,7 @@ MUTANTS: tuple[Mutant, ...] = (
                 " and not self.storage.batch_exists([k])), len(keys))\n",
             ),
         ),
+        files=("host.py", "storage.py"),
         page_sizes=(1,),
         write_policies=("write_through",),
         prefetch_policies=("best_effort", "wait_complete", "timeout"),
@@ -453,6 +493,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "retracted_resume_without_last_node",
         "a resumed retracted request gets no locked last node, so its final unlock has nothing to release (seed 003)",
         (("        self.root.own_locks += 1\n        return self.root.id\n", "        return self.root.id\n"),),
+        files=("host.py",),
         page_sizes=(1,),
         write_policies=("write_through",),
         prefetch_policies=("best_effort",),
@@ -466,6 +507,7 @@ MUTANTS: tuple[Mutant, ...] = (
                 "                copy.finished = True\n                return  # a failed device<->host copy is retried",
             ),
         ),
+        files=("host.py",),
         page_sizes=(1,),
         write_policies=("write_through",),
         prefetch_policies=("best_effort",),
@@ -479,6 +521,7 @@ MUTANTS: tuple[Mutant, ...] = (
                 "            copy.finished = True  # a failed store copy ends without writing",
             ),
         ),
+        files=("host.py",),
         page_sizes=(1,),
         write_policies=("write_through",),
         prefetch_policies=("best_effort",),
@@ -492,6 +535,7 @@ MUTANTS: tuple[Mutant, ...] = (
                 "        self.retractions.remove(backup)\n",
             ),
         ),
+        files=("host.py",),
         page_sizes=(1,),
         write_policies=("write_through",),
         prefetch_policies=("best_effort",),
@@ -506,6 +550,7 @@ MUTANTS: tuple[Mutant, ...] = (
                 "        host_slots = self._host_alloc(need, reclaim_all=True) if len(self.host.free_list) >= need else None\n",
             ),
         ),
+        files=("host.py",),
         page_sizes=(1, 4),
         write_policies=("write_through",),
         prefetch_policies=("best_effort",),
@@ -520,11 +565,13 @@ MUTANTS: tuple[Mutant, ...] = (
                 "        return tier == 0 or (tier == 1 and allow_low) or tier == 2\n",
             ),
         ),
+        files=("device.py",),
     ),
     Mutant(
         "split_drops_refs",
         "a split's new prefix node starts with no refs: the tier sets miss it until the sessions move",
         (("            high_ref=child.high_ref,\n            low_ref=child.low_ref,\n", ""),),
+        files=("tree.py",),
     ),
     Mutant(
         "host_eviction_leaks_refs",
@@ -535,6 +582,7 @@ MUTANTS: tuple[Mutant, ...] = (
                 "        self.host.release(node.host_slots or ())\n",
             ),
         ),
+        files=("device.py",),
         page_sizes=(1,),
         write_policies=("write_through",),
     ),
@@ -542,6 +590,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "eviction_scope_leaks",
         "a scoped eviction's (allow_low, allow_high) is never popped: the next plain evict inherits it",
         (("            self.scope = outer  # the scope belongs to this call (SPEC.md §11.3)\n", "            pass\n"),),
+        files=("device.py",),
     ),
     Mutant(
         "partial_residency_over_budget",
@@ -552,6 +601,7 @@ MUTANTS: tuple[Mutant, ...] = (
                 "                or (layers_all - layers) * tokens * (profile.load + profile.store)",
             ),
         ),
+        files=("sessions.py",),
     ),
     Mutant(
         "high_priority_retracted",
@@ -562,6 +612,7 @@ MUTANTS: tuple[Mutant, ...] = (
                 "        low = list(running)  # a high-priority request is never",
             ),
         ),
+        files=("sessions.py",),
     ),
     Mutant(
         "tier_size_drift",
@@ -579,17 +630,20 @@ MUTANTS: tuple[Mutant, ...] = (
                 "            if high:\n                node.high_ref += sign\n            else:\n                node.low_ref += sign\n",
             ),
         ),
+        files=("sessions.py",),
     ),
     Mutant(
         "reregister_keeps_old_refs",
         "registering a session again adds refs on its new path and never drops those on the path it left (the RefAware "
         "fork's R2: a conversation that moves to another branch keeps protecting the old one)",
         (("            self._hold(old, -1)\n", "            pass  # the old path keeps its refs\n"),),
+        files=("sessions.py",),
     ),
     Mutant(
         "demotion_counts_twice",
         "a demotion adds the session's low refs without taking away its high ones: its nodes count in both tiers",
         (("        self._hold(victim, -1)\n", ""),),
+        files=("sessions.py",),
         page_sizes=(1,),
         write_policies=("write_through",),
     ),
@@ -597,6 +651,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "host_eviction_strands_session",
         "a host-only node a session ends at is host-evicted and the session still names it: refs for a node gone",
         (("        self._sessions_leave(node)\n", ""),),
+        files=("device.py",),
         page_sizes=(1,),
         write_policies=("write_through",),
     ),
@@ -604,6 +659,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "host_evicts_high_tier",
         "host eviction treats HIGH_REF host copies like any other: a waiting high-priority session loses them",
         (("            and self.tier(n) != HIGH_REF\n", ""),),
+        files=("host.py",),
         page_sizes=(1,),
         write_policies=("write_through",),
     ),
@@ -618,6 +674,7 @@ MUTANTS: tuple[Mutant, ...] = (
                 "        child_host, head_host = _cut(child.host_slots, len(child.key) - at)\n",
             ),
         ),
+        files=("tree.py",),
         page_sizes=(1,),
         write_policies=("write_through",),
     ),
@@ -630,6 +687,7 @@ MUTANTS: tuple[Mutant, ...] = (
                 "        for n in reversed(chain):\n            n.slots = tuple(slots[offset : offset + len(n.key)])\n",
             ),
         ),
+        files=("host.py",),
         page_sizes=(1,),
         write_policies=("write_through",),
     ),
@@ -642,6 +700,7 @@ MUTANTS: tuple[Mutant, ...] = (
                 "        _move_kv(self.host_kv, backup.host_slots[: backup.tokens], self.kv, slots[::-1])",
             ),
         ),
+        files=("host.py",),
         page_sizes=(1,),
         write_policies=("write_through",),
         prefetch_policies=("best_effort",),
@@ -655,6 +714,7 @@ MUTANTS: tuple[Mutant, ...] = (
                 "                    host_slots=p.host_slots[len(p.host_slots) - (end - at) :],\n",
             ),
         ),
+        files=("storage.py",),
         page_sizes=(1,),
         write_policies=("write_through_selective",),
         prefetch_policies=("best_effort",),
@@ -669,6 +729,7 @@ MUTANTS: tuple[Mutant, ...] = (
                 "        return self._end_prefetch(p, keep=p.published * self.page_size, touch=False)\n",
             ),
         ),
+        files=("storage.py",),
         page_sizes=(1,),
         write_policies=("write_back",),
         prefetch_policies=("best_effort", "wait_complete"),
@@ -692,6 +753,7 @@ MUTANTS: tuple[Mutant, ...] = (
                 "            self.protected_size += sign * len(node.key) * node.lock_ref\n",
             ),
         ),
+        files=("tree.py",),
         page_sizes=(1,),
     ),
     Mutant(
@@ -699,6 +761,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "alloc cuts the free list one entry late (as if entry 0 were a padding slot): the first slot it "
         "hands out stays free and the slot after its run is lost",
         (("        del self.free_list[:n]\n", "        del self.free_list[1 : n + 1]\n"),),
+        files=("records.py",),
         page_sizes=(1,),
     ),
     Mutant(
@@ -716,7 +779,9 @@ MUTANTS: tuple[Mutant, ...] = (
                 "            self.pool.release(head_slots)\n"
                 "            head_slots = fresh\n",
             ),
+            ("    _cut,\n)\n", "    _cut,\n    _move_kv,\n)\n"),  # the compaction copies KV: tree.py needs the helper
         ),
+        files=("tree.py",),
         page_sizes=(1,),
     ),
     Mutant(
@@ -729,6 +794,7 @@ MUTANTS: tuple[Mutant, ...] = (
                 "        taken = tuple(self.free_list.pop() for _ in range(n))\n",
             ),
         ),
+        files=("records.py",),
         page_sizes=(4,),
     ),
     Mutant(
@@ -744,6 +810,7 @@ MUTANTS: tuple[Mutant, ...] = (
                 "        node.own_locks -= 1\n        if node.own_locks == 0:\n            self._lock_path(node, -1)\n",
             ),
         ),
+        files=("device.py",),
         page_sizes=(1,),
     ),
     Mutant(
@@ -756,6 +823,7 @@ MUTANTS: tuple[Mutant, ...] = (
                 "        child.namespace = None\n",
             ),
         ),
+        files=("tree.py",),
         page_sizes=(1,),
     ),
     Mutant(
@@ -777,6 +845,7 @@ MUTANTS: tuple[Mutant, ...] = (
                 "            ),\n",
             ),
         ),
+        files=("device.py",),
         page_sizes=(1,),
     ),
     Mutant(
@@ -790,12 +859,14 @@ MUTANTS: tuple[Mutant, ...] = (
                 "        return InsertOut(prefix_len=prefix_len - min(k, prefix_len), node=node.id)\n",
             ),
         ),
+        files=("device.py",),
         page_sizes=(1,),
     ),
     Mutant(
         "insert_returns_walk_end",
         "insert returns the node its walk ended on, not the new leaf it hung below it",
         (("            path.append(leaf)\n            node = leaf\n", "            path.append(leaf)\n"),),
+        files=("device.py",),
         page_sizes=(1,),
     ),
     Mutant(
@@ -807,6 +878,7 @@ MUTANTS: tuple[Mutant, ...] = (
                 "                self._delete_leaf(victim)\n            freed += len(victim.key)\n        return min(freed, n)\n",
             ),
         ),
+        files=("device.py",),
         page_sizes=(1,),
     ),
     Mutant(
@@ -819,6 +891,7 @@ MUTANTS: tuple[Mutant, ...] = (
                 "        self.kv.update(zip(slots[:whole], entries[:whole]))\n",
             ),
         ),
+        files=("cache.py",),
         page_sizes=(4,),
     ),
     Mutant(
@@ -838,6 +911,7 @@ MUTANTS: tuple[Mutant, ...] = (
                 "            path.append(leaf)\n            node = leaf\n            matched += len(leaf.key)\n",
             ),
         ),
+        files=("device.py",),
     ),
     Mutant(
         "slot_ids_one_based",
@@ -850,6 +924,7 @@ MUTANTS: tuple[Mutant, ...] = (
             ),
             ("        _check_ids(slots, self.pool.capacity)\n", "        _check_ids(slots, self.pool.capacity + 1)\n"),
         ),
+        files=("records.py", "cache.py"),
         page_sizes=(1,),
     ),
     Mutant(
@@ -870,6 +945,7 @@ MUTANTS: tuple[Mutant, ...] = (
                 "        if n > len(self.free_list):\n            raise PoolExhausted",
             ),
         ),
+        files=("records.py",),
         page_sizes=(1,),
     ),
     Mutant(
@@ -884,6 +960,7 @@ MUTANTS: tuple[Mutant, ...] = (
                 "        self._sessions_leave(leaf)\n        leaf.parent, leaf.slots = None, None\n",
             ),
         ),
+        files=("device.py",),
         page_sizes=(1,),
     ),
     Mutant(
@@ -895,6 +972,7 @@ MUTANTS: tuple[Mutant, ...] = (
                 "            victim = self._pick(leaves, choose)\n",
             ),
         ),
+        files=("device.py",),
         page_sizes=(1,),
     ),
     # ---- alone: host tier (SPEC.md §9)
@@ -917,6 +995,7 @@ MUTANTS: tuple[Mutant, ...] = (
                 "            self._deferred = []\n",
             ),
         ),
+        files=("host.py", "device.py"),
         page_sizes=(1,),
         write_policies=("write_through",),
         prefetch_policies=("best_effort",),
@@ -931,6 +1010,7 @@ MUTANTS: tuple[Mutant, ...] = (
                 "        slots = self.host.alloc(n)\n        self.host.adopt(slots)\n        slots = slots[::-1]\n",
             ),
         ),
+        files=("host.py",),
         page_sizes=(4,),
         write_policies=("write_through",),
     ),
@@ -951,6 +1031,7 @@ MUTANTS: tuple[Mutant, ...] = (
                 "        return freed - reclaimed\n\n    def _evict_host_by_rank",
             ),
         ),
+        files=("host.py",),
         page_sizes=(1,),
         write_policies=("write_back",),
     ),
@@ -967,6 +1048,7 @@ MUTANTS: tuple[Mutant, ...] = (
                 "                    node.host_slots = None\n",
             ),
         ),
+        files=("device.py",),
         page_sizes=(1,),
         write_policies=("write_back",),
     ),
@@ -983,6 +1065,7 @@ MUTANTS: tuple[Mutant, ...] = (
                 "",
             ),
         ),
+        files=("tree.py",),
         page_sizes=(1,),
         write_policies=("write_through",),
     ),
@@ -995,6 +1078,7 @@ MUTANTS: tuple[Mutant, ...] = (
                 '        for kind in ("write", "load", "store"):\n            consumed = 0\n',
             ),
         ),
+        files=("host.py",),
         page_sizes=(1,),
         write_policies=("write_through",),
     ),
@@ -1011,6 +1095,7 @@ MUTANTS: tuple[Mutant, ...] = (
                 "            p.host_slots = p.host_slots[: p.fetched * self.page_size]\n",
             ),
         ),
+        files=("storage.py",),
         page_sizes=(1,),
         write_policies=("write_through",),
         prefetch_policies=("wait_complete",),
@@ -1025,6 +1110,7 @@ MUTANTS: tuple[Mutant, ...] = (
                 "        self._next_prefetch += 1\n        return asked\n",
             ),
         ),
+        files=("storage.py",),
         page_sizes=(1,),
         write_policies=("write_through",),
         prefetch_policies=("best_effort",),
@@ -1039,6 +1125,7 @@ MUTANTS: tuple[Mutant, ...] = (
                 "        self.host.release(tuple(slot for slot in p.host_slots if slot not in kept))\n        return keep\n",
             ),
         ),
+        files=("storage.py",),
         page_sizes=(1,),
         write_policies=("write_back",),
         prefetch_policies=("best_effort",),
@@ -1052,6 +1139,7 @@ MUTANTS: tuple[Mutant, ...] = (
                 "pages.page_ceil(len(slots) + 1, self.page_size), reclaim_all=True)  # D17\n",
             ),
         ),
+        files=("host.py",),
         page_sizes=(1,),
         write_policies=("write_through",),
         prefetch_policies=("best_effort",),
@@ -1070,6 +1158,7 @@ MUTANTS: tuple[Mutant, ...] = (
                 "        host_slots = self._host_alloc(need, reclaim_all=True)  # D17\n",
             ),
         ),
+        files=("host.py",),
         page_sizes=(1,),
         write_policies=("write_through",),
         prefetch_policies=("best_effort",),
@@ -1085,6 +1174,7 @@ MUTANTS: tuple[Mutant, ...] = (
                 "        return tuple(policy)\n",
             ),
         ),
+        files=("tree.py",),
         page_sizes=(4,),  # seed 0: the page-1 device cell survives 600 examples, the page-4 one kills it in 4 ops
     ),
     Mutant(
@@ -1096,12 +1186,14 @@ MUTANTS: tuple[Mutant, ...] = (
                 "        session = Session(session_id, node, old.priority if old is not None else priority, self._next_seq)\n",
             ),
         ),
+        files=("sessions.py",),
         page_sizes=(1,),
     ),
     Mutant(
         "admission_refusal_drops_scope",
         "a refused admission returns a default plan: a high-priority request's refusal reports allow_high=False",
         (("        return AdmissionPlan(False, allow_high=high)\n", "        return AdmissionPlan(False)\n"),),
+        files=("sessions.py",),
         page_sizes=(1,),
     ),
 )
@@ -1117,6 +1209,7 @@ DIRECTED: tuple[Mutant, ...] = (
                 "                if not copy.finished:\n                    continue\n",
             ),
         ),
+        files=("host.py",),
         page_sizes=(1, 4),
         write_policies=("write_through",),
     ),
@@ -1131,6 +1224,7 @@ DIRECTED: tuple[Mutant, ...] = (
                 "            for copy in [c for c in self.copies if c.kind == kind]:\n",
             ),
         ),
+        files=("host.py",),
         page_sizes=(1,),
         write_policies=("write_through",),
     ),
@@ -1138,6 +1232,7 @@ DIRECTED: tuple[Mutant, ...] = (
         "demotion_never_restored",
         "releasing a high-priority session pops a demoted session but never makes it high again",
         (("        back.demoted = False\n", ""),),
+        files=("sessions.py",),
         page_sizes=(1,),
         write_policies=("write_through",),
     ),
@@ -1150,6 +1245,7 @@ DIRECTED: tuple[Mutant, ...] = (
                 "            victim = max(idle, key=lambda s: (len(self._full_path(s.node)), -s.seq))\n",
             ),
         ),
+        files=("sessions.py",),
         page_sizes=(1,),
         write_policies=("write_through",),
     ),
@@ -1162,6 +1258,7 @@ DIRECTED: tuple[Mutant, ...] = (
                 "        return (self.tier(node), *policy)\n",
             ),
         ),
+        files=("tree.py",),
     ),
 )
 """Mutants the state machine kills in only some runs at the zoo's budget: each is killed by a

@@ -1,0 +1,343 @@
+"""The model's state and its tree: one radix tree over a device pool (and an optional host pool), the walk,
+splits, lock paths, accounting and ranks every tier reads (SPEC.md §4, §5).
+
+`Tree` holds every attribute of the model; each tier (`device`, `host`, `sessions`, `storage`) is a mixin over it,
+and `cache.RefCache` is all of them. What one tier asks of another is declared at the end of `Tree`, so each
+mixin reads as its own section of the spec while the calls between tiers stay visible."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Optional
+
+from kvcert.refimpl.records import (
+    _DEFAULT_CONFIG,
+    Chooser,
+    Copy,
+    Node,
+    Prefetching,
+    Retraction,
+    Session,
+    SessionChooser,
+    SlotPool,
+    _cut,
+)
+from kvcert.spec import pages
+from kvcert.spec import storage as l3
+from kvcert.spec.types import (
+    POLICIES,
+    PREFETCH_POLICIES,
+    WRITE_POLICIES,
+    CacheConfig,
+    Namespace,
+    StaleHandle,
+    Tokens,
+    tier_of,
+)
+
+
+class Tree:
+    """The model's state and the tree helpers every tier reads."""
+
+    def __init__(self, config: CacheConfig = _DEFAULT_CONFIG) -> None:
+        if config.policy not in POLICIES:
+            raise ValueError(f"unknown policy {config.policy!r}")
+        if config.page_size < 1 or config.capacity % config.page_size or config.host_capacity % config.page_size:
+            raise ValueError("capacities must be whole pages")
+        if config.host_capacity and config.write_policy not in WRITE_POLICIES:
+            raise ValueError(f"unknown write policy {config.write_policy!r}")
+        if config.prefetch_policy and (config.prefetch_policy not in PREFETCH_POLICIES or not config.host_capacity):
+            raise ValueError(
+                f"prefetch policy {config.prefetch_policy!r} needs a host tier and one of {PREFETCH_POLICIES}"
+            )
+        self.page_size = config.page_size
+        self.policy = config.policy
+        self.pool = SlotPool(config.capacity, config.page_size)
+        self.host = SlotPool(config.host_capacity, config.page_size) if config.host_capacity else None
+        self.write_policy = config.write_policy if self.host else ""
+        self.load_back_threshold = config.load_back_threshold
+        self.now = 0
+        self._next_id = 1
+        self.root = Node(id=0, parent=None, namespace=None, key=(), slots=())
+        self.nodes: dict[int, Node] = {0: self.root}
+        self.evictable_size = 0
+        self.protected_size = 0
+        self.copies: list[Copy] = []
+        """Issued copies whose ack has not been consumed, in issue order."""
+        self._next_copy = 0
+        self.steer: Optional[Chooser] = None
+        """Tie-break for evictions made inside other operations (write-backup, load-back); the harness steers it."""
+        self.reclaim: Optional[Chooser] = None
+        """Which duplicate backup write-back's host eviction drops next (any order is legal); the harness steers it."""
+        self.prefetch_policy = config.prefetch_policy
+        self.timeout = (config.prefetch_timeout_base, config.prefetch_timeout_per_page)
+        self.kv_layers = config.kv_layers
+        self.kv: dict[int, bytes] = {}
+        """Device slot -> the entry it holds (SPEC.md §9.12); a slot never written holds none."""
+        self.host_kv: dict[int, bytes] = {}
+        """Host slot -> the entry it holds."""
+        self.digest = l3.canonical_digest(config.page_size, config.model_id)
+        self.storage: Optional[l3.StorageBackend] = None
+        self.prefetches: list[Prefetching] = []
+        self._next_prefetch = 0
+        self.armed_faults: dict[str, int] = {}
+        """Injected faults not yet triggered, by kind."""
+        self.retractions: list[Retraction] = []
+        self._next_retraction = 0
+        self.threshold = config.high_priority_threshold
+        self.sessions: dict[str, Session] = {}
+        """Registered sessions in registration order (SPEC.md §11.1)."""
+        self._next_seq = 0
+        self.demotions: list[str] = []
+        """Sessions adaptive demotion demoted, oldest first (SPEC.md §11.4)."""
+        self.tier_evictable = [0, 0, 0]
+        """Device tokens of unlocked nodes per tier (SPEC.md §11.2)."""
+        self.scope = (True, True)
+        """The running eviction's scope (allow_low, allow_high); the full scope between calls."""
+        # Where SPEC.md §6's core leaves a choice (kvcert.spec.profiles), SGLang's is the default; the
+        # alternative reference behaviour and the harness's core steering change these.
+        self.rank_free = False
+        """Choosers see every eviction candidate, not only the minimal-rank ones (profile choice RANK)."""
+        self.host_order = "reclaim_first"
+        """Write-back host eviction: "reclaim_first" drops duplicate backups before host-only leaves;
+        "rank" takes both in one rank order (RECLAIM)."""
+        self.copy_failure = "retry"
+        """A failed write copy: "retry" keeps it pending; "invalidate" gives its backups up when it can (RETRY)."""
+        self.host_room = "whole"
+        """A prefetch or a retraction backup that does not fit: "whole" host-evicts its whole size (SGLang, D9 and
+        D17); "shortfall" only what is missing (ROOM)."""
+        self.batching = "sglang"
+        """How copies are cut (BATCH): "sglang" (one write copy per insert, one store copy per node, shallowest
+        first); "per_node" (one write copy per node, deepest first); "per_node_parents_first" (one per node, parents
+        first: the RefAware fork, H11); "per_ack" (a write ack's nodes stored in one
+        copy)."""
+        self.backup_room = "shortfall"
+        """A write-through or write-back backup short of host room: host eviction asks for the shortfall (SGLang) or
+        for the node's "whole" size (ROOM)."""
+        self.host_ask: Optional[int] = None
+        """The host tokens the next prefetch or retraction backup that does not fit asks host eviction for, at most
+        its size (the harness seats the backend's choice under the core); None: as `host_room` says."""
+        self.host_steer: Optional[Chooser] = None
+        """The chooser for host evictions made inside other operations, when it differs from `steer`."""
+        self.backs_up_retractions = True
+        """Whether an admission plan may keep a retracted request's KV on the host (SPEC.md §11.5): the harness
+        turns it off for a backend with a host tier that declares no retraction backup."""
+        self.load_host_lock = True
+        """A pending load keeps its node's host copy host-locked until the ack (LOAD_LOCK); False: the load's own
+        pins (both tiers, the device lock) protect it once its nodes are on the device."""
+        self.restore_order = "latest"
+        """Which demoted session a released high session restores (DEMOTE): "latest" (the most recently demoted,
+        SPEC.md §11.4) or "earliest"."""
+        self.demote_steer: Optional[SessionChooser] = None
+        """The core's demotion chooser (DEMOTE): given every high session, oldest registration first, the one to
+        demote, None for the model's own pick; the harness seats the backend's choice with it."""
+        self.restore_steer: Optional[SessionChooser] = None
+        """The core's restore chooser (DEMOTE): given the demoted sessions, the one a high release restores, or None
+        for none; when set it decides."""
+        self.load_scope: tuple[bool, bool] = (True, True)
+        """The scope load-back makes its device room in (LOAD_ROOM): the full one (SPEC.md §11.3), or (True, False),
+        a low-priority requester's (the RefAware fork's request-less load, H7)."""
+        self.load_ask = "shortfall"
+        """What load-back asks device eviction for (LOAD_ROOM): its "shortfall" (SGLang 0.5.23) or its "whole" size
+        (0.5.10's `load_back`, H13)."""
+        self.demote_order = "idle_fewest"
+        """Which high session host pressure demotes (DEMOTE): "idle_fewest", an idle one with the fewest tokens on its
+        path, ties to the earliest registered (SPEC.md §11.4); or "queued", the RefAware fork's: the one queued with
+        the fewest tokens when it was queued, ties to the smaller id, idle or not (`idle_queue`)."""
+        self.idle_queue: list[tuple[int, str]] = []
+        """Under "queued": (tokens on its path when queued, id), a min-heap of high sessions, each queued at most once
+        (`queued`) when it is registered, raised or restored as high; a stale entry leaves when it reaches the top."""
+        self.queued: set[str] = set()
+        self.restore_on_move = False
+        """Whether a high session registered again (moved) counts as released and restores a demoted session
+        (DEMOTE; the RefAware fork's composed move, H9): SGLang's profile says no."""
+        self.fetch_batch = l3.FETCH_BATCH_PAGES
+        """A prefetch publishes its progress per batch of this many pages, at a miss, or at its last page (FETCH)."""
+        self.publish_steer: Optional[bool] = None
+        """The core's FETCH choice for the next fetch that ends no batch: publish every page so far, or not."""
+        self.admit_fraction: Optional[float] = l3.PREFETCH_ADMIT_FRACTION
+        """A prefetch is declined while running prefetches' requested spans reach this share of the host pool
+        (THROTTLE, SGLang's `prefetch_capacity_limit`); None: never."""
+        self.admit_steer: Optional[bool] = None
+        """The core's THROTTLE choice for the next prefetch made while others run: admit it (True) or decline."""
+        self.chosen: list[tuple[str, int]] = []
+        """The current operation's eviction choices, in order (`Snapshot.choices`); cleared by `set_clock`."""
+
+    # ------------------------------------------------------------------ helpers
+
+    def _new_node(self, **kw) -> Node:
+        node = Node(id=self._next_id, **kw)
+        self._next_id += 1
+        self.nodes[node.id] = node
+        return node
+
+    def _selector(self, namespace: Namespace, key: Sequence[int]) -> tuple[Namespace, Tokens]:
+        return namespace, pages.first_page(key, self.page_size)
+
+    def _live(self, node_id: object) -> Node:
+        if isinstance(node_id, bool):
+            raise StaleHandle(f"no live node {node_id!r}: handles are node ids, not bools")
+        node = self.nodes.get(node_id) if isinstance(node_id, int) else None
+        if node is None:
+            raise StaleHandle(f"no live node {node_id!r}")
+        return node
+
+    def _split(self, child: Node, at: int) -> Node:
+        """Cut `child` at `at` tokens; the new node takes the prefix and `child` keeps its identity."""
+        head_key, tail_key = pages.split_key(child.key, at, self.page_size)
+        parent = child.parent
+        assert parent is not None
+        head_slots, child_slots = _cut(child.slots, at)  # bytes stay in their slots: cutting moves none
+        head_host, child_host = _cut(child.host_slots, at)
+        head = self._new_node(
+            parent=parent,
+            namespace=child.namespace,
+            key=head_key,
+            slots=head_slots,
+            lock_ref=child.lock_ref,
+            host_slots=head_host,
+            host_lock_ref=child.host_lock_ref,
+            last_access=self.now,
+            hit_count=child.hit_count,
+            creation=self.now,
+            priority=child.priority,
+            high_ref=child.high_ref,
+            low_ref=child.low_ref,
+        )
+        parent.children[self._selector(child.namespace, head_key)] = head
+        child.key, child.slots, child.host_slots, child.parent = tail_key, child_slots, child_host, head
+        head.children[self._selector(child.namespace, tail_key)] = child
+        for copy in self.copies:  # a copy in flight moves both halves; a host lock covers both
+            if child in copy.nodes:
+                copy.nodes.append(head)
+            if child in copy.host_locked:
+                copy.host_locked.append(head)
+        for p in self.prefetches:  # so does a prefetch's protection of its anchor
+            if child in p.host_locked:
+                p.host_locked.append(head)
+        return head
+
+    def _walk(self, namespace: Namespace, key: Tokens, on_node: Callable[[Node], None]) -> tuple[int, list[Node]]:
+        """Follow `key` down the tree, splitting where it ends or diverges inside an edge.
+
+        Calls `on_node` on every node entered (after any split). Returns the matched
+        length and the nodes entered, root first excluded.
+        """
+        path: list[Node] = []
+        node, matched = self.root, 0
+        while matched < len(key):
+            child = node.children.get(self._selector(namespace, key[matched:]))
+            if child is None:
+                break
+            child.last_access = self.now
+            n = pages.match_len(child.key, key[matched:], self.page_size)
+            if n < len(child.key):
+                child = self._split(child, n)
+            on_node(child)
+            path.append(child)
+            matched += n
+            node = child
+        return matched, path
+
+    def _held_prefix(self, namespace: Namespace, key: Tokens) -> tuple[int, ...]:
+        """The device slots the tree holds for the longest cached prefix of `key` (no stamps, no splits)."""
+        out: list[int] = []
+        node, matched = self.root, 0
+        while matched < len(key):
+            child = node.children.get(self._selector(namespace, key[matched:]))
+            if child is None or child.slots is None:
+                break
+            same = pages.match_len(child.key, key[matched:], self.page_size)
+            out.extend(child.slots[:same])
+            if same < len(child.key):
+                break
+            matched += same
+            node = child
+        return tuple(out)
+
+    def _path_to_root(self, node: Node) -> list[Node]:
+        out = []
+        cur: Optional[Node] = node
+        while cur is not None and cur is not self.root:
+            out.append(cur)
+            cur = cur.parent
+        return out
+
+    def _lock_path(self, node: Node, delta: int) -> None:
+        """Move `node`'s path by one lock, keeping evictable/protected exact.
+
+        Host-only nodes on the path take the lock too (SPEC.md §9.1) but hold no device
+        tokens, so only device-resident ones move between the counters.
+        """
+        for n in self._path_to_root(node):
+            if n.slots is not None:
+                self._account(n, -1)
+            n.lock_ref += delta
+            if n.slots is not None:
+                self._account(n, +1)
+
+    def _account(self, node: Node, sign: int) -> None:
+        """Add (+1) or remove (-1) a device-resident node's tokens to the counter its locks pick."""
+        if node.lock_ref > 0:
+            self.protected_size += sign * len(node.key)
+        else:
+            self.evictable_size += sign * len(node.key)
+            self.tier_evictable[self.tier(node)] += sign * len(node.key)
+
+    def tier(self, node: Node) -> int:
+        return tier_of(node.high_ref, node.low_ref)
+
+    def rank(self, node: Node) -> tuple[int, ...]:
+        """SPEC.md §11.3: tier and refs first (fewer sessions hurt first), then the policy."""
+        policy = pages.policy_rank(self.policy, node.last_access, node.hit_count, node.creation, node.priority)
+        return (self.tier(node), node.high_ref, node.low_ref, *policy)
+
+    def _pick(self, candidates: list[Node], choose: Optional[Chooser]) -> Node:
+        if self.rank_free and choose is not None:
+            ranked = [n.id for n in sorted(candidates, key=lambda n: (self.rank(n), n.id))]
+            pick = choose(ranked)
+            return self.nodes[ranked[0] if pick is None else pick]
+        tied = pages.min_rank_ids([(self.rank(n), n.id) for n in candidates])
+        pick = choose(tied) if choose else None
+        return self.nodes[min(tied) if pick is None else pick]
+
+    def _full_path(self, node: Node) -> Tokens:
+        return tuple(t for n in reversed(self._path_to_root(node)) for t in n.key)
+
+    # ------------------------------------------------------------------ what one tier asks of another
+
+    def _wants_backup(self, node: Node) -> bool:
+        raise NotImplementedError("host.py")
+
+    def _write_backup(self, node: Node) -> bool:
+        raise NotImplementedError("host.py")
+
+    def _write_through(self, path: list[Node]) -> None:
+        raise NotImplementedError("host.py")
+
+    def _host_alloc(self, n: int, reclaim_all: bool = False) -> Optional[tuple[int, ...]]:
+        raise NotImplementedError("host.py")
+
+    def _make_room(self, size: int, whole: Optional[bool] = None, spend: bool = False) -> None:
+        raise NotImplementedError("host.py")
+
+    def _delete_host_leaf(self, node: Node) -> None:
+        raise NotImplementedError("device.py")
+
+    def evict(self, n: int, allow_low: bool = True, allow_high: bool = True, choose: Optional[Chooser] = None) -> int:
+        raise NotImplementedError("device.py")
+
+    def _sessions_leave(self, node: Node) -> None:
+        raise NotImplementedError("sessions.py")
+
+    def _demote_idle_session(self) -> bool:
+        raise NotImplementedError("sessions.py")
+
+    def _is_high(self, session: Session) -> bool:
+        raise NotImplementedError("sessions.py")
+
+    def _store(self, nodes: list[Node]) -> None:
+        raise NotImplementedError("storage.py")
+
+    def _pages_of(self, nodes: list[Node]) -> tuple[list[str], list[bytes]]:
+        raise NotImplementedError("storage.py")
