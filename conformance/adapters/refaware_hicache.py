@@ -87,10 +87,8 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import dataclasses
 import os
 import tempfile
-from array import array
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from types import SimpleNamespace
@@ -98,7 +96,7 @@ from typing import Any, Optional
 
 import torch
 
-from kvcert.conformance.adapters._radix_tree import LogicalTime, RadixTreeAdapter
+from kvcert.conformance.adapters._radix_tree import LogicalTime
 from kvcert.conformance.adapters._refaware_env import (
     REFAWARE_SGLANG_VERSION,
     import_refaware,
@@ -107,33 +105,24 @@ from kvcert.conformance.adapters._refaware_env import (
 from kvcert.conformance.adapters._sglang_env import OrderedSet
 from kvcert.conformance.adapters._sglang_kv import (
     entries_of,
-    read_pool,
-    write_pool,
 )
 from kvcert.conformance.adapters.refaware_radix import (
+    FORK,
+    RefAwareAdapter,
     RefAwareRadixBackend,
+    _OrderedRefInfo,
     device_pools,
-    free_slots,
-    node_view,
-    session_views,
-    tier_counters,
 )
 from kvcert.spec.types import (
     POLICIES,
     WRITE_POLICIES,
-    AdmissionPlan,
-    AdmissionProfile,
     CacheConfig,
     Capabilities,
     InsertOut,
     MatchOut,
-    NodeView,
     PendingCopy,
-    Running,
-    SessionView,
     Snapshot,
     UnknownCopy,
-    UnknownSession,
 )
 
 __all__ = [
@@ -158,16 +147,6 @@ from sglang.srt.mem_cache.base_prefix_cache import (  # noqa: E402
     InsertParams,
     MatchPrefixParams,
 )
-
-FORK = "Zhangmj0621/sglang@48ae513a"
-
-
-@dataclasses.dataclass
-class _OrderedRefInfo(_core.RefInfo):
-    """The fork's `RefInfo` with an insertion-ordered node set (see the module docstring)."""
-
-    def __post_init__(self) -> None:
-        self.nodes = OrderedSet(self.nodes)  # type: ignore[has-type]  # RefInfo is the fork's, untyped
 
 
 def _start_gloo() -> None:
@@ -247,7 +226,7 @@ class _Ledger:
 # --------------------------------------------------------------------------- the backend
 
 
-class RefAwareHiRadixBackend(RadixTreeAdapter):
+class RefAwareHiRadixBackend(RefAwareAdapter):
     """One `RefAwareHiRadixCache` over real CPU device and host pools; node handles are `TreeNode.id`."""
 
     ALLOCATOR = "the fork's allocator"
@@ -324,9 +303,6 @@ class RefAwareHiRadixBackend(RadixTreeAdapter):
             self._next_node_id, self._next_op_id = node_cls.counter, op_cls.counter
             _radix_cache.time, _hiradix.time, node_cls.counter, op_cls.counter, _core.RefInfo = saved
 
-    def _key(self, namespace: Optional[str], tokens: Sequence[int]) -> Any:
-        return _radix_cache.RadixKey(array("q", tokens), extra_key=namespace)
-
     def _root_path(self, node: Any) -> list[Any]:
         """`node` and its ancestors below the root, deepest first."""
         out = []
@@ -379,16 +355,6 @@ class RefAwareHiRadixBackend(RadixTreeAdapter):
         with self._in_fork():
             res = self.cache.insert(params)
         return InsertOut(prefix_len=int(res.prefix_len), node=self._remember(res.last_node))
-
-    def inc_lock_ref(self, node: int) -> None:
-        target = self._node(node)
-        with self._in_fork():
-            self.cache.inc_lock_ref(target)
-
-    def dec_lock_ref(self, node: int) -> None:
-        target = self._node(node)
-        with self._in_fork():
-            self.cache.dec_lock_ref(target)
 
     def evict(self, n: int, allow_low: bool = True, allow_high: bool = True) -> int:
         with self._in_fork():
@@ -471,42 +437,7 @@ class RefAwareHiRadixBackend(RadixTreeAdapter):
                 self.cache.release_ref(session)
             self.cache.register_ref(req)
 
-    def update_ref(self, session: str, priority: int) -> None:
-        with self._in_fork():
-            ok, msg = self.cache.update_ref(session, priority)
-        if not ok:
-            raise UnknownSession(msg)
-
-    def release_ref(self, session: str) -> None:
-        with self._in_fork():
-            self.cache.release_ref(session)  # an unknown rid is (True, "not tracked"): R5
-        self._registered.pop(session, None)
-
-    def plan_admission(
-        self, tokens: int, priority: int, running: Sequence[Running], profile: Optional[AdmissionProfile]
-    ) -> AdmissionPlan:
-        """SPEC.md §11.5 over the fork's own counters: its cache has no planner of its own (R8)."""
-        from kvcert.spec.admission import AdmissionCounters, plan_admission
-
-        c = self.cache
-        counters = AdmissionCounters(
-            page_size=self.page_size,
-            layers=self.config.kv_layers,
-            high_threshold=self.config.high_priority_threshold,
-            free=int(self.allocator.available_size()),
-            evictable=int(c.evictable_size_by_tier(allow_low=True, allow_high=True)),
-            held_high=int(c.high_ref_evictable_size_),
-            host_free=0,  # no retraction backup in 0.5.10 (H10): a retracted request is discarded, never kept
-        )
-        return plan_admission(counters, tokens, priority, running, profile)
-
     # ------------------------------------------------------------------ KVBackend (SPEC.md §9.12)
-
-    def write_kv(self, slots: Sequence[int], entries: Sequence[bytes]) -> None:
-        write_pool(self.kv_pool, slots, entries, self.config.kv_layers)
-
-    def read_kv(self, slots: Sequence[int]) -> list[bytes]:
-        return read_pool(self.kv_pool, slots, self.config.kv_layers)
 
     def read_host_kv(self, host_slots: Sequence[int]) -> list[bytes]:
         idx = torch.tensor(list(host_slots), dtype=torch.int64)
@@ -535,11 +466,6 @@ class RefAwareHiRadixBackend(RadixTreeAdapter):
             nodes.append(cur)
         return nodes
 
-    def _sessions(self, depth: dict[int, int]) -> tuple[SessionView, ...]:
-        table = self.cache.rid_to_ref_info
-        order = [r for r in self._registered if r in table] + [r for r in table if r not in self._registered]
-        return session_views(self.cache, order, depth)
-
     def _load_locks(self, parents: dict[int, int]) -> dict[int, int]:
         """H1's translation: +1 host lock on each pending load's anchor and on the nodes a split put directly
         above it (a split copies a host lock to the new prefix: SPEC.md §9.1's segment)."""
@@ -555,48 +481,16 @@ class RefAwareHiRadixBackend(RadixTreeAdapter):
         return out
 
     def snapshot(self) -> Snapshot:
-        ps = self.page_size
-        views = []
-        depth: dict[int, int] = {}
-        parents: dict[int, int] = {}
         walked = self._walk()
-        for node, parent in walked:
-            if parent is not None:
-                parents[int(node.id)] = int(parent.id)
+        parents = {int(node.id): int(parent.id) for node, parent in walked if parent is not None}
         load_locks = self._load_locks(parents) if self.load_host_lock else {}
-        for node, parent in walked:
-            nid = int(node.id)
-            if parent is None:
-                depth[nid] = 0
-                views.append(NodeView(nid, None, None, (), (), int(node.lock_ref)))
-                continue
-            depth[nid] = depth[int(parent.id)] + 1
-            views.append(
-                node_view(node, parent, self.priority_refs, int(node.host_ref_counter) + load_locks.get(nid, 0))
-            )
-        free = free_slots(self.allocator, ps)
-        c = self.cache
-        extra: dict[str, Any] = {}
-        if self.priority_refs:
-            extra = dict(
-                sessions=self._sessions(depth),
-                tier_evictable=tier_counters(c),
-                high_priority_threshold=self.config.high_priority_threshold,
-            )
-        return Snapshot(
-            page_size=ps,
-            capacity=self.config.capacity,
-            slot_limit=self.config.capacity + ps,  # slot 0 / page 0 is the fork's padding
-            root=int(c.root_node.id),
-            nodes=tuple(views),
-            free_slots=tuple(free),
-            evictable_size=int(c.evictable_size()),
-            protected_size=int(c.protected_size()),
+        return self._snapshot(
+            walked,
+            lambda node: int(node.host_ref_counter) + load_locks.get(int(node.id), 0),
             host_capacity=self.config.host_capacity,
             host_free_slots=tuple(sorted(int(x) for x in self.host_pool.free_slots.tolist())),
             write_policy=self.config.write_policy,
             pending=self._pending(parents),
-            **extra,
         )
 
     def close(self) -> None:

@@ -57,7 +57,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from array import array
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from types import SimpleNamespace
 from typing import Any, Optional
@@ -148,7 +148,121 @@ def device_pools(config: CacheConfig) -> tuple[Any, Any, Any]:
     return kv, allocator, params
 
 
-class RefAwareRadixBackend(RadixTreeAdapter):
+class RefAwareAdapter(RadixTreeAdapter):
+    """What both RefAware adapters do alike: the fork's lock, ref and KV calls, its admission counters, and the
+    snapshot (`RefAwareRadixBackend` over the device cache, `refaware_hicache.RefAwareHiRadixBackend` with the host
+    tier). A subclass sets `config`, `page_size`, `priority_refs`, `cache`, `allocator`, `kv_pool` and
+    `_registered`, and runs fork code inside its `_in_fork`."""
+
+    config: CacheConfig
+    page_size: int
+    priority_refs: bool
+    cache: Any
+    allocator: Any
+    kv_pool: Any
+    _registered: dict[str, None]
+
+    def _in_fork(self) -> contextlib.AbstractContextManager[None]:
+        raise NotImplementedError
+
+    def _key(self, namespace: Optional[str], tokens: Sequence[int]) -> Any:
+        return _radix_cache.RadixKey(array("q", tokens), extra_key=namespace)
+
+    def inc_lock_ref(self, node: int) -> None:
+        target = self._node(node)
+        with self._in_fork():
+            self.cache.inc_lock_ref(target)
+
+    def dec_lock_ref(self, node: int) -> None:
+        target = self._node(node)
+        with self._in_fork():
+            self.cache.dec_lock_ref(target)
+
+    def update_ref(self, session: str, priority: int) -> None:
+        with self._in_fork():
+            ok, msg = self.cache.update_ref(session, priority)
+        if not ok:
+            raise UnknownSession(msg)
+
+    def release_ref(self, session: str) -> None:
+        with self._in_fork():
+            self.cache.release_ref(session)  # an unknown rid is (True, "not tracked"): the fork's idempotence (R5)
+        self._registered.pop(session, None)
+
+    def plan_admission(
+        self, tokens: int, priority: int, running: Sequence[Running], profile: Optional[AdmissionProfile]
+    ) -> AdmissionPlan:
+        """SPEC.md §11.5 over the fork's own counters: its caches have no planner of their own (R8)."""
+        from kvcert.spec.admission import AdmissionCounters, plan_admission
+
+        c = self.cache
+        counters = AdmissionCounters(
+            page_size=self.page_size,
+            layers=self.config.kv_layers,
+            high_threshold=self.config.high_priority_threshold,
+            free=int(self.allocator.available_size()),
+            evictable=int(c.evictable_size_by_tier(allow_low=True, allow_high=True)),
+            held_high=int(c.high_ref_evictable_size_),
+            host_free=0,  # no retraction backup in 0.5.10 (H10): a retracted request is discarded, never kept
+        )
+        return plan_admission(counters, tokens, priority, running, profile)
+
+    def write_kv(self, slots: Sequence[int], entries: Sequence[bytes]) -> None:
+        write_pool(self.kv_pool, slots, entries, self.config.kv_layers)
+
+    def read_kv(self, slots: Sequence[int]) -> list[bytes]:
+        return read_pool(self.kv_pool, slots, self.config.kv_layers)
+
+    def _sessions(self, depth: dict[int, int]) -> tuple[SessionView, ...]:
+        """Each rid as a session ending at the deepest node the fork tracks for it (the root: none).
+
+        In (re-)registration order, as the spec lists sessions: the fork's `rid_to_ref_info` keeps a rid
+        where it was first registered, and its device cache never reads that order (docs/calibration/refaware.md
+        R9), so the adapter keeps the order of the calls it made; rids it did not register come last.
+        """
+        table = self.cache.rid_to_ref_info
+        order = [r for r in self._registered if r in table] + [r for r in table if r not in self._registered]
+        return session_views(self.cache, order, depth)
+
+    def _snapshot(self, walked: Sequence[tuple[Any, Any]], host_lock_of: Callable[[Any], int], **tier: Any) -> Snapshot:
+        """The spec's view of the fork's tree, walked root first: its nodes (each node's host locks as
+        `host_lock_of` counts them), free slots and counters, the sessions where the adapter drives §11, and `tier`:
+        the host tier's fields where the cache has one."""
+        ps = self.page_size
+        views = []
+        depth: dict[int, int] = {}
+        for node, parent in walked:
+            nid = int(node.id)
+            if parent is None:
+                depth[nid] = 0
+                views.append(NodeView(nid, None, None, (), (), int(node.lock_ref)))
+                continue
+            depth[nid] = depth[int(parent.id)] + 1
+            views.append(node_view(node, parent, self.priority_refs, host_lock_of(node)))
+        free = free_slots(self.allocator, ps)
+        c = self.cache
+        extra: dict[str, Any] = {}
+        if self.priority_refs:
+            extra = dict(
+                sessions=self._sessions(depth),
+                tier_evictable=tier_counters(c),
+                high_priority_threshold=self.config.high_priority_threshold,
+            )
+        return Snapshot(
+            page_size=ps,
+            capacity=self.config.capacity,
+            slot_limit=self.config.capacity + ps,  # slot 0 / page 0 is the fork's padding
+            root=int(c.root_node.id),
+            nodes=tuple(views),
+            free_slots=tuple(free),
+            evictable_size=int(c.evictable_size()),
+            protected_size=int(c.protected_size()),
+            **tier,
+            **extra,
+        )
+
+
+class RefAwareRadixBackend(RefAwareAdapter):
     """One `RefAwareRadixCache` over real CPU pools; node handles are `TreeNode.id`."""
 
     ALLOCATOR = "the fork's allocator"
@@ -209,9 +323,6 @@ class RefAwareRadixBackend(RadixTreeAdapter):
             self._next_node_id = node_cls.counter
             _radix_cache.time, node_cls.counter, _core.RefInfo = saved
 
-    def _key(self, namespace: Optional[str], tokens: Sequence[int]) -> Any:
-        return _radix_cache.RadixKey(array("q", tokens), extra_key=namespace)
-
     def _node_at(self, key: Any) -> Any:
         """The node ending exactly at `key`, read without touching the fork (no stamps, no splits).
 
@@ -251,16 +362,6 @@ class RefAwareRadixBackend(RadixTreeAdapter):
             res = self.cache.insert(params)
         return InsertOut(prefix_len=int(res.prefix_len), node=self._remember(self._node_at(key)))
 
-    def inc_lock_ref(self, node: int) -> None:
-        target = self._node(node)
-        with self._in_fork():
-            self.cache.inc_lock_ref(target)
-
-    def dec_lock_ref(self, node: int) -> None:
-        target = self._node(node)
-        with self._in_fork():
-            self.cache.dec_lock_ref(target)
-
     def evict(self, n: int, allow_low: bool = True, allow_high: bool = True) -> int:
         with self._in_fork():
             full = allow_low is True and allow_high is True
@@ -295,88 +396,13 @@ class RefAwareRadixBackend(RadixTreeAdapter):
                 self.cache.release_ref(session)
             self.cache.register_ref(req)
 
-    def update_ref(self, session: str, priority: int) -> None:
-        with self._in_fork():
-            ok, msg = self.cache.update_ref(session, priority)
-        if not ok:
-            raise UnknownSession(msg)
-
-    def release_ref(self, session: str) -> None:
-        with self._in_fork():
-            self.cache.release_ref(session)  # an unknown rid is (True, "not tracked"): the fork's idempotence
-        self._registered.pop(session, None)
-
-    def plan_admission(
-        self, tokens: int, priority: int, running: Sequence[Running], profile: Optional[AdmissionProfile]
-    ) -> AdmissionPlan:
-        """SPEC.md §11.5 over the fork's own counters: its device cache has no planner of its own."""
-        from kvcert.spec.admission import AdmissionCounters, plan_admission
-
-        c = self.cache
-        counters = AdmissionCounters(
-            page_size=self.page_size,
-            layers=self.config.kv_layers,
-            high_threshold=self.config.high_priority_threshold,
-            free=int(self.allocator.available_size()),
-            evictable=int(c.evictable_size_by_tier(allow_low=True, allow_high=True)),
-            held_high=int(c.high_ref_evictable_size_),
-            host_free=0,
-        )
-        return plan_admission(counters, tokens, priority, running, profile)
-
     # ------------------------------------------------------------------ KVBackend (SPEC.md §9.12)
-
-    def write_kv(self, slots: Sequence[int], entries: Sequence[bytes]) -> None:
-        write_pool(self.kv_pool, slots, entries, self.config.kv_layers)
-
-    def read_kv(self, slots: Sequence[int]) -> list[bytes]:
-        return read_pool(self.kv_pool, slots, self.config.kv_layers)
 
     def read_host_kv(self, host_slots: Sequence[int]) -> list[bytes]:
         return []
 
-    def _sessions(self, depth: dict[int, int]) -> tuple[SessionView, ...]:
-        """Each rid as a session ending at the deepest node the fork tracks for it (the root: none).
-
-        In (re-)registration order, as the spec lists sessions: the fork's `rid_to_ref_info` keeps a rid
-        where it was first registered, and its device cache never reads that order (docs/calibration/refaware.md
-        R9), so the adapter keeps the order of the calls it made; rids it did not register come last.
-        """
-        table = self.cache.rid_to_ref_info
-        order = [r for r in self._registered if r in table] + [r for r in table if r not in self._registered]
-        return session_views(self.cache, order, depth)
-
     def snapshot(self) -> Snapshot:
-        ps = self.page_size
-        views = []
-        depth: dict[int, int] = {}
-        for node, parent in self._walk():
-            if parent is None:
-                depth[int(node.id)] = 0
-                views.append(NodeView(int(node.id), None, None, (), (), int(node.lock_ref)))
-                continue
-            depth[int(node.id)] = depth[int(parent.id)] + 1
-            views.append(node_view(node, parent, self.priority_refs))
-        free = free_slots(self.allocator, ps)
-        c = self.cache
-        extra: dict[str, Any] = {}
-        if self.priority_refs:
-            extra = dict(
-                sessions=self._sessions(depth),
-                tier_evictable=tier_counters(c),
-                high_priority_threshold=self.config.high_priority_threshold,
-            )
-        return Snapshot(
-            page_size=ps,
-            capacity=self.config.capacity,
-            slot_limit=self.config.capacity + ps,  # slot 0 / page 0 is the fork's padding
-            root=int(c.root_node.id),
-            nodes=tuple(views),
-            free_slots=tuple(free),
-            evictable_size=int(c.evictable_size()),
-            protected_size=int(c.protected_size()),
-            **extra,
-        )
+        return self._snapshot(list(self._walk()), lambda node: 0)
 
 
 def node_view(node: Any, parent: Any, priority_refs: bool, host_lock_ref: int = 0) -> NodeView:
