@@ -639,6 +639,30 @@ app.add_typer(bench_app, name="bench")
 bench_app.command("policy")(policy_cmd)  # kvcert bench policy: the serving simulator (kvcert.sim)
 
 
+@bench_app.command(
+    "harness", context_settings={"allow_extra_args": True, "ignore_unknown_options": True}
+)
+def bench_harness_cmd(
+    ctx: typer.Context,
+    question: str = typer.Argument(..., help="drivers | checks | profile | versus"),
+    target: str = typer.Option("kvcert.gpu:factory", "--target", help="MODULE:FACTORY"),
+    examples: int = typer.Option(60, help="examples per cell"),
+    repeats: int = typer.Option(3, help="rounds, the sides' order alternating; ratios print as median [spread]"),
+    rows: int = typer.Option(30, help="profile: functions to list"),
+    rev: str = typer.Option("", "--versus", help="versus: the baseline commit"),
+) -> None:
+    """Where a checked step's time goes: certify beside fuzz (drivers), the checks' share (checks), a profile of
+    the walk (profile), or this checkout beside another commit (versus; extra options go to both certify runs)."""
+    from kvcert.conformance.bench import harness
+
+    try:
+        harness.run(question, target, examples=examples, repeats=repeats, rows=rows, rev=rev, args=ctx.args,
+                    root=Path(__file__).resolve().parent.parent)  # fmt: skip
+    except ValueError as err:
+        console.print(f"[red]{escape(str(err))}[/]")
+        raise typer.Exit(2) from None
+
+
 @bench_app.command("meta")
 def bench_meta_cmd(
     page_size: list[int] = typer.Option([1, 64], "--page-size", help="one run per page size"),
@@ -649,16 +673,25 @@ def bench_meta_cmd(
     impl: Optional[list[str]] = typer.Option(None, "--impl", help="only these implementations"),
     host: bool = typer.Option(False, "--host", help="also replay with a host tier (2x the pool, write-through)"),
     json_out: Optional[Path] = typer.Option(None, "--json", help="write the figures as JSON"),
+    repeats: int = typer.Option(3, help="rounds, the implementations' order alternating; ratios print as median [spread]"),
 ) -> None:
     """Replay one multi-turn trace against every implementation; print calls/s per operation and ratios.
 
     Every implementation runs on a logical clock (the request number) and must answer every request
-    with the same hit lengths; where one does not, the run says so and exits 1."""
+    with the same hit lengths; where one does not, the run says so and exits 1. Each implementation
+    runs `repeats` times, in an order that alternates round by round; a rate is the median of its
+    rounds, and a ratio to the baseline is the median of the rounds' ratios with the lowest and highest."""
     from kvcert.conformance.bench import meta as bench
+    from kvcert.conformance.bench import spread
 
+    if repeats < 1:
+        console.print("[red]--repeats must be at least 1[/]")
+        raise typer.Exit(2)
     report = []
     differ = False
-    modes: list[tuple[str, Any, Any, tuple[str, ...], str]] = [("device", bench.drivers, bench.replay, bench.IMPLEMENTATIONS, bench.BASELINE)]
+    modes: list[tuple[str, Any, Any, tuple[str, ...], str]] = [
+        ("device", bench.drivers, bench.replay, bench.IMPLEMENTATIONS, bench.BASELINE)
+    ]
     if host:
         modes.append(("host", bench.host_drivers, bench.replay_host, bench.HOST_IMPLEMENTATIONS, bench.HOST_BASELINE))
     for ps in page_size:
@@ -668,46 +701,73 @@ def bench_meta_cmd(
         for mode, make_drivers, run, everyone, baseline in modes:
             tier = f", host pool {bench.HOST_RATIO * pages:,} pages" if mode == "host" else ""
             console.print(f"page size {ps}: {len(trace)} requests, {tokens:,} key tokens, pool {pages:,} pages{tier}")
-            results = []
-            for label, make in make_drivers(ps, pages * ps, impl or everyone):
-                res = run(make(), trace, budget)
-                results.append((label, res))
-                note = f" (stopped after {res.requests} requests: budget)" if res.requests < len(trace) else ""
-                console.print(f"  {res.name:<34} {res.seconds:7.1f}s{note}{'  ' + res.error if res.error else ''}")
-            if not results:
+            makers = make_drivers(ps, pages * ps, impl or everyone)
+            rounds: dict[str, list[Any]] = {label: [] for label, _ in makers}
+            for r in range(repeats):
+                for label, make in makers if r % 2 == 0 else list(reversed(makers)):
+                    res = run(make(), trace, budget)
+                    rounds[label].append(res)
+                    note = f" (stopped after {res.requests} requests: budget)" if res.requests < len(trace) else ""
+                    console.print(
+                        f"  round {r + 1}: {res.name:<34} {res.seconds:7.1f}s{note}{'  ' + res.error if res.error else ''}"
+                    )
+            if not makers:
                 continue
-            for line in bench.disagreements([res for _, res in results]):
+            for line in bench.disagreements([res for runs in rounds.values() for res in runs]):
                 console.print(f"  [red]DIFFERENT ANSWERS[/]: {line}")
                 differ = True
-            ops = results[0][1].ops
-            base = dict(results).get(baseline)
-            title = f"calls/s, page size {ps}{' with a host tier' if mode == 'host' else ''} (ratio to {baseline})"
-            table = Table(title=title)
+            ops = rounds[makers[0][0]][0].ops
+            base = rounds.get(baseline)
+            title = (
+                f"calls/s, page size {ps}{' with a host tier' if mode == 'host' else ''}, median of {repeats} "
+                f"(ratio to {baseline}: median [spread])"
+            )
+            table = Table(title=escape(title))
             table.add_column("implementation")
             for op in (*ops, "all"):
                 table.add_column(op, justify="right")
-            for label, res in results:
+
+            def rate_of(res: Any, op: str) -> Optional[float]:
+                return res.total_rate if op == "all" else res.rate(op)
+
+            for label, _ in makers:
+                runs = rounds[label]
                 cells = []
+                medians: dict[str, Optional[float]] = {}
                 for op in (*ops, "all"):
-                    rate = res.total_rate if op == "all" else res.rate(op)
-                    ref = (base.total_rate if op == "all" else base.rate(op)) if base else None
-                    cells.append("-" if rate is None else f"{rate:,.0f}" + (f" ({rate / ref:.2f}x)" if ref else ""))
-                table.add_row(res.name, *cells)
+                    rates = [rate_of(res, op) for res in runs]
+                    if any(x is None for x in rates):
+                        medians[op] = None
+                        cells.append("-")
+                        continue
+                    medians[op] = statistics.median(rates)  # type: ignore[type-var]
+                    ratios = (
+                        [x / y for x, y in zip(rates, (rate_of(b, op) for b in base))]  # type: ignore[operator]
+                        if base and all(rate_of(b, op) for b in base)
+                        else []
+                    )
+                    cells.append(f"{medians[op]:,.0f}" + (f" ({spread(ratios)})" if ratios else ""))
+                table.add_row(runs[0].name, *cells)
+                first = runs[0]
                 report.append(
                     {
                         "page_size": ps,
                         "mode": mode,
                         "implementation": label,
-                        "name": res.name,
-                        "requests": res.requests,
-                        "seconds": round(res.seconds, 2),
-                        "refused": res.refused,
-                        "loaded": res.loaded,
-                        "error": res.error,
-                        "calls": dict(res.calls),
-                        "calls_per_s": {op: res.rate(op) for op in ops},
-                        "all_per_s": res.total_rate,
-                        "tokens_hit": sum(d + h for d, h in res.hits),
+                        "name": first.name,
+                        "requests": first.requests,
+                        "seconds": round(statistics.median(res.seconds for res in runs), 2),
+                        "refused": first.refused,
+                        "loaded": first.loaded,
+                        "error": first.error,
+                        "calls": dict(first.calls),
+                        "calls_per_s": {op: medians[op] for op in ops},
+                        "all_per_s": medians["all"],
+                        "tokens_hit": sum(d + h for d, h in first.hits),
+                        "rounds": [
+                            {"calls_per_s": {op: res.rate(op) for op in ops}, "all_per_s": res.total_rate}
+                            for res in runs
+                        ],
                     }
                 )
             console.print(table, width=max(console.width, 180))  # one row per implementation, unwrapped

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
 from kvcert.conformance.bench import meta as bench
@@ -112,3 +114,38 @@ def test_every_implementation_gives_the_same_answers_on_a_logical_clock() -> Non
     frozen = bench.replay(Frozen("gpu, clock at 0", makers["gpu"]().cache), trace, budget=60)
     (line,) = bench.disagreements([same[0], frozen])
     assert "gpu, clock at 0 answers request" in line
+
+
+def test_a_spread_is_the_median_and_the_extreme_rounds() -> None:
+    from kvcert.conformance.bench import spread
+
+    assert spread([1.0, 3.0, 2.0]) == "2.00x [1.00x–3.00x]"
+    assert spread([1.5]) == "1.50x"
+    assert spread([40.0, 50.0], "{:.0f}%") == "45% [40%–50%]"
+
+
+def test_bench_meta_repeats_each_implementation_and_reports_the_median(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    args = ["bench", "meta", "--page-size", "4", "--pages", "64", "--requests", "60", "--impl", "refimpl"]
+    result = CliRunner().invoke(app, [*args, "--impl", "gpu", "--repeats", "3", "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    assert result.output.count("round 3:") == 2 and "median of 3" in result.output
+    for row in json.loads(out.read_text()):
+        rounds = [r["all_per_s"] for r in row["rounds"]]
+        assert len(rounds) == 3 and row["all_per_s"] == statistics.median(rounds)
+
+
+def test_bench_harness_answers_each_question_on_a_small_walk() -> None:
+    from kvcert.conformance.bench import harness
+
+    lines: list[str] = []
+    harness.run("checks", "kvcert.refimpl:factory", examples=1, repeats=2, say=lines.append)
+    assert lines[-1].startswith("the checks' share of a checked step: ") and "[" in lines[-1]
+    assert [line.split()[0] for line in lines[1:4]] == ["every", "state", "state"]
+    lines.clear()
+    harness.run("profile", "kvcert.refimpl:factory", examples=1, repeats=1, rows=3, say=lines.append)
+    assert len(lines) == 3 + 3 and "checked steps" in lines[1]
+    with pytest.raises(ValueError, match="unknown question"):
+        harness.run("speed", "kvcert.refimpl:factory", examples=1, repeats=1)
+    with pytest.raises(ValueError, match="baseline commit"):
+        harness.run("versus", "kvcert.refimpl:factory", examples=1, repeats=1)

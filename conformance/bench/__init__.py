@@ -1,2 +1,19 @@
 """Benchmarks, measured and never asserted: `meta` (`kvcert bench meta`: metadata calls/s of every
-implementation on one trace, as ratios) and `sglang` (its SGLang drivers, imported when SGLang is)."""
+implementation on one trace, as ratios), `sglang` (its SGLang drivers, imported when SGLang is) and `harness`
+(`kvcert bench harness`: where a checked step's time goes). Every bench repeats its runs, alternating the order
+of the sides, and prints each ratio as `spread` does: the median, then the lowest and highest round."""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+
+__all__ = ["spread"]
+
+
+def spread(values: Sequence[float], fmt: str = "{:.2f}x") -> str:
+    """A figure measured over rounds, as every bench prints it: the median, then the lowest and highest round."""
+    med = statistics.median(values)
+    if len(values) == 1:
+        return fmt.format(med)
+    return f"{fmt.format(med)} [{fmt.format(min(values))}–{fmt.format(max(values))}]"
