@@ -52,3 +52,14 @@ def test_hypothesis_internals_are_imported_in_one_module() -> None:
         if any(m == q or m.startswith(q + ".") for m in _imports(p) for q in private)
     }
     assert users == {"conformance/generation/hypothesis_compat.py"}
+
+
+def test_the_results_page_is_what_the_certificates_say() -> None:
+    """docs/results.md is generated from docs/runs/ by scripts/results_page.py, never typed: a certificate added or
+    removed without regenerating the page fails here."""
+    import subprocess
+    import sys
+
+    got = subprocess.run([sys.executable, str(ROOT / "scripts" / "results_page.py"), "--check"], capture_output=True,
+                         text=True)  # fmt: skip
+    assert got.returncode == 0, got.stdout + got.stderr
