@@ -19,15 +19,8 @@ from rich.table import Table
 
 from kvcert.conformance.backend import Factory
 from kvcert.conformance.certification import explain, reports
-from kvcert.conformance.certification.certify import (
-    CellResult,
-    Certificate,
-    CorpusError,
-    _tier,
-    certify,
-    judged_as,
-    load_factory,
-)
+from kvcert.conformance.certification.certificate import CellResult, Certificate
+from kvcert.conformance.certification.certify import CorpusError, _tier, certify, judged_as, load_factory
 from kvcert.conformance.certification.cluster import RayUnavailable
 from kvcert.conformance.certification.diff import NODE_FIELDS, snapshot_rows
 from kvcert.conformance.generation.request_machine import run_requests

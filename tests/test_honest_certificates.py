@@ -11,7 +11,9 @@ import pytest
 from typer.testing import CliRunner
 
 from kvcert.conformance.certification import known, reports
-from kvcert.conformance.certification.certify import CellResult, certify, scope_gaps
+from kvcert.conformance.certification.certificate import CellResult
+from kvcert.conformance.certification.certify import certify
+from kvcert.conformance.certification.scope import scope_gaps
 from kvcert.conformance.cli import app
 from kvcert.refimpl import RefCache
 from kvcert.spec.ops import Evict, Insert, Lock, Trace, UpdateRef

@@ -566,7 +566,7 @@ def test_kvcert_gpu_reports_its_choices_as_the_model_does(target: str) -> None:
 def test_the_certificate_says_what_the_profile_leaves_open() -> None:
     """Under the core the certificate lists each open choice the backend's declarations make arise, and the
     SGLang choices pinned under every profile; under sglang-0.5.23 no choice is left open."""
-    from kvcert.conformance.certification.certify import scope_gaps
+    from kvcert.conformance.certification.scope import scope_gaps
 
     caps = factory.capabilities  # type: ignore[attr-defined]
     core = scope_gaps(replace(caps, profile="core"), [])

@@ -15,7 +15,8 @@ import xmlschema
 from typer.testing import CliRunner
 
 from kvcert.conformance.certification import explain, reports
-from kvcert.conformance.certification.certify import CellResult, Certificate, certify
+from kvcert.conformance.certification.certificate import CellResult, Certificate
+from kvcert.conformance.certification.certify import certify
 from kvcert.conformance.cli import app
 from kvcert.spec.invariants import SNAPSHOT_INVARIANTS
 

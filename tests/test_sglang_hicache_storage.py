@@ -505,7 +505,7 @@ def test_sglangs_own_file_backend_is_a_storage_target() -> None:
     file and a fetch across the batch all match the model; the harness's call faults are not declared (HiCacheFile
     does its own I/O), and a corrupt page file is F-L3-1 (its traces are replayed in test_known_findings)."""
     from kvcert.conformance.adapters.sglang_hicache_backend import factory_storage_file
-    from kvcert.conformance.certification.certify import scope_gaps
+    from kvcert.conformance.certification.scope import scope_gaps
     from kvcert.spec.ops import CheckPrefetch, Complete, Fetch, Insert, Match, Poll, Prefetch, Publish, StorageFault
 
     caps = factory_storage_file.capabilities  # type: ignore[attr-defined]

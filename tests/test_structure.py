@@ -28,6 +28,12 @@ def test_a_long_module_says_why_at_its_top(path: Path) -> None:
     assert head and len(head[0]) > len(REASON) + 10, f"{len(lines)} lines and no '{REASON}<why>' line at its top"
 
 
+@pytest.mark.parametrize("path", _modules(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_a_short_module_has_no_stale_reason(path: Path) -> None:
+    lines = path.read_text().splitlines()
+    assert len(lines) > LONG or not any(line.startswith(REASON) for line in lines[:2]), "no longer over 600 lines"
+
+
 def test_the_readme_fits_in_150_lines() -> None:
     assert len((ROOT / "README.md").read_text().splitlines()) <= 150
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvcert.conformance.certification.certify import certify, scope_gaps
+from kvcert.conformance.certification.certify import certify
+from kvcert.conformance.certification.scope import scope_gaps
 from kvcert.conformance.harness.driver import Harness
 from kvcert.refimpl import RefCache
 from kvcert.refimpl import factory as ref_factory

@@ -32,7 +32,8 @@ from pathlib import Path
 from typing import Any
 
 from kvcert.conformance.bench import spread
-from kvcert.conformance.certification.certify import Certificate, certify, load_factory
+from kvcert.conformance.certification.certificate import Certificate
+from kvcert.conformance.certification.certify import certify, load_factory
 from kvcert.conformance.harness import checks, driver
 
 __all__ = ["QUESTIONS", "run"]

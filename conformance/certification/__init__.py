@@ -2,7 +2,9 @@
 
 | module | owns |
 |---|---|
-| `certify` | cells, runs, certificates, scope (`NOT CHECKED`) |
+| `certify` | cells and the run loop: every cell walked, shrunk, replayed; replays of saved traces |
+| `certificate` | the record: each cell's result, each finding's replay, the certificate and its JSON |
+| `scope` | what a certificate did not check (`NOT CHECKED`) |
 | `known` | the findings log as data, replayed before every certification |
 | `cluster` | cells run in worker processes (`--jobs`) or on a Ray cluster (`--ray`) |
 | `reports` | JUnit and Markdown certificates |

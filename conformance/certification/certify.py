@@ -1,4 +1,3 @@
-# Over 600 lines: cells, the certificate, scope gaps and the run loop; scope gaps and the certificate are still to move to rooms of their own.
 """Certification: run the state machine for every (page size, policy) cell a backend declares.
 
 A cell fails at its first broken rule; the shrunk trace is saved as JSON and
@@ -10,12 +9,11 @@ from __future__ import annotations
 
 import hashlib
 import importlib
-import json
 import re
 import time
 from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from contextlib import closing
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Optional, cast
 
@@ -23,28 +21,23 @@ from hypothesis import HealthCheck, Phase, Verbosity, settings
 from hypothesis.errors import Flaky
 
 from kvcert.conformance.backend import Factory, capabilities_of
+from kvcert.conformance.certification.certificate import CellResult, Certificate, FindingReplay, config_name
 from kvcert.conformance.certification.cluster import map_ordered
 from kvcert.conformance.certification.known import replay_findings
+from kvcert.conformance.certification.scope import scope_gaps
 from kvcert.conformance.generation.determinism import fixed_generation
 from kvcert.conformance.generation.fuzz import run_random
 from kvcert.conformance.generation.machine import CacheMachine
-from kvcert.conformance.generation.request_machine import RequestMachine, request_cells, request_scope_gaps
+from kvcert.conformance.generation.request_machine import RequestMachine, request_cells
 from kvcert.conformance.generation.runner import run_machine
 from kvcert.conformance.generation.shrink import shrink
 from kvcert.conformance.harness.driver import ConformanceFailure, Harness
 from kvcert.conformance.harness.requests import RequestHarness
 from kvcert.conformance.harness.running import TraceInvalid
-from kvcert.conformance.harness.windows import WINDOWS
 from kvcert.spec import profiles
 from kvcert.spec.ops import Op, Trace, op_to_json
 from kvcert.spec.types import (
-    FAULTS,
     ONE_CLASS_THRESHOLD,
-    POLICIES,
-    PREFETCH_POLICIES,
-    PRIORITY_PARTS,
-    STORAGE_FAULTS,
-    WRITE_POLICIES,
     CacheConfig,
     Capabilities,
 )
@@ -77,124 +70,6 @@ def load_factory(target: str) -> Factory:
     obj = getattr(importlib.import_module(module), attr)
     capabilities_of(obj)
     return obj
-
-
-@dataclass
-class CellResult:
-    page_size: int
-    policy: str
-    passed: bool
-    examples: int
-    steps: int
-    seconds: float
-    failure: Optional[str] = None
-    trace_path: Optional[str] = None
-    trace_len: Optional[int] = None
-    reproduced: Optional[bool] = None
-    write_policy: str = ""
-    """"" for a device-only cell; else the host tier's write policy."""
-    ops: dict[str, int] = field(default_factory=dict)
-    """Steps per op kind (`RunStats.ops`): what the cell exercised, in the JSON certificate."""
-    digest: str = ""
-    """SHA-256 of every op the cell's examples executed, in order (`StepDigest`): equal digests, same run."""
-    failures: list[dict[str, Any]] = field(default_factory=list)
-    """The failure, structured: one `{invariant, step, op, message, trace}` per broken rule (`failure` is its text)."""
-    corpus_replayed: int = 0
-    """Traces of the shared failure corpus replayed before the walk: those recorded on this cell's config."""
-    from_corpus: bool = False
-    """The failure is a corpus trace's, failing again (the walk did not run)."""
-    shrink_note: str = ""
-    """Why the saved trace is not smaller, where shrinking did not reach a fixpoint (`Shrunk.note`)."""
-    trace_json: Optional[str] = field(default=None, repr=False)
-    """The saved trace's text, carried back from a worker that may run on another machine (not in the JSON)."""
-
-
-@dataclass
-class FindingReplay:
-    """A logged finding's trace, replayed on the target before any cell walks (`conformance.findings`)."""
-
-    id: str
-    trace: str
-    """The trace's path inside the package's findings folder."""
-    reproduced: bool
-    rules: list[str] = field(default_factory=list)
-    """The rules it still breaks (empty when it no longer reproduces)."""
-    summary: str = ""
-
-
-@dataclass
-class Certificate:
-    target: str
-    backend: str
-    seed: int
-    examples: int
-    steps: int
-    strict_input: bool
-    profile: str = "core"
-    """The profile the backend was held to (SPEC.md §6): the one it declares, or the one `--profile` named."""
-    cells: list[CellResult] = field(default_factory=list)
-    skipped: list[str] = field(default_factory=list)
-    """Cells or rules asked for but not run."""
-    not_checked: list[str] = field(default_factory=list)
-    """What this certificate does not cover: capabilities the backend does not declare, or declares but
-    no cell of this run exercised, and every deviation its adapter declares (`scope_gaps`). Printed next
-    to the verdict."""
-    planned: list[str] = field(default_factory=list)
-    """Every cell the run set out to walk (`config_name`), in order: fewer finished means it was cut short."""
-    findings: list[FindingReplay] = field(default_factory=list)
-    """The target's logged findings, replayed before the walk: one that still reproduces means NOT CERTIFIED."""
-    adapter_notes: list[str] = field(default_factory=list)
-    """What the adapter says about how it drives the engine (`Capabilities.notes`), printed in every report."""
-    kind: str = "api"
-    """How the engine is driven (`Capabilities.kind`): "request-path" through its own scheduler code, "api" by
-    the protocol's calls composed by the suite, "native" a cache written to the protocol."""
-
-    @property
-    def complete(self) -> bool:
-        """Every planned cell ran (a run stopped early, by fail-fast or an interrupt, is not)."""
-        return len(self.cells) == len(self.planned)
-
-    @property
-    def passed(self) -> bool:
-        """CERTIFIED: every planned cell ran and passed, and no logged finding reproduced."""
-        return (
-            bool(self.cells)
-            and self.complete
-            and all(c.passed for c in self.cells)
-            and not any(f.reproduced for f in self.findings)
-        )
-
-    @property
-    def total_steps(self) -> int:
-        return sum(c.steps for c in self.cells)
-
-    @property
-    def seconds(self) -> float:
-        return sum(c.seconds for c in self.cells)
-
-    def to_json(self) -> str:
-        body = asdict(self)
-        for cell in body["cells"]:
-            del cell["trace_json"]
-        body.update(
-            passed=self.passed,
-            complete=self.complete,
-            planned_cells=len(self.planned),
-            finished_cells=len(self.cells),
-            total_steps=self.total_steps,
-            steps_per_second=round(self.total_steps / max(self.seconds, 1e-9), 1),
-        )
-        return json.dumps(body, indent=1)
-
-
-def config_name(config: CacheConfig) -> str:
-    """A cell's coordinates as reports name it: page size, policy, and its tiers' policies."""
-    parts = [f"page_size={config.page_size}", f"policy={config.policy}"]
-    if config.host_capacity:
-        parts.append(f"write_policy={config.write_policy}")
-    if config.prefetch_policy:
-        parts.append(f"prefetch_policy={config.prefetch_policy}")
-    return " ".join(parts)
 
 
 def _slug(text: str) -> str:
@@ -442,19 +317,6 @@ def _tiered(page_size: int, policy: str, write_policy: str, prefetch_policy: str
     )
 
 
-def _part_exercised(part: str, ops: dict[str, int], host_cells: bool) -> bool:
-    """Whether a run did what a part of §11 is about (not only declared it)."""
-    if part == "high":  # with a host tier, a demotion must have happened too
-        return ops.get("event:high-session", 0) > 0 and (not host_cells or ops.get("event:demotion", 0) > 0)
-    if part == "scope":
-        return ops.get("event:scoped-evict", 0) > 0
-    if part == "update":
-        return ops.get("UpdateRef", 0) > 0
-    if part == "move":
-        return ops.get("event:move", 0) > 0
-    return ops.get("Admit", 0) > 0
-
-
 def guarded(
     factory: Factory,
     capabilities: Capabilities,
@@ -542,138 +404,8 @@ def cells_for(
     return configs, skipped
 
 
-STORAGE_WINDOWS = ("split-under-store", "write-back-host-full")
 """Windows only a storage cell can enter: store copies, and a host small and pinned enough to fill."""
-WINDOW_TIERS = {
-    name: (what, "device" if name == "split-locked" else "storage" if name in STORAGE_WINDOWS else "host")
-    for name, what in WINDOWS.items()
-}
 """Race window -> (what it is, the cells that can enter it): a run of those cells that never did says so."""
-
-
-def scope_gaps(capabilities: Capabilities, cells: list[CellResult], bad_input: Optional[bool] = None) -> list[str]:
-    """What a certificate over `cells` does not cover, one line each: every part of the spec the backend
-    does not declare, and every part it declares that no step of these cells exercised."""
-    if capabilities.kind == "request-path":
-        return request_scope_gaps(capabilities, cells)
-    ops: dict[str, int] = {}
-    for c in cells:
-        for k, v in c.ops.items():
-            ops[k] = ops.get(k, 0) + v
-    host_cells = [c for c in cells if c.write_policy]
-    storage_cells = [c for c in cells if "+" in c.write_policy]
-    faults_fired = {k.split(":", 1)[1] for k in ops if k.startswith("InjectFault:")}
-    rejected = sum(v for k, v in ops.items() if k.endswith(":bad"))
-    parts: list[tuple[str, bool, bool]] = [
-        # (what, declared, exercised: counted from steps that did it)
-        (
-            "KV bytes (SPEC.md §9.12, INV-KV-1..3: every slot read back)",
-            capabilities.kv_reads,
-            ops.get("kv:entries", 0) > 0,
-        ),
-        (
-            "host tier (SPEC.md §9: backups, demotion, host eviction, load-back, copy acks)",
-            bool(capabilities.write_policies),
-            bool(host_cells) and ops.get("Complete", 0) > 0,
-        ),
-        (
-            "storage tier (SPEC.md §10: store copies, prefetch, storage faults)",
-            bool(capabilities.prefetch_policies),
-            bool(storage_cells) and ops.get("Fetch", 0) > 0,
-        ),
-        ("retraction (SPEC.md §9.11, INV-RETRACT-1/2)", capabilities.retraction, ops.get("Retract", 0) > 0),
-        (
-            "priority tiers (SPEC.md §11.1-§11.2: sessions, refs, tiers, INV-TIER-1/2/5)",
-            capabilities.priority_refs,
-            ops.get("RegisterRef", 0) > 0,
-        ),
-        *(
-            (
-                f"priority tiers, {part}: {what}",
-                part in capabilities.priority_parts,
-                _part_exercised(part, ops, bool(host_cells)),
-            )
-            for part, what in PRIORITY_PARTS.items()
-            if capabilities.priority_refs  # a backend without §11 gets the one line above
-        ),
-        (
-            "bad input (INV-ERR-1/2: typed errors, state unchanged)",
-            capabilities.strict_input or bool(bad_input),
-            bad_input is not False and rejected > 0,
-        ),
-        ("namespaces (INV-NS-*)", capabilities.namespaces, ops.get("namespace:named", 0) > 0),
-    ]
-    if capabilities.write_policies:
-        parts.append(
-            (
-                "locks on host-only nodes (SPEC.md §9.1: the device counters move only for device nodes)",
-                capabilities.locks_host_only,
-                ops.get("window:lock-host-only", 0) > 0,
-            )
-        )
-    out = []
-    for what, declared, exercised in parts:
-        if not declared:
-            out.append(f"{what}: not declared by the backend")
-        elif not exercised:
-            out.append(f"{what}: declared, but no step of this run exercised it")
-    for kind in FAULTS:
-        what = f"injected {kind} faults (SPEC.md §10.5)"
-        if kind not in capabilities.faults:
-            out.append(f"{what}: not declared by the backend")
-        elif kind not in faults_fired:
-            out.append(f"{what}: declared, but none was injected in this run")
-    for window, (what, tier) in WINDOW_TIERS.items():
-        in_tier = {"device": bool(cells), "host": bool(host_cells), "storage": bool(storage_cells)}[tier]
-        if window == "lock-host-only":
-            continue  # its own line above (a part a backend may leave out)
-        if in_tier and not ops.get(f"window:{window}"):
-            out.append(f"race window {window} ({what}): no step of this run entered it")
-    missing = [p for p in POLICIES if p not in capabilities.policies]
-    if missing:
-        out.append(f"eviction policies {', '.join(missing)}: not declared by the backend")
-    if capabilities.write_policies:
-        missing = [w for w in WRITE_POLICIES if w not in capabilities.write_policies]
-        if missing:
-            out.append(f"write policies {', '.join(missing)}: not declared by the backend")
-    if capabilities.prefetch_policies:
-        missing = [w for w in PREFETCH_POLICIES if w not in capabilities.prefetch_policies]
-        if missing:
-            out.append(f"prefetch stop policies {', '.join(missing)}: not declared by the backend")
-    if capabilities.prefetch_policies:
-        missing = [k for k in STORAGE_FAULTS if k not in capabilities.storage_faults]
-        if missing:
-            out.append(f"storage faults {', '.join(missing)}: the backend's store cannot take them")
-    held = profiles.profile(capabilities.profile)
-    has = {
-        "": True,
-        "write_back": "write_back" in capabilities.write_policies,
-        "copy": "copy" in capabilities.faults,
-        "host": bool(capabilities.write_policies),
-        "priority_host": capabilities.priority_refs and bool(capabilities.write_policies),
-        "retraction": capabilities.retraction,
-        "storage": bool(capabilities.prefetch_policies),
-        "host_room": bool(capabilities.prefetch_policies)
-        or (capabilities.retraction and bool(capabilities.write_policies)),
-    }
-    for choice in profiles.CHOICES:
-        if has[choice.needs] and not held.pinned(choice):
-            out.append(f"choice {choice.id} ({choice.pinned}): left to the backend under profile {held.name}")
-    if held.pinned(profiles.RANK) and not capabilities.reports_metadata:
-        out.append("policy metadata (INV-META-1): not exposed by the backend, judged only through eviction order")
-    for part, pin in profiles.STILL_PINNED:
-        if has[part]:
-            out.append(f"pinned under every profile (a correct cache that chooses otherwise fails): {pin}")
-    out += [
-        f"adapter deviation (the engine as certified differs from the engine as shipped): {d}"
-        for d in capabilities.deviations
-    ]
-    if capabilities.still_between_calls:
-        out.append(
-            "state between steps: not re-read (the backend declares still_between_calls, so each step's "
-            "before is the last step's after)"
-        )
-    return out
 
 
 def certify(

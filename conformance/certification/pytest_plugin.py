@@ -17,7 +17,7 @@ import pytest
 
 if TYPE_CHECKING:
     from kvcert.conformance.backend import Factory
-    from kvcert.conformance.certification.certify import CellResult
+    from kvcert.conformance.certification.certificate import CellResult
     from kvcert.spec.types import CacheConfig, Capabilities
 
 
@@ -138,7 +138,7 @@ class CellItem(pytest.Item):
         seed or budget, or one without this cell, is a usage error."""
         import json
 
-        from kvcert.conformance.certification.certify import config_name
+        from kvcert.conformance.certification.certificate import config_name
         from kvcert.conformance.certification.reports import cell_name
 
         path = self.config.getoption("kvcert_certificate")

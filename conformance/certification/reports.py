@@ -18,7 +18,7 @@ from importlib.resources import files
 from pathlib import Path
 from typing import Optional
 
-from kvcert.conformance.certification.certify import CellResult, Certificate
+from kvcert.conformance.certification.certificate import CellResult, Certificate
 from kvcert.conformance.certification.explain import ids_in
 from kvcert.conformance.harness.windows import SHORT, WINDOWS
 from kvcert.spec.types import KINDS

@@ -18,7 +18,8 @@ from typing import Optional
 
 import kvcert.refimpl.cache as refcache
 from kvcert.conformance.backend import Factory
-from kvcert.conformance.certification.certify import Certificate, cells_for, certify, config_name, run_cell
+from kvcert.conformance.certification.certificate import Certificate, config_name
+from kvcert.conformance.certification.certify import cells_for, certify, run_cell
 from kvcert.conformance.zoo.mutants import DIRECTED, MUTANTS, Mutant
 from kvcert.spec.types import CacheConfig
 

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Optional
 
 from kvcert.conformance import zoo
-from kvcert.conformance.certification.certify import Certificate
+from kvcert.conformance.certification.certificate import Certificate
 from kvcert.conformance.harness.driver import ConformanceFailure, run_trace
 from kvcert.spec.ops import (
     Complete,
