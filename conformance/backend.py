@@ -40,6 +40,7 @@ __all__ = [
     "RetractionBackend",
     "StorageTierBackend",
     "capabilities_of",
+    "close_backend",
 ]
 
 
@@ -258,3 +259,10 @@ def capabilities_of(factory: object) -> Capabilities:
     if not isinstance(caps, Capabilities):
         raise TypeError(f"{factory!r} has no `capabilities: Capabilities` attribute")
     return caps
+
+
+def close_backend(backend: object) -> None:
+    """Release a backend: its `close()` (pools, threads), if it has one. Backends need not define it."""
+    close = getattr(backend, "close", None)
+    if callable(close):
+        close()

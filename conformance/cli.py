@@ -675,7 +675,7 @@ def bench_meta_cmd(
     runs `repeats` times, in an order that alternates round by round; a rate is the median of its
     rounds, and a ratio to the baseline is the median of the rounds' ratios with the lowest and highest."""
     from kvcert.conformance.bench import meta as bench
-    from kvcert.conformance.bench import spread
+    from kvcert.conformance.bench import rounds, spread
 
     if repeats < 1:
         console.print("[red]--repeats must be at least 1[/]")
@@ -695,22 +695,22 @@ def bench_meta_cmd(
             tier = f", host pool {bench.HOST_RATIO * pages:,} pages" if mode == "host" else ""
             console.print(f"page size {ps}: {len(trace)} requests, {tokens:,} key tokens, pool {pages:,} pages{tier}")
             makers = make_drivers(ps, pages * ps, impl or everyone)
-            rounds: dict[str, list[Any]] = {label: [] for label, _ in makers}
-            for r in range(repeats):
-                for label, make in makers if r % 2 == 0 else list(reversed(makers)):
+            runs_of: dict[str, list[Any]] = {label: [] for label, _ in makers}
+            for r, order in enumerate(rounds(repeats, makers)):
+                for label, make in order:
                     res = run(make(), trace, budget)
-                    rounds[label].append(res)
+                    runs_of[label].append(res)
                     note = f" (stopped after {res.requests} requests: budget)" if res.requests < len(trace) else ""
                     console.print(
                         f"  round {r + 1}: {res.name:<34} {res.seconds:7.1f}s{note}{'  ' + res.error if res.error else ''}"
                     )
             if not makers:
                 continue
-            for line in bench.disagreements([res for runs in rounds.values() for res in runs]):
+            for line in bench.disagreements([res for runs in runs_of.values() for res in runs]):
                 console.print(f"  [red]DIFFERENT ANSWERS[/]: {line}")
                 differ = True
-            ops = rounds[makers[0][0]][0].ops
-            base = rounds.get(baseline)
+            ops = runs_of[makers[0][0]][0].ops
+            base = runs_of.get(baseline)
             title = (
                 f"calls/s, page size {ps}{' with a host tier' if mode == 'host' else ''}, median of {repeats} "
                 f"(ratio to {baseline}: median [spread])"
@@ -724,7 +724,7 @@ def bench_meta_cmd(
                 return res.total_rate if op == "all" else res.rate(op)
 
             for label, _ in makers:
-                runs = rounds[label]
+                runs = runs_of[label]
                 cells = []
                 medians: dict[str, Optional[float]] = {}
                 for op in (*ops, "all"):

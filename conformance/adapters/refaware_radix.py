@@ -402,7 +402,7 @@ class RefAwareRadixBackend(RefAwareAdapter):
         return []
 
     def snapshot(self) -> Snapshot:
-        return self._snapshot(list(self._walk()), lambda node: 0)
+        return self._snapshot(self._walk(), lambda node: 0)
 
 
 def node_view(node: Any, parent: Any, priority_refs: bool, host_lock_ref: int = 0) -> NodeView:

@@ -7,8 +7,17 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Sequence
+from typing import TypeVar
 
-__all__ = ["spread"]
+__all__ = ["rounds", "spread"]
+
+T = TypeVar("T")
+
+
+def rounds(repeats: int, sides: Sequence[T]) -> list[list[T]]:
+    """The order of the sides in each of `repeats` rounds: as given, then reversed, and so on, so that a machine
+    that slows down or speeds up during a bench weighs on every side alike."""
+    return [list(sides) if r % 2 == 0 else list(reversed(sides)) for r in range(repeats)]
 
 
 def spread(values: Sequence[float], fmt: str = "{:.2f}x") -> str:

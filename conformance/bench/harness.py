@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from kvcert.conformance.bench import spread
+from kvcert.conformance.bench import rounds, spread
 from kvcert.conformance.certification.certificate import Certificate
 from kvcert.conformance.certification.certify import certify, load_factory
 from kvcert.conformance.harness import checks, driver
@@ -55,14 +55,9 @@ def _cell(c: Any) -> str:
     return f"ps{c.page_size} {c.policy} {c.write_policy or 'device'}"
 
 
-def _rounds(repeats: int, sides: Sequence[str]) -> list[list[str]]:
-    """The order of the sides in each round: as given, then reversed, and so on."""
-    return [list(sides) if r % 2 == 0 else list(reversed(sides)) for r in range(repeats)]
-
-
 def drivers(target: str, examples: int, repeats: int, say: Callable[[str], None]) -> None:
     runs: dict[str, list[Certificate]] = {"hypothesis": [], "random": []}
-    for order in _rounds(repeats, ("hypothesis", "random")):
+    for order in rounds(repeats, ("hypothesis", "random")):
         for d in order:
             runs[d].append(certify(target, examples=examples, seed=0, out_dir=Path(tempfile.mkdtemp()), driver=d))
     say(f"{target}, {examples} examples per cell, seed 0, {repeats} rounds: fuzz steps/s over certify steps/s")
@@ -95,7 +90,7 @@ def _walk(target: str, examples: int, mode: int) -> Certificate:
 def check_costs(target: str, examples: int, repeats: int, say: Callable[[str], None]) -> None:
     modes = list(range(len(CHECK_MODES)))
     runs: dict[int, list[Certificate]] = {m: [] for m in modes}
-    for order in _rounds(repeats, CHECK_MODES):
+    for order in rounds(repeats, CHECK_MODES):
         for name in order:
             mode = CHECK_MODES.index(name)
             runs[mode].append(_walk(target, examples, mode))
@@ -180,7 +175,7 @@ def versus(root: Path, rev: str, target: str, args: Sequence[str], repeats: int,
         site = _wheel(root, rev, tmp)
         rates: dict[str, list[float]] = {"baseline": [], "new": []}
         first: dict[str, Path] = {}
-        for r, order in enumerate(_rounds(repeats, ("baseline", "new"))):
+        for r, order in enumerate(rounds(repeats, ("baseline", "new"))):
             for side in order:
                 out = tmp / f"{side}-{r}.json"
                 cert = _certify_from(site if side == "baseline" else None, target, out, args, tmp)

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
-from kvcert.conformance.backend import Backend
+from kvcert.conformance.backend import Backend, close_backend
 from kvcert.conformance.harness.checks import Checks
 from kvcert.conformance.harness.ledger import UNKNOWN_NODE, Ledger, Numbered, Pairs
 from kvcert.conformance.harness.queries import Queries
@@ -154,9 +154,7 @@ class Harness(Queries):
         if self.closed:
             return
         self.closed = True
-        close = getattr(self.backend, "close", None)
-        if callable(close):
-            close()
+        close_backend(self.backend)
 
     # ------------------------------------------------------------------ the ledger, as the rules and tests name it
 

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from kvcert.conformance.backend import close_backend
 from kvcert.conformance.harness.checks import Checks, _read_flat
 from kvcert.conformance.harness.driver import ConformanceFailure
 from kvcert.conformance.harness.ledger import Ledger
@@ -140,9 +141,7 @@ class RequestHarness:
         if self.closed:
             return
         self.closed = True
-        close = getattr(self.backend, "close", None)
-        if callable(close):
-            close()
+        close_backend(self.backend)
 
     # ------------------------------------------------------------------ queries the generator asks
 
