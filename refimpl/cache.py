@@ -31,6 +31,18 @@ from kvcert.refimpl.records import (
 from kvcert.refimpl.sessions import SessionTier
 from kvcert.refimpl.storage import StorageTier
 from kvcert.spec import storage as l3
+from kvcert.spec.decisions import (
+    Batch,
+    Decisions,
+    Demote,
+    Fetch,
+    LoadLock,
+    LoadRoom,
+    Reclaim,
+    Retry,
+    Room,
+    Throttle,
+)
 from kvcert.spec.types import (
     FAULTS,
     POLICIES,
@@ -154,6 +166,20 @@ def factory(config: CacheConfig) -> RefCache:
 factory.capabilities = RefCache.capabilities  # type: ignore[attr-defined]
 
 
+ALTERNATIVE = Decisions(
+    reclaim=Reclaim(first=False),
+    retry=Retry("invalidate"),
+    room=Room(prefetch="shortfall", backup="whole"),
+    batch=Batch("per_node"),
+    demote=Demote(restore="earliest", restore_on_move=True),
+    load_lock=LoadLock(host_lock=False),
+    load_room=LoadRoom(scope=(True, False), ask="whole"),
+    fetch=Fetch(batch=1),
+    throttle=Throttle(fraction=None),
+)
+"""Another correct choice at each of SPEC.md §6's open places but RANK (`alternative`)."""
+
+
 def alternative(config: CacheConfig) -> RefCache:
     """`kvcert.refimpl:alternative`: the reference model built another correct way (SPEC.md §6). Write-back host
     eviction takes duplicate backups and host-only leaves in one rank order, a failed write copy is
@@ -163,20 +189,7 @@ def alternative(config: CacheConfig) -> RefCache:
     protected by the load's own pins rather than a host lock, a backup short of host room host-evicts its
     whole size, load-back evicts its whole size, in a low requester's scope, a prefetch publishes every page as it
     arrives, and admission never declines a prefetch. It passes the core and fails the sglang-0.5.23 profile."""
-    cache = RefCache(config)
-    cache.batching = "per_node"
-    cache.restore_order = "earliest"
-    cache.restore_on_move = True
-    cache.load_scope = (True, False)
-    cache.load_ask = "whole"
-    cache.load_host_lock = False
-    cache.host_order = "rank"
-    cache.copy_failure = "invalidate"
-    cache.host_room = "shortfall"
-    cache.backup_room = "whole"
-    cache.fetch_batch = 1
-    cache.admit_fraction = None
-    return cache
+    return RefCache(config, decisions=ALTERNATIVE)
 
 
 alternative.capabilities = replace(  # type: ignore[attr-defined]

@@ -6,11 +6,11 @@ from collections.abc import Sequence
 from typing import Optional
 
 from kvcert.refimpl.records import (
-    Chooser,
     Node,
 )
 from kvcert.refimpl.tree import Tree
 from kvcert.spec import pages
+from kvcert.spec.decisions import Chooser
 from kvcert.spec.types import (
     InsertOut,
     InvalidCount,

@@ -7,7 +7,6 @@ from collections.abc import Sequence
 from typing import Optional
 
 from kvcert.refimpl.records import (
-    Chooser,
     Copy,
     Node,
     Retraction,
@@ -16,6 +15,7 @@ from kvcert.refimpl.records import (
 from kvcert.refimpl.tree import Tree
 from kvcert.spec import pages
 from kvcert.spec import storage as l3
+from kvcert.spec.decisions import Chooser
 from kvcert.spec.types import (
     FAULTS,
     HIGH_REF,
@@ -53,9 +53,9 @@ class HostTier(Tree):
                 if self._write_backup(node):
                     self._lock_path(node, +1)
                     written.append(node)
-        if self.batching == "per_node":
+        if self.decided.batch.cut == "per_node":
             groups = [[n] for n in reversed(written)]
-        elif self.batching == "per_node_parents_first":
+        elif self.decided.batch.cut == "per_node_parents_first":
             groups = [[n] for n in written]
         else:
             groups = [written] if written else []
@@ -81,7 +81,7 @@ class HostTier(Tree):
         if reclaim_all:
             self._make_room(n)
         else:  # a node's backup: the shortfall (SGLang) or the whole size (ROOM), the seated room spent backup by backup
-            self._make_room(n, whole=self.backup_room == "whole", spend=True)
+            self._make_room(n, whole=self.decided.room.backup == "whole", spend=True)
         if self.armed_faults.get("host_alloc"):
             self.armed_faults["host_alloc"] -= 1
             return None
@@ -92,22 +92,22 @@ class HostTier(Tree):
         return slots
 
     def _make_room(self, size: int, whole: Optional[bool] = None, spend: bool = False) -> None:
-        """Host room for `size` tokens that do not fit: host eviction asks for all of them (`whole`; by default as
-        `host_room` says for a prefetch or a retraction backup, SGLang's), or the shortfall, or what the harness
-        seats (`host_ask`, at most `size`; with `spend`, what this eviction freed is taken off it)."""
+        """Host room for `size` tokens that do not fit (ROOM): host eviction asks for all of them (`whole`; by
+        default as `Room.prefetch` says for a prefetch or a retraction backup), or the shortfall, or the operation's
+        decided ask (`room_left`, at most `size`; with `spend`, what this eviction freed is taken off it)."""
         assert self.host is not None
         free = len(self.host.free_list)
         if free >= size:
             return
         if whole is None:
-            whole = self.host_room == "whole"
+            whole = self.decided.room.prefetch == "whole"
         ask = size if whole else size - free
-        if self.host_ask is not None:
-            ask = min(self.host_ask, size)
+        if self.room_left is not None:
+            ask = min(self.room_left, size)
         if ask:
-            freed = self.evict_host(ask, choose=self.host_steer or self.steer)
-            if spend and self.host_ask is not None:
-                self.host_ask = max(0, self.host_ask - freed)
+            freed = self.evict_host(ask, choose=self.decided.reclaim.host or self.decided.rank.pick)
+            if spend and self.room_left is not None:
+                self.room_left = max(0, self.room_left - freed)
 
     def inject_fault(self, kind: str) -> None:
         """Arm one fault: the next allocation of `kind` fails (SPEC.md §10.5)."""
@@ -147,14 +147,15 @@ class HostTier(Tree):
         """Free `n` host tokens: write-back's duplicate backups (any order), then host-only leaves by rank."""
         check_count(n)
         freed = 0
-        if self.host_order == "rank" and self.write_policy == "write_back":
+        if not self.decided.reclaim.first and self.write_policy == "write_back":
             return self._evict_host_by_rank(n, choose)
         while freed < n and self.host is not None and self.write_policy == "write_back":
             duplicates = self.host_duplicates()
             if not duplicates:
                 break
             ids = sorted(d.id for d in duplicates)
-            pick = self.reclaim(ids) if self.reclaim else None
+            drop = self.decided.reclaim.drop
+            pick = drop(ids) if drop else None
             victim = self.nodes[ids[0] if pick is None else pick]
             self.chosen.append(("reclaim", victim.id))
             self.host.release(victim.host_slots or ())
@@ -209,8 +210,9 @@ class HostTier(Tree):
         node.host_lock_ref += 1  # the host copy must survive eviction made for room
         self._lock_path(node, +1)  # and so must the device path it hangs from
         if len(self.pool.free_list) < size:
-            ask = size if self.load_ask == "whole" else size - len(self.pool.free_list)
-            self.evict(ask, *self.load_scope, choose=self.steer)  # LOAD_ROOM
+            room = self.decided.load_room
+            ask = size if room.ask == "whole" else size - len(self.pool.free_list)
+            self.evict(ask, *room.scope, choose=self.decided.rank.pick)  # LOAD_ROOM
         if len(self.pool.free_list) < size:
             self._lock_path(node, -1)
             node.host_lock_ref -= 1
@@ -223,9 +225,10 @@ class HostTier(Tree):
             offset += len(n.key)
             self._account(n, +1)  # locked: protected
         _move_kv(self.host_kv, [x for n in chain for x in n.host_slots or ()], self.kv, slots)  # one job
-        if not self.load_host_lock:  # from here the copy's own pins protect the host copy (LOAD_LOCK)
+        host_lock = self.decided.load_lock.host_lock
+        if not host_lock:  # from here the copy's own pins protect the host copy (LOAD_LOCK)
             node.host_lock_ref -= 1
-        held = [node] if self.load_host_lock else []
+        held = [node] if host_lock else []
         self.copies.append(Copy(self._next_copy, "load", chain, anchors=[node], host_locked=held))
         self._next_copy += 1
         return size
@@ -242,7 +245,7 @@ class HostTier(Tree):
         if self.armed_faults.get("copy"):
             self.armed_faults["copy"] -= 1
             if copy.kind != "store":
-                if copy.kind == "write" and self.copy_failure == "invalidate" and self._give_up(copy):
+                if copy.kind == "write" and self.decided.retry.on_failure == "invalidate" and self._give_up(copy):
                     return  # the backups are invalidated, the ack still releases the copy's locks
                 return  # a failed device<->host copy is retried: both ends stay pinned, the copy unfinished
             copy.finished = True
@@ -298,7 +301,7 @@ class HostTier(Tree):
                 consumed += 1
                 if kind == "write" and not copy.given_up:
                     ordered = sorted(copy.nodes, key=lambda n: len(self._full_path(n)))
-                    for group in [ordered] if self.batching == "per_ack" else [[n] for n in ordered]:
+                    for group in [ordered] if self.decided.batch.cut == "per_ack" else [[n] for n in ordered]:
                         self._store(group)  # D7: one store copy per node (SGLang)
         return consumed
 

@@ -3,7 +3,7 @@ and the small pure helpers the tiers share."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -208,7 +208,3 @@ def _cut(slots: Optional[tuple[int, ...]], at: int) -> tuple[Optional[tuple[int,
     return (None, None) if slots is None else (slots[:at], slots[at:])
 
 
-Chooser = Callable[[list[int]], Optional[int]]
-"""Picks an eviction victim among candidate ids; None leaves the pick to the model's own order."""
-SessionChooser = Callable[[list[str]], Optional[str]]
-"""Picks a session to demote or restore among candidate ids (DEMOTE); the harness seats the backend's choice."""

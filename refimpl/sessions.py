@@ -66,7 +66,8 @@ class SessionTier(Tree):
         if old is not None:
             was_high = self._is_high(old)
             self._hold(old, -1)
-            if was_high and (self.restore_steer is not None or self.restore_on_move):  # DEMOTE: a move may count
+            demote = self.decided.demote
+            if was_high and (demote.restore_pick is not None or demote.restore_on_move):  # DEMOTE: a move may count
                 self._restore_one(self._restore_pick(self._still_demoted()))  # as the high session's release
         session = Session(session_id, node, priority, self._next_seq)
         self._next_seq += 1
@@ -94,12 +95,13 @@ class SessionTier(Tree):
         self._restore_one(self._restore_pick(self._still_demoted()))
 
     def _restore_pick(self, demoted: list[str]) -> Optional[str]:
-        """The demoted session high-priority room goes back to: the steered one, else by `restore_order`."""
-        if self.restore_steer is not None:
-            return self.restore_steer(demoted)
+        """The demoted session high-priority room goes back to: the decided pick, else by `Demote.restore`."""
+        demote = self.decided.demote
+        if demote.restore_pick is not None:
+            return demote.restore_pick(demoted)
         if not demoted:
             return None
-        return demoted[-1] if self.restore_order == "latest" else demoted[0]
+        return demoted[-1] if demote.restore == "latest" else demoted[0]
 
     def _still_demoted(self) -> list[str]:
         """Sessions demoted and not since restored, re-registered or released, earliest demoted first."""
@@ -118,7 +120,7 @@ class SessionTier(Tree):
 
     def _queue(self, session: Session) -> None:
         """Under the "queued" demotion order, a session high now joins the queue, unless it is in it already."""
-        if self.demote_order != "queued" or not self._is_high(session) or session.id in self.queued:
+        if self.decided.demote.order != "queued" or not self._is_high(session) or session.id in self.queued:
             return
         self.queued.add(session.id)
         heapq.heappush(self.idle_queue, (len(self._full_path(session.node)), session.id))
@@ -137,10 +139,11 @@ class SessionTier(Tree):
     def _demote_idle_session(self) -> bool:
         """Host pressure: demote the idle high session with the fewest tokens (SPEC.md §11.4); False if none."""
         high = sorted((s for s in self.sessions.values() if self._is_high(s)), key=lambda s: s.seq)
-        pick = self.demote_steer([s.id for s in high]) if self.demote_steer is not None else None
+        demote = self.decided.demote
+        pick = demote.pick([s.id for s in high]) if demote.pick is not None else None
         if pick is not None:
             victim = self.sessions[pick]
-        elif self.demote_order == "queued":
+        elif demote.order == "queued":
             queued = self._queued_high()
             if queued is None:
                 return False

@@ -104,12 +104,13 @@ class StorageTier(Tree):
 
     def _throttled(self) -> bool:
         """Whether admission declines the next prefetch (THROTTLE): only ever while another one runs under the core."""
-        if self.admit_steer is not None and self.prefetches:
-            return not self.admit_steer
-        if self.admit_fraction is None or self.host is None:
+        throttle = self.decided.throttle
+        if throttle.admit is not None and self.prefetches:
+            return not throttle.admit
+        if throttle.fraction is None or self.host is None:
             return False
         occupied = sum(p.span_pages for p in self.prefetches) * self.page_size
-        return occupied >= int(self.admit_fraction * self.host.capacity)
+        return occupied >= int(throttle.fraction * self.host.capacity)
 
     def _prefetch_alloc(self, size: int) -> Optional[tuple[int, ...]]:
         """D9: if `size` does not fit, host-evict `size` tokens (`_make_room`); reserve the longest whole-page part
@@ -150,7 +151,8 @@ class StorageTier(Tree):
             if raised:  # a read that raises loses its batch: the pages not yet published (FETCH)
                 p.fetched = p.published
         ends = p.failed or p.fetched == len(p.keys)  # a batch's miss or the last page publishes everything
-        publish = ends or (p.fetched % self.fetch_batch == 0 if self.publish_steer is None else self.publish_steer)
+        fetch = self.decided.fetch
+        publish = ends or (p.fetched % fetch.batch == 0 if fetch.publish is None else fetch.publish)
         if publish:
             p.published = p.fetched
 

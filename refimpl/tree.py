@@ -7,23 +7,23 @@ mixin reads as its own section of the spec while the calls between tiers stay vi
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Optional
 
 from kvcert.refimpl.records import (
     _DEFAULT_CONFIG,
-    Chooser,
     Copy,
     Node,
     Prefetching,
     Retraction,
     Session,
-    SessionChooser,
     SlotPool,
     _cut,
 )
 from kvcert.spec import pages
 from kvcert.spec import storage as l3
+from kvcert.spec.decisions import SGLANG_0523, Chooser, Decisions
 from kvcert.spec.types import (
     POLICIES,
     PREFETCH_POLICIES,
@@ -39,7 +39,7 @@ from kvcert.spec.types import (
 class Tree:
     """The model's state and the tree helpers every tier reads."""
 
-    def __init__(self, config: CacheConfig = _DEFAULT_CONFIG) -> None:
+    def __init__(self, config: CacheConfig = _DEFAULT_CONFIG, decisions: Decisions = SGLANG_0523) -> None:
         if config.policy not in POLICIES:
             raise ValueError(f"unknown policy {config.policy!r}")
         if config.page_size < 1 or config.capacity % config.page_size or config.host_capacity % config.page_size:
@@ -65,10 +65,6 @@ class Tree:
         self.copies: list[Copy] = []
         """Issued copies whose ack has not been consumed, in issue order."""
         self._next_copy = 0
-        self.steer: Optional[Chooser] = None
-        """Tie-break for evictions made inside other operations (write-backup, load-back); the harness steers it."""
-        self.reclaim: Optional[Chooser] = None
-        """Which duplicate backup write-back's host eviction drops next (any order is legal); the harness steers it."""
         self.prefetch_policy = config.prefetch_policy
         self.timeout = (config.prefetch_timeout_base, config.prefetch_timeout_per_page)
         self.kv_layers = config.kv_layers
@@ -94,74 +90,32 @@ class Tree:
         """Device tokens of unlocked nodes per tier (SPEC.md §11.2)."""
         self.scope = (True, True)
         """The running eviction's scope (allow_low, allow_high); the full scope between calls."""
-        # Where SPEC.md §6's core leaves a choice (kvcert.spec.profiles), SGLang's is the default; the
-        # alternative reference behaviour and the harness's core steering change these.
-        self.rank_free = False
-        """Choosers see every eviction candidate, not only the minimal-rank ones (profile choice RANK)."""
-        self.host_order = "reclaim_first"
-        """Write-back host eviction: "reclaim_first" drops duplicate backups before host-only leaves;
-        "rank" takes both in one rank order (RECLAIM)."""
-        self.copy_failure = "retry"
-        """A failed write copy: "retry" keeps it pending; "invalidate" gives its backups up when it can (RETRY)."""
-        self.host_room = "whole"
-        """A prefetch or a retraction backup that does not fit: "whole" host-evicts its whole size (SGLang, D9 and
-        D17); "shortfall" only what is missing (ROOM)."""
-        self.batching = "sglang"
-        """How copies are cut (BATCH): "sglang" (one write copy per insert, one store copy per node, shallowest
-        first); "per_node" (one write copy per node, deepest first); "per_node_parents_first" (one per node, parents
-        first: the RefAware fork, H11); "per_ack" (a write ack's nodes stored in one
-        copy)."""
-        self.backup_room = "shortfall"
-        """A write-through or write-back backup short of host room: host eviction asks for the shortfall (SGLang) or
-        for the node's "whole" size (ROOM)."""
-        self.host_ask: Optional[int] = None
-        """The host tokens the next prefetch or retraction backup that does not fit asks host eviction for, at most
-        its size (the harness seats the backend's choice under the core); None: as `host_room` says."""
-        self.host_steer: Optional[Chooser] = None
-        """The chooser for host evictions made inside other operations, when it differs from `steer`."""
+        self.own = decisions
+        """The model's own decision at each choice SPEC.md §6 leaves open (its profile's; SGLang's by default)."""
+        self.decided = decisions
+        """What the running operation follows: `own`, or what `deciding` handed it for that operation."""
+        self.room_left: Optional[int] = None
+        """ROOM's `ask` while an operation runs, less what its node backups' host evictions have freed so far."""
         self.backs_up_retractions = True
         """Whether an admission plan may keep a retracted request's KV on the host (SPEC.md §11.5): the harness
         turns it off for a backend with a host tier that declares no retraction backup."""
-        self.load_host_lock = True
-        """A pending load keeps its node's host copy host-locked until the ack (LOAD_LOCK); False: the load's own
-        pins (both tiers, the device lock) protect it once its nodes are on the device."""
-        self.restore_order = "latest"
-        """Which demoted session a released high session restores (DEMOTE): "latest" (the most recently demoted,
-        SPEC.md §11.4) or "earliest"."""
-        self.demote_steer: Optional[SessionChooser] = None
-        """The core's demotion chooser (DEMOTE): given every high session, oldest registration first, the one to
-        demote, None for the model's own pick; the harness seats the backend's choice with it."""
-        self.restore_steer: Optional[SessionChooser] = None
-        """The core's restore chooser (DEMOTE): given the demoted sessions, the one a high release restores, or None
-        for none; when set it decides."""
-        self.load_scope: tuple[bool, bool] = (True, True)
-        """The scope load-back makes its device room in (LOAD_ROOM): the full one (SPEC.md §11.3), or (True, False),
-        a low-priority requester's (the RefAware fork's request-less load, H7)."""
-        self.load_ask = "shortfall"
-        """What load-back asks device eviction for (LOAD_ROOM): its "shortfall" (SGLang 0.5.23) or its "whole" size
-        (0.5.10's `load_back`, H13)."""
-        self.demote_order = "idle_fewest"
-        """Which high session host pressure demotes (DEMOTE): "idle_fewest", an idle one with the fewest tokens on its
-        path, ties to the earliest registered (SPEC.md §11.4); or "queued", the RefAware fork's: the one queued with
-        the fewest tokens when it was queued, ties to the smaller id, idle or not (`idle_queue`)."""
         self.idle_queue: list[tuple[int, str]] = []
-        """Under "queued": (tokens on its path when queued, id), a min-heap of high sessions, each queued at most once
-        (`queued`) when it is registered, raised or restored as high; a stale entry leaves when it reaches the top."""
+        """Under DEMOTE's "queued" order: (tokens on its path when queued, id), a min-heap of high sessions, each
+        queued at most once (`queued`) when it is registered, raised or restored as high; a stale entry leaves when
+        it reaches the top."""
         self.queued: set[str] = set()
-        self.restore_on_move = False
-        """Whether a high session registered again (moved) counts as released and restores a demoted session
-        (DEMOTE; the RefAware fork's composed move, H9): SGLang's profile says no."""
-        self.fetch_batch = l3.FETCH_BATCH_PAGES
-        """A prefetch publishes its progress per batch of this many pages, at a miss, or at its last page (FETCH)."""
-        self.publish_steer: Optional[bool] = None
-        """The core's FETCH choice for the next fetch that ends no batch: publish every page so far, or not."""
-        self.admit_fraction: Optional[float] = l3.PREFETCH_ADMIT_FRACTION
-        """A prefetch is declined while running prefetches' requested spans reach this share of the host pool
-        (THROTTLE, SGLang's `prefetch_capacity_limit`); None: never."""
-        self.admit_steer: Optional[bool] = None
-        """The core's THROTTLE choice for the next prefetch made while others run: admit it (True) or decline."""
         self.chosen: list[tuple[str, int]] = []
         """The current operation's eviction choices, in order (`Snapshot.choices`); cleared by `set_clock`."""
+
+    @contextmanager
+    def deciding(self, decisions: Decisions) -> Iterator[None]:
+        """Follow `decisions` at SPEC.md §6's open choices for the operations run inside, then `own` again: the
+        model keeps no choice of another's between operations."""
+        self.decided, self.room_left = decisions, decisions.room.ask
+        try:
+            yield
+        finally:
+            self.decided, self.room_left = self.own, None
 
     # ------------------------------------------------------------------ helpers
 
@@ -293,7 +247,7 @@ class Tree:
         return (self.tier(node), node.high_ref, node.low_ref, *policy)
 
     def _pick(self, candidates: list[Node], choose: Optional[Chooser]) -> Node:
-        if self.rank_free and choose is not None:
+        if self.decided.rank.free and choose is not None:
             ranked = [n.id for n in sorted(candidates, key=lambda n: (self.rank(n), n.id))]
             pick = choose(ranked)
             return self.nodes[ranked[0] if pick is None else pick]

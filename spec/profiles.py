@@ -11,7 +11,8 @@ checks the core relation and then seats the oracle on whatever legal choice the 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+
+from kvcert.spec.decisions import SGLANG_0523, Batch, Decisions, Demote, LoadLock, LoadRoom, Room
 
 
 @dataclass(frozen=True)
@@ -127,26 +128,19 @@ class Profile:
     name: str
     pins: frozenset[str]
     """The ids of the choices this profile pins; the rest are checked by their core relation."""
-    settings: tuple[tuple[str, Any], ...] = ()
-    """Where the engine's choice at a pinned place differs from SGLang 0.5.23's (the reference model's default): the
-    model's knob and the engine's value (`RefCache` attributes), so the model makes the engine's choice and the
-    engine must match."""
+    decisions: Decisions = SGLANG_0523
+    """The engine's choice at every open place (`kvcert.spec.decisions`): what the reference model follows under
+    this profile where it pins a choice, so the model makes the engine's choice and the engine must match. SGLang
+    0.5.23's wherever the profile says nothing else."""
 
     def pinned(self, choice: Choice) -> bool:
         return choice.id in self.pins
-
-    def setting(self, name: str, default: Any) -> Any:
-        """The model's value for knob `name` under this profile (SGLang's, `default`, unless the profile says)."""
-        for key, value in self.settings:
-            if key == name:
-                return value
-        return default
 
     @property
     def load_host_lock(self) -> bool:
         """Whether a pending load must host-lock its anchor's host copy (INV-HOST-6's LOAD_LOCK clause): only where
         the profile pins LOAD_LOCK to SGLang's choice; open, or pinned to the fork's, the load's own pins do."""
-        return self.pinned(LOAD_LOCK) and bool(self.setting("load_host_lock", True))
+        return self.pinned(LOAD_LOCK) and self.decisions.load_lock.host_lock
 
 
 CORE = Profile("core", frozenset())
@@ -154,15 +148,12 @@ SGLANG = Profile("sglang-0.5.23", frozenset(c.id for c in CHOICES))
 REFAWARE = Profile(
     "refaware-0.5.10",
     frozenset({RANK.id, BATCH.id, DEMOTE.id, LOAD_LOCK.id, LOAD_ROOM.id, ROOM.id}),
-    settings=(
-        ("batching", "per_node_parents_first"),
-        ("demote_order", "queued"),
-        ("restore_order", "earliest"),
-        ("restore_on_move", True),
-        ("load_host_lock", False),
-        ("load_scope", (True, False)),
-        ("load_ask", "whole"),
-        ("backup_room", "whole"),
+    decisions=Decisions(
+        batch=Batch("per_node_parents_first"),
+        demote=Demote(order="queued", restore="earliest", restore_on_move=True),
+        load_lock=LoadLock(host_lock=False),
+        load_room=LoadRoom(scope=(True, False), ask="whole"),
+        room=Room(backup="whole"),
     ),
 )
 """The priority-aware fork of SGLang 0.5.10 (the seed's implementation), held to its own design

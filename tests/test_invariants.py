@@ -15,6 +15,7 @@ from kvcert.conformance.harness.storage import FaultyStorage, MemoryStorage
 from kvcert.refimpl import RefCache
 from kvcert.spec import storage as l3
 from kvcert.spec.contracts import node_paths
+from kvcert.spec.decisions import Decisions, Fetch
 from kvcert.spec.invariants import SNAPSHOT_INVARIANTS, Violation, check_snapshot, rooted
 from kvcert.spec.types import CacheConfig, Namespace, NodeView, Snapshot
 
@@ -200,7 +201,7 @@ def _prefetch_base() -> Snapshot:
         page_size=PS, capacity=32, host_capacity=48, write_policy="write_through", prefetch_policy="wait_complete"
     )
     cache = RefCache(config)
-    cache.fetch_batch = 1  # progress published per page (FETCH): the base has one page of two fetched and seen
+    cache.own = cache.decided = Decisions(fetch=Fetch(batch=1))  # progress published per page (FETCH): the base has one page of two fetched and seen
     store = FaultyStorage(MemoryStorage())
     cache.attach_storage(store)
     anchor = list(range(1, 1 + PS))

@@ -21,6 +21,7 @@ from kvcert.conformance.harness.driver import ConformanceFailure, run_trace
 from kvcert.refimpl import RefCache, alternative, factory
 from kvcert.spec import profiles
 from kvcert.spec import storage as l3
+from kvcert.spec.decisions import Batch, Decisions, Demote, LoadRoom, Throttle
 from kvcert.spec.ops import (
     Checkpoint,
     CheckPrefetch,
@@ -262,8 +263,7 @@ class _WholeLoad(RefCache):
     """Load-back evicts its whole size, not its shortfall (LOAD_ROOM; SGLang 0.5.10's `load_back`)."""
 
     def __init__(self, config: CacheConfig) -> None:
-        super().__init__(config)
-        self.load_ask = "whole"
+        super().__init__(config, Decisions(load_room=LoadRoom(ask="whole")))
 
 
 class _LoadEvictsPastItsSize(_WholeLoad):
@@ -286,8 +286,7 @@ class _PerAck(RefCache):
     """A write ack's nodes stored in one copy, deepest first (another correct cut, BATCH)."""
 
     def __init__(self, config: CacheConfig) -> None:
-        super().__init__(config)
-        self.batching = "per_ack"
+        super().__init__(config, Decisions(batch=Batch("per_ack")))
 
 
 class _StoresOne(_PerAck):
@@ -343,8 +342,7 @@ class _ThrottlesAlone(RefCache):
     """Admission declines every prefetch, even one made while no other runs."""
 
     def __init__(self, config: CacheConfig) -> None:
-        super().__init__(config)
-        self.admit_fraction = 0.0
+        super().__init__(config, Decisions(throttle=Throttle(fraction=0.0)))
 
 
 class _HoldsPastAMiss(RefCache):
@@ -594,9 +592,8 @@ class _DemotesNewest(RefCache):
     the backend's to pick under the core (DEMOTE)."""
 
     def __init__(self, config: CacheConfig) -> None:
-        super().__init__(config)
-        self.demote_steer = lambda high: high[-1] if high else None
-        self.restore_steer = lambda demoted: demoted[0] if demoted else None
+        newest = Demote(pick=lambda high: high[-1] if high else None, restore_pick=lambda d: d[0] if d else None)
+        super().__init__(config, Decisions(demote=newest))
 
 
 class _RestoresNone(RefCache):
@@ -604,8 +601,7 @@ class _RestoresNone(RefCache):
     one, so the core does too."""
 
     def __init__(self, config: CacheConfig) -> None:
-        super().__init__(config)
-        self.restore_steer = lambda demoted: None
+        super().__init__(config, Decisions(demote=Demote(restore_pick=lambda demoted: None)))
 
 
 class _DemotesTwice(RefCache):

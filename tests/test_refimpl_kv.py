@@ -14,6 +14,7 @@ from _refcache import settle
 from kvcert.conformance.harness.storage import FaultyStorage, MemoryStorage
 from kvcert.refimpl import RefCache
 from kvcert.spec import storage as l3
+from kvcert.spec.decisions import Decisions, Fetch
 from kvcert.spec.types import CacheConfig, LengthMismatch, SlotNotOwned
 
 
@@ -163,7 +164,7 @@ def test_a_fetched_page_fills_the_reserved_host_slots_and_the_node_keeps_them() 
 
 def test_a_prefetch_ended_early_keeps_the_slots_it_filled() -> None:
     c = make(prefetch="best_effort")
-    c.fetch_batch = 1  # progress published per page (FETCH), so the page that arrived is kept
+    c.own = c.decided = Decisions(fetch=Fetch(batch=1))  # progress published per page (FETCH), so the page that arrived is kept
     store = FaultyStorage(MemoryStorage())
     c.attach_storage(store)
     pairs = l3.stored_pages(None, [3, 4, 5], 1, 2, c.digest)

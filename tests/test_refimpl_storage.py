@@ -11,6 +11,7 @@ from _refcache import put, settle
 from kvcert.conformance.harness.storage import FaultyStorage, MemoryStorage
 from kvcert.refimpl import RefCache
 from kvcert.spec import storage as l3
+from kvcert.spec.decisions import Decisions, Fetch, Throttle
 from kvcert.spec.invariants import check_snapshot
 from kvcert.spec.types import CacheConfig
 
@@ -93,7 +94,7 @@ def test_best_effort_ends_at_once_and_keeps_what_was_published() -> None:
     assert c.check_prefetch(0) == 0 and len(c.host.free_list) == 8  # type: ignore[union-attr]
 
     c, store = make("best_effort")
-    c.fetch_batch = 1  # a cache that publishes every page keeps the page that arrived
+    c.own = c.decided = Decisions(fetch=Fetch(batch=1))  # a cache that publishes every page keeps the page that arrived
     publish(store, [1, 2, 3])
     assert c.prefetch(c.root.id, None, [1, 2, 3]) == 3
     c.fetch(0)
@@ -145,7 +146,7 @@ def test_admission_declines_while_running_spans_reach_half_the_host_pool() -> No
     assert asked == [], "a declined prefetch asks storage nothing"
     c.abort_prefetch(0)
     assert c.prefetch(c.root.id, None, [5, 6]) == 2, "admitted once nothing runs"
-    c.admit_fraction = None
+    c.own = c.decided = Decisions(throttle=Throttle(fraction=None))
     assert c.prefetch(c.root.id, None, [1, 2]) == 2, "a cache without the limit admits it"
 
 

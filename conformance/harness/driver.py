@@ -27,6 +27,7 @@ from typing import Any, Optional
 
 from kvcert.conformance.backend import Backend, close_backend
 from kvcert.conformance.harness.checks import Checks
+from kvcert.conformance.harness.decide import attempts, decide, victims
 from kvcert.conformance.harness.ledger import UNKNOWN_NODE, Ledger, Numbered, Pairs
 from kvcert.conformance.harness.queries import Queries
 from kvcert.conformance.harness.running import lent
@@ -39,7 +40,6 @@ from kvcert.spec import contracts
 from kvcert.spec.invariants import Violation, rooted
 from kvcert.spec.ops import (
     HANDLE_PRODUCERS,
-    Admit,
     CheckPrefetch,
     Complete,
     Discard,
@@ -47,14 +47,12 @@ from kvcert.spec.ops import (
     EvictHost,
     Fetch,
     Finish,
-    LoadBack,
     Lock,
     Match,
     Op,
     Poll,
     Prefetch,
     Publish,
-    ReleaseRef,
     Restore,
     Retract,
     Start,
@@ -63,15 +61,8 @@ from kvcert.spec.ops import (
 )
 from kvcert.spec.profiles import (
     BATCH,
-    DEMOTE,
-    FETCH,
-    LOAD_LOCK,
-    LOAD_ROOM,
     RANK,
     RECLAIM,
-    RETRY,
-    ROOM,
-    THROTTLE,
     Profile,
     profile,
 )
@@ -128,14 +119,18 @@ class Harness(Queries):
     def __post_init__(self) -> None:
         try:
             self.profile: Profile = profile(self.capabilities.profile)
-            self.oracle = RefCache(self.config)
             # Under a profile that leaves a choice open the oracle takes whichever legal one the backend
             # reported (SPEC.md §6): every eviction candidate is open to its chooser, host eviction one order.
-            self.oracle.rank_free = not self.profile.pinned(RANK)
-            self.oracle.host_order = "reclaim_first" if self.profile.pinned(RECLAIM) else "rank"
+            own = self.profile.decisions
+            self.oracle = RefCache(
+                self.config,
+                decisions=replace(
+                    own,
+                    rank=replace(own.rank, free=not self.profile.pinned(RANK)),
+                    reclaim=replace(own.reclaim, first=self.profile.pinned(RECLAIM)),
+                ),
+            )
             self.oracle.backs_up_retractions = self.capabilities.retraction  # none declared: plans keep no backup
-            for knob, value in self.profile.settings:  # the engine's own choices, where its profile pins them
-                setattr(self.oracle, knob, value)
             self.model = KVModel(self.config.kv_layers)
             self.checks = Checks(
                 self.backend, self.config, self.capabilities, self.ledger, self.model, self.profile.load_host_lock
@@ -276,108 +271,50 @@ class Harness(Queries):
         return got
 
     def _follow(self, op: Op, before: Snapshot, after: Snapshot, got: Outcome) -> tuple[Outcome, list[Violation]]:
-        """Run `op` on the oracle, steered to the backend's choices; its outcome and the steering's findings.
+        """Run `op` on the oracle under the decisions that lead it to the backend's choices; its outcome and the
+        steering's findings.
 
-        Where the spec leaves the backend a choice the snapshots cannot show, the oracle tries once per
-        candidate choice until it reaches the backend's state: write-back's reclaim order, and whether a
-        write-back eviction tried a node it then skipped before the victims it evicted.
+        Where the spec leaves the backend a choice the snapshots cannot show, the oracle is put back and tried
+        once per candidate (`decide.attempts`, which says why) until it reaches the backend's state.
         """
         pinned = self.profile.pinned
         follows = self.capabilities.reports_choices and not (pinned(RANK) or pinned(RECLAIM))
         steering = Steering(self.config, before, after, follows_reports=follows)
-        lenient = self.capabilities.aligns_keys
-        orders = steering.reclaim_orders() if pinned(RECLAIM) else steering.host_orders()
-        attempts = [(order, False, False) for order in orders]
-        if steering.skippable(op):
-            attempts += [(order, True, False) for order, _, _ in attempts]
-        if not pinned(RANK) and steering.moved():  # the backend's victims in rank order, else the largest last
-            attempts += [(order, skip, True) for order, skip, _ in attempts]
-        rooms: list[Optional[str]] = [None]  # a room-making step: what the backend freed, or else (ROOM)
-        if not pinned(ROOM) and isinstance(op, (Prefetch, Retract)):
-            rooms = ["freed", "whole", "shortfall"] if steering.demoted() else ["freed"]
-        elif not pinned(ROOM) and not isinstance(op, EvictHost) and steering.host_freed():
-            rooms = [None, "freed"]  # a backup may have made more host room than its shortfall
-        if not pinned(LOAD_ROOM) and isinstance(op, LoadBack):  # its device room: the whole size, a low scope
-            scoped = ["low", "low-whole"] if self.capabilities.priority_refs else []
-            rooms = [*rooms, "whole", *scoped]
-        admits: list[Optional[bool]] = [None]  # THROTTLE: admitted (True) or declined while others run
-        if not pinned(THROTTLE) and isinstance(op, Prefetch) and self.oracle.prefetches:
-            admits = [True] if got else [None, False]
-        publishes: list[Optional[bool]] = [None]  # FETCH: this fetch's progress published, or held
-        if not pinned(FETCH) and isinstance(op, Fetch):
-            publishes = [True, False]
-        tries = [
-            (*a, room, admit, shares) for admit in admits for shares in publishes for room in rooms for a in attempts
-        ]
+        tries = attempts(steering, op, got, self.profile, self.capabilities.priority_refs, bool(self.oracle.prefetches))
         saved = copy.deepcopy(self.oracle) if len(tries) > 1 else None
         requests = dict(self.ledger.running) if saved is not None else {}  # the oracle's half goes back with it
+        gave_up = self._gave_up(op, after)
         want: Outcome = None
         found: list[Violation] = []
-        for attempt, (order, skipped_first, tail, room, admit, shares) in enumerate(tries):
-            if attempt:  # the last choice disagreed with the backend: put the oracle back and try the next
+        for index, attempt in enumerate(tries):
+            if index:  # the last choice disagreed with the backend: put the oracle back and try the next
                 self.oracle = copy.deepcopy(saved)  # type: ignore[assignment]
                 self._spec_snap = None
                 self.ledger.running = _oracle_half_back(self.ledger.running, requests)
                 if self.storages:
                     self.storages = (self.storages[0], self.oracle.storage)  # type: ignore[assignment]
             found = []
-            choose, replayed = None, None
-            if isinstance(op, (Evict, EvictHost)) and isinstance(got, int):
-                if pinned(RANK):
-                    choose, replayed = steering.witness(
-                        self.oracle, self.spec_snapshot(), op, got, found, skipped_first
-                    )
-                else:
-                    choose, replayed = steering.seat(self.oracle, op, got, found, skipped_first, tail, order)
-            elif isinstance(op, Admit):  # the plan's scoped eviction: among tied leaves, the backend's victims
-                choose = steering.follow(self.oracle, tail=tail)
-            self.oracle.steer = steering.follow(self.oracle, tail=tail)
-            self.oracle.reclaim = steering.reclaimed(self.oracle, order)
-            self.oracle.host_steer = None if pinned(RECLAIM) else steering.follow_host(self.oracle, tail, order)
-            if not pinned(LOAD_LOCK):
-                self.oracle.load_host_lock = steering.load_host_locked()
-            if not pinned(DEMOTE):
-                self.oracle.demote_steer = steering.demote_pick()
-                self.oracle.restore_steer = steering.restore_pick(required=isinstance(op, ReleaseRef))
-            if not pinned(RETRY):
-                self.oracle.copy_failure = "invalidate" if self._gave_up(op, after) else "retry"
-            self.oracle.admit_steer, self.oracle.publish_steer = admit, shares
-            if room in ("whole", "low", "low-whole"):
-                self.oracle.load_scope = (True, False) if room.startswith("low") else (True, True)
-                self.oracle.load_ask = "whole" if room.endswith("whole") else "shortfall"
-            elif room == "freed":
-                self.oracle.host_ask = steering.host_freed()
-            elif room is not None:  # host pressure demoted a session: the backend's eviction ran dry before its ask
-                self.oracle.host_room = room
+            choose, replayed = victims(steering, self.oracle, self.spec_snapshot(), op, got, attempt, self.profile, found)
+            decisions = decide(steering, self.oracle, op, attempt, self.profile, gave_up)
             theirs = Side(
                 self.oracle,
                 1,
                 self.ledger,
                 self.config,
                 choose=choose,
-                unaligned=lenient,
+                unaligned=self.capabilities.aligns_keys,
                 gated=self.capabilities.checkpoints,
             )
             try:
-                want = run_op(theirs, op, self.ops)
+                with self.oracle.deciding(decisions):
+                    want = run_op(theirs, op, self.ops)
             finally:
-                self.oracle.steer = self.oracle.reclaim = self.oracle.host_steer = None
-                self.oracle.demote_steer = self.oracle.restore_steer = None
-                self.oracle.admit_steer = self.oracle.publish_steer = None
-                setting = self.profile.setting  # back to the profile's choice (SGLang's where it says nothing)
-                self.oracle.load_host_lock = setting("load_host_lock", True)
-                self.oracle.copy_failure = setting("copy_failure", "retry")
-                self.oracle.host_ask, self.oracle.host_room = None, setting("host_room", "whole")
-                self.oracle.load_scope, self.oracle.load_ask = (
-                    setting("load_scope", (True, True)),
-                    setting("load_ask", "shortfall"),
-                )
                 self._spec_snap = None
             if not pinned(BATCH):
                 self._regroup(before, after)
             if replayed is not None:
                 found += replayed(self.spec_snapshot())
-            if attempt == len(tries) - 1 or agrees(self.spec_snapshot(), after):
+            if index == len(tries) - 1 or agrees(self.spec_snapshot(), after):
                 break
         return want, found
 

@@ -18,9 +18,9 @@ from typing import Any, Optional, Union
 
 from kvcert.conformance.harness import running
 from kvcert.conformance.harness.ledger import Ledger
-from kvcert.refimpl.records import Chooser
 from kvcert.spec import pages
 from kvcert.spec import storage as l3
+from kvcert.spec.decisions import Chooser
 from kvcert.spec.invariants import Violation
 from kvcert.spec.ops import (
     AbortPrefetch,

@@ -12,8 +12,11 @@ candidate and takes the backend's victims first (`follow`, `follow_host`): whate
 backend used is seated, and the replay judges only that each victim was a legal candidate when it
 went and that the eviction stopped where the core says.
 
-`Steering` is built once per step attempt from the backend's two snapshots; the oracle may be
-replaced between attempts (a deep copy put back), so it is passed in, never kept.
+`Steering` is built once per step from the backend's two snapshots. What it decides reaches the oracle as
+`kvcert.spec.decisions.Decisions`, one value per open choice, handed to the operation (`RefCache.deciding`);
+the oracle keeps none of it. Where the snapshots do not show a choice, `attempts` lists the candidates the
+harness tries in turn (the one search; a backend that reports its choices leaves one eviction order to try);
+the oracle may be replaced between attempts (a deep copy put back), so it is passed in, never kept.
 """
 
 from __future__ import annotations
@@ -24,8 +27,8 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from kvcert.refimpl import RefCache
-from kvcert.refimpl.records import Chooser
 from kvcert.spec import contracts
+from kvcert.spec.decisions import Chooser
 from kvcert.spec.invariants import Violation, load_anchor
 from kvcert.spec.ops import Evict, EvictHost, Op
 from kvcert.spec.types import CacheConfig, Snapshot
@@ -202,7 +205,7 @@ class Steering:
         (the core's second try) the largest victim whose parent is not `leaving` goes last (`last`). With
         `first` (write-back nodes the backend tried and skipped) those are tried before anything else."""
         end: list[Optional[contracts.Path]] = []
-        ordered = oracle.rank_free
+        ordered = oracle.own.rank.free
 
         def choose(tied: list[int]) -> Optional[int]:
             if first:

@@ -1153,7 +1153,7 @@ MUTANTS: tuple[Mutant, ...] = (
                 "        host_slots = self._host_alloc(pages.page_ceil(len(slots), self.page_size), reclaim_all=True)  # D17\n",
                 "        need = pages.page_ceil(len(slots), self.page_size)\n"
                 "        if len(self.host.free_list) < need:  # type: ignore[union-attr]\n"
-                "            self.evict_host(need, choose=self.host_steer or self.steer)\n"
+                "            self.evict_host(need, choose=self.decided.reclaim.host or self.decided.rank.pick)\n"
                 "            return None\n"
                 "        host_slots = self._host_alloc(need, reclaim_all=True)  # D17\n",
             ),
