@@ -15,7 +15,7 @@ Both are the same internals; bad input to either raises the protocol's typed err
 anything changes. The components, each in its own module (docs/gpu.md has the table):
 
 - `kvcert.gpu.tree.RadixTree` (subclassed here): the tree, the device tier, device eviction, copies;
-- `kvcert.gpu.evict_index.EvictionIndex`: candidate sets and per-tier heaps (`_refresh`);
+- `kvcert.gpu.evict_index.EvictionIndex`: candidate sets and per-tier heaps (`refresh`);
 - `kvcert.gpu.host.HostTier`: the host pool, backups, host eviction, load-back, retraction;
 - `kvcert.gpu.storage.StorageTier`: store copies and prefetch;
 - `kvcert.gpu.sessions.Sessions`: sessions and ref tiers;
@@ -37,11 +37,11 @@ from kvcert.gpu.alloc import FREE, PageAllocator, to_bytes, to_tuple
 from kvcert.gpu.copy_engine import make_engine
 from kvcert.gpu.host import HostTier
 from kvcert.gpu.kv import KVGeometry, KVPool, make_pool
-from kvcert.gpu.node import Prefetch, Retraction, Session
+from kvcert.gpu.node import Prefetch, Retraction, Session, is_id
 from kvcert.gpu.run import SlotRun, TokenKey, ints_run, key_run, slot_raw, slot_run, slots_of, tensor_of
 from kvcert.gpu.sessions import Sessions
 from kvcert.gpu.storage import StorageTier
-from kvcert.gpu.tree import RadixTree, is_id
+from kvcert.gpu.tree import RadixTree
 from kvcert.spec import storage as l3
 from kvcert.spec.admission import AdmissionCounters, plan_admission
 from kvcert.spec.types import (
@@ -268,25 +268,25 @@ class GpuCache(RadixTree):
     def inc_lock_ref(self, node: int) -> None:
         n = self._live(node)
         n.own_locks += 1
-        self._lock_path(n, +1)
+        self.lock_path(n, +1)
 
     def dec_lock_ref(self, node: int) -> None:
         n = self._live(node)
         if n.own_locks == 0:
             raise LockUnderflow(f"node {node} holds no lock of its own")
         n.own_locks -= 1
-        self._lock_path(n, -1)
+        self.lock_path(n, -1)
 
     def evict(self, n: int, allow_low: bool = True, allow_high: bool = True) -> int:
         """Free at least `n` device tokens, touching only the ref tiers the scope allows (SPEC.md §4.5, §11.3).
 
-        The scope is this call's: a parameter of `_evict`, never state, so it cannot outlive the call,
+        The scope is this call's: a parameter of `evict_device`, never state, so it cannot outlive the call,
         and the evictions the cache makes for itself (load-back's room) use the full scope.
         """
         check_count(n)
         allow_low, allow_high = check_scope(allow_low, allow_high)
-        freed = self._evict(n, allow_low, allow_high)
-        self._compact()
+        freed = self.evict_device(n, allow_low, allow_high)
+        self.compact()
         return freed
 
     # ------------------------------------------------------------------ host tier and copies (SPEC.md §9)
@@ -295,7 +295,7 @@ class GpuCache(RadixTree):
         check_count(n)
         assert self.host is not None  # (as before the split: a device-only cache asserts here)
         freed = self.host.evict(n)
-        self._compact()
+        self.compact()
         return freed
 
     def load_back(self, node: int) -> int:
@@ -339,15 +339,15 @@ class GpuCache(RadixTree):
                 del self.copies[c.id]
                 for n in c.nodes:
                     n.copies.remove(c)
-                    self._refresh(n)
+                    self.refresh(n)
                 for a in c.anchors:
-                    self._lock_path(a, -1)
-                self._host_unlock_all(c)
+                    self.lock_path(a, -1)
+                self.host_unlock_all(c)
                 consumed += 1
                 if kind == "write" and self.stores.storage is not None:
                     for n in sorted(c.nodes, key=lambda n: n.end):
                         self.stores.store([n])  # one store copy per node, shallowest first (D7)
-        self._compact()
+        self.compact()
         return consumed
 
     def inject_fault(self, kind: str) -> None:
@@ -399,7 +399,7 @@ class GpuCache(RadixTree):
 
     def abort_prefetch(self, prefetch: int) -> None:
         self.stores.end(self.stores.get(prefetch), 0)
-        self._compact()
+        self.compact()
 
     # ------------------------------------------------------------------ sessions and admission (SPEC.md §11)
 
@@ -409,18 +409,18 @@ class GpuCache(RadixTree):
         n = self._live(node)
         check_priority(priority)
         self.refs.register(session, n, priority)
-        self._compact()
+        self.compact()
 
     def update_ref(self, session: str, priority: int) -> None:
         """A new priority for the session's path; clears an adaptive demotion (SPEC.md §11.4)."""
         check_priority(priority)
         self.refs.update(session, priority)
-        self._compact()
+        self.compact()
 
     def release_ref(self, session: str) -> None:
         """The session holds nothing any more; a high one restores the latest demotion still in force."""
         self.refs.release(session)
-        self._compact()
+        self.compact()
 
     @property
     def tier_evictable(self) -> tuple[int, int, int]:

@@ -5,8 +5,8 @@ faults) and everything that moves KV onto, within or off the host: write-through
 write copy per insert, parents first), write-back's synchronous backup of a device victim, host
 eviction (write-back's settled duplicates oldest first, then host-only leaves by rank, demoting an
 idle high session when both ran dry), the deletion of host-only subtrees, load-back, and
-retraction backups. It works on its cache's tree (`GpuCache`, through `tree`): the node table,
-`_refresh`, `_lock_path`, the copy registry, and the device tier for load-back's room.
+retraction backups. It works on its cache's tree (`tree`, typed as `kvcert.gpu.tiers.TierTree`): the
+node table, `refresh`, `lock_path`, the copy registry, and the device tier for load-back's room.
 
 Host eviction's reclaim order is free in the spec; oldest-first (lowest id) is deterministic and
 the model's own default, which matters where a harness cannot see a reclaim (a duplicate
@@ -17,25 +17,22 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 from kvcert.gpu.alloc import PageAllocator, to_tuple
 from kvcert.gpu.copy_engine import CopyJob, Ticket
 from kvcert.gpu.kv import KVPool
-from kvcert.gpu.node import Copy, Node, Retraction
+from kvcert.gpu.node import Copy, Node, Retraction, is_id
 from kvcert.gpu.run import Run
-from kvcert.gpu.tree import is_id
+from kvcert.gpu.tiers import TierTree
 from kvcert.spec import pages
 from kvcert.spec.types import WRITE_THROUGH_THRESHOLD, LengthMismatch, SlotNotOwned, UnknownRetraction
-
-if TYPE_CHECKING:
-    from kvcert.gpu.cache import GpuCache
 
 
 class HostTier:
     """The host pool of one cache and the operations that fill and drain it."""
 
-    def __init__(self, tree: GpuCache, kv: KVPool, write_policy: str, load_back_threshold: int) -> None:
+    def __init__(self, tree: TierTree, kv: KVPool, write_policy: str, load_back_threshold: int) -> None:
         self.tree = tree
         self.kv = kv
         self.alloc = PageAllocator(kv.capacity, tree.page_size)
@@ -74,12 +71,12 @@ class HostTier:
                 if got is None:
                     continue
                 n.host_slots = got
-                tree._lock_path(n, +1)
+                tree.lock_path(n, +1)
                 written.append(n)
         if written:
             src = to_tuple(b"".join([n.slots.raw for n in written]))  # type: ignore[union-attr]  # (on both tiers)
             dst = to_tuple(b"".join([n.host_slots.raw for n in written]))  # type: ignore[union-attr]
-            tree._issue("write", written, list(written), CopyJob(tree.kv, src, self.kv, dst))
+            tree.issue_copy("write", written, list(written), CopyJob(tree.kv, src, self.kv, dst))
 
     def backup_now(self, n: Node) -> bool:
         """Write-back: back a victim up synchronously (the engine waits for it), if host room allows."""
@@ -89,7 +86,7 @@ class HostTier:
         assert n.slots is not None
         self.tree.engine.copy_now(self.tree.kv, n.slots.to_tuple(), self.kv, got.to_tuple())
         n.host_slots = got
-        self.tree._refresh(n)
+        self.tree.refresh(n)
         return True
 
     # ------------------------------------------------------------------ host eviction
@@ -110,7 +107,7 @@ class HostTier:
             tree.chosen.append(("reclaim", victim.id))
             self.alloc.release_raw(victim.host_slots.raw if victim.host_slots is not None else b"")
             victim.host_slots = None
-            tree._refresh(victim)
+            tree.refresh(victim)
             freed += victim.size
         while freed < n:
             leaf = index.pop_host(tree.nodes)
@@ -133,9 +130,9 @@ class HostTier:
             n = stack.pop()
             stack.extend(n.children.values())
             self.alloc.release_raw(n.host_slots.raw if n.host_slots is not None else b"")
-            tree._forget(n, parent)
-        del parent.children[tree._selector(parent, top)]
-        tree._refresh(parent)
+            tree.forget(n, parent)
+        del parent.children[tree.selector(parent, top)]
+        tree.refresh(parent)
 
     # ------------------------------------------------------------------ load-back
 
@@ -158,26 +155,26 @@ class HostTier:
         if size < self.load_back_threshold:
             return 0
         holder = Copy(-1, "load", [], [n], [], Ticket(-1, None))
-        tree._host_lock(n, holder)  # the host copy must survive the room-making eviction
-        tree._lock_path(n, +1)  # and so must the device path it hangs from
+        tree.host_lock(n, holder)  # the host copy must survive the room-making eviction
+        tree.lock_path(n, +1)  # and so must the device path it hangs from
         alloc_dev = tree.alloc_dev
         if alloc_dev.available < size:
-            tree._evict(size - alloc_dev.available)
+            tree.evict_device(size - alloc_dev.available)
         if alloc_dev.available < size:
-            tree._lock_path(n, -1)
-            tree._host_unlock_all(holder)
-            tree._compact()
+            tree.lock_path(n, -1)
+            tree.host_unlock_all(holder)
+            tree.compact()
             return 0
         got = Run(alloc_dev.take_raw(size))
         offset = 0
         for c in chain:
-            tree._set_device(c, got.cut(offset, offset + c.size))
+            tree.set_device(c, got.cut(offset, offset + c.size))
             offset += c.size
         src = to_tuple(b"".join([c.host_slots.raw for c in chain]))  # type: ignore[union-attr]  # (host only)
-        copy = tree._issue("load", chain, [n], CopyJob(self.kv, src, tree.kv, got.to_tuple()))
+        copy = tree.issue_copy("load", chain, [n], CopyJob(self.kv, src, tree.kv, got.to_tuple()))
         copy.host_locked = holder.host_locked  # hand the segment over to the real copy
         n.hl_owners[n.hl_owners.index(holder)] = copy
-        tree._compact()
+        tree.compact()
         return size
 
     # ------------------------------------------------------------------ retraction (SPEC.md §9.11)
@@ -187,7 +184,7 @@ class HostTier:
         tree = self.tree
         got_run = self.take(pages.page_ceil(len(slots), tree.page_size), reclaim_all=True)  # D17
         if got_run is None:
-            tree._compact()
+            tree.compact()
             return None
         got = got_run.to_tuple()
         loading = self._loading_slots()
@@ -201,7 +198,7 @@ class HostTier:
         r = Retraction(self._next_retraction, len(slots), got)
         self._next_retraction += 1
         self.retractions[r.id] = r
-        tree._compact()
+        tree.compact()
         return r.id
 
     def _loading_slots(self) -> dict[int, int]:

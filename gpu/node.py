@@ -1,13 +1,14 @@
 """The records the cache's components share: tree nodes, pending copies, prefetches, sessions, retractions.
 
 Plain records with no behaviour: each component (`kvcert.gpu.tree`, `.evict_index`, `.host`,
-`.storage`, `.sessions`) reads and writes the fields it owns, documented here once.
+`.storage`, `.sessions`) reads and writes the fields it owns, documented here once. `is_id` tests a
+handle (here, below every component, so the tiers need not import the tree for it).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Union
+from typing import Optional, TypeGuard, Union
 
 from kvcert.gpu.copy_engine import Ticket
 from kvcert.gpu.run import Run
@@ -16,6 +17,11 @@ from kvcert.spec.types import UNUSED, Namespace
 Selector = Union[bytes, tuple[Namespace, bytes]]
 """A child's entry in its parent's table: its first page as int64 bytes (`Run.page`), and under the root its
 namespace too (every node below a root child shares that child's namespace)."""
+
+
+def is_id(x: object) -> TypeGuard[int]:
+    """An int that is not a bool: a node, copy or prefetch handle, a slot id."""
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
 class Node:

@@ -9,8 +9,8 @@ refs: a split copies three ints, and a deletion hands the sessions ending at the
 surviving ancestor (`hand_over`).
 
 `Sessions` needs three things of its tree (`RefTree`): the root, the per-tier evictable-token
-counters `held_sizes` it keeps exact when a counted node changes tier, and `_refresh`, looked up
-on every call (a test may wrap it to count).
+counters `held_sizes` it keeps exact when a counted node changes tier, and `refresh`, looked up
+on every call (a test may wrap it to count). The tree imports this module, not the reverse.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ class RefTree(Protocol):
     root: Node
     held_sizes: list[int]
     """Device tokens of unlocked nodes by tier (index 0 unused: UNUSED's is the rest of `evictable_size`)."""
-    _refresh: Callable[[Node], None]
+    refresh: Callable[[Node], None]
 
 
 def hand_over(n: Node, heir: Node) -> None:
@@ -84,7 +84,7 @@ class Sessions:
                         held[old] -= cur.size
                     if new:
                         held[new] += cur.size
-            tree._refresh(cur)
+            tree.refresh(cur)
             cur = cur.parent
 
     def _hold(self, session: Session, sign: int) -> None:

@@ -7,8 +7,8 @@ transposed) in one `batch_set`. A prefetch asks `batch_exists` once, reserves ho
 part that fits (D9), fetches page by page (each verified against `page_payload` before it counts:
 never wrong KV), publishes its progress per batch of pages as SGLang's storage batches do, and,
 when it ends, hangs the kept pages below its anchor as host-only nodes or as backups of device
-nodes without one (D15). It works on its cache's tree (`GpuCache`, through
-`tree`) and, for host room, its host tier.
+nodes without one (D15). It works on its cache's tree (`tree`, typed as `StorageTree`: the tiers'
+`TierTree` with the host tier, for host room, and the ranks' agreement).
 """
 
 from __future__ import annotations
@@ -16,23 +16,33 @@ from __future__ import annotations
 from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Optional, Protocol
 
-from kvcert.gpu.node import Node, Prefetch
+from kvcert.gpu.agreement import Agreement
+from kvcert.gpu.node import Node, Prefetch, is_id
 from kvcert.gpu.run import Run, ints_run
-from kvcert.gpu.tree import is_id
+from kvcert.gpu.tiers import TierTree
 from kvcert.spec import pages
 from kvcert.spec import storage as l3
 from kvcert.spec.types import CacheConfig, Namespace, UnknownPrefetch, check_tokens
 
 if TYPE_CHECKING:
-    from kvcert.gpu.cache import GpuCache
+    from kvcert.gpu.host import HostTier
+
+
+class StorageTree(TierTree, Protocol):
+    """What the storage tier needs of its tree beyond `TierTree`."""
+
+    host: Optional[HostTier]
+    """The host tier: a prefetch's room, a store's payloads."""
+    agreement: Agreement
+    """The ranks agree on the pages a prefetch keeps."""
 
 
 class StorageTier:
     """Storage and prefetch of one cache."""
 
-    def __init__(self, tree: GpuCache, config: CacheConfig) -> None:
+    def __init__(self, tree: StorageTree, config: CacheConfig) -> None:
         self.tree = tree
         self.storage: Optional[l3.StorageBackend] = None
         self.prefetch_policy = config.prefetch_policy
@@ -49,9 +59,9 @@ class StorageTier:
         if self.storage is None or not nodes:
             return
         tree = self.tree
-        c = tree._issue("store", nodes, [], None)
+        c = tree.issue_copy("store", nodes, [], None)
         for n in nodes:
-            tree._host_lock(n, c)
+            tree.host_lock(n, c)
 
     def write(self, nodes: list[Node]) -> None:
         """A store copy completed: write its live nodes' pages in one `batch_set` (a failure stores nothing)."""
@@ -69,7 +79,7 @@ class StorageTier:
         assert tree.host is not None
         host_kv = tree.host.kv
         ps = tree.page_size
-        live = [(len(p), p, n) for n in nodes if n.id in tree.nodes for p in (tree._path(n),)]
+        live = [(len(p), p, n) for n in nodes if n.id in tree.nodes for p in (tree.path_tokens(n),)]
         live.sort(key=lambda t: t[0])
         keys: list[str] = []
         values: list[bytes] = []
@@ -98,7 +108,7 @@ class StorageTier:
         ps = tree.page_size
         key = check_tokens(tokens)
         key = key[: pages.page_floor(len(key), ps)]
-        path = tree._path(anchor)
+        path = tree.path_tokens(anchor)
         start = len(path)
         if self.storage is None or key[:start] != path or len(key) <= start:
             return 0
@@ -119,17 +129,17 @@ class StorageTier:
             return 0
         p = Prefetch(self._next_prefetch, anchor, namespace, (), start, (), (), tree.now, span_pages=len(keys))
         if anchor is not tree.root:
-            tree._host_lock(anchor, p)  # first: the anchor must not be the room made
+            tree.host_lock(anchor, p)  # first: the anchor must not be the room made
         got = self._reserve(size)
         if got is None:
-            tree._host_unlock_all(p)
-            tree._compact()
+            tree.host_unlock_all(p)
+            tree.compact()
             return 0
         size = len(got)  # D9: the part that fits
         p.tokens, p.keys, p.host_slots = key[: start + size], keys[: size // ps], got
         self._next_prefetch += 1
         self.prefetches[p.id] = p
-        tree._compact()
+        tree.compact()
         return size
 
     def _reserve(self, size: int) -> Optional[tuple[int, ...]]:
@@ -190,7 +200,7 @@ class StorageTier:
                 p.waiting_since = tree.now  # D11: the deadline starts at the first check that waits
             return None
         added = self.end(p, fetched * tree.page_size, touch=True)
-        tree._compact()
+        tree.compact()
         return added
 
     def end(self, p: Prefetch, keep: int, touch: bool = False) -> int:
@@ -201,7 +211,7 @@ class StorageTier:
         tree = self.tree
         assert tree.host is not None
         del self.prefetches[p.id]
-        tree._host_unlock_all(p)
+        tree.host_unlock_all(p)
         ps, now = tree.page_size, tree.now
         tokens, host = ints_run(p.tokens), Run.of_ints(p.host_slots)
         node, added = p.anchor, 0
@@ -210,33 +220,33 @@ class StorageTier:
         kept = array("q")
         if touch and node is not tree.root:
             node.last_access = now
-            tree._refresh(node)
+            tree.refresh(node)
         while at < end:
             page = tokens.page(at, ps)
             child = node.children.get((p.ns, page) if node is tree.root else page)
             if child is None:
-                leaf = tree._new_node(node, p.ns, tokens.cut(at, end), end - at)
+                leaf = tree.new_node(node, p.ns, tokens.cut(at, end), end - at)
                 leaf.host_slots = host.cut(at - base, end - base)
                 leaf.last_access = leaf.creation = now
-                node.children[tree._selector(node, leaf)] = leaf
-                tree._refresh(leaf)
-                tree._refresh(node)
+                node.children[tree.selector(node, leaf)] = leaf
+                tree.refresh(leaf)
+                tree.refresh(node)
                 kept.frombytes(leaf.host_slots.raw)
                 added += end - at
                 break
             if touch:
                 child.last_access = now
-                tree._refresh(child)
+                tree.refresh(child)
             step = child.size if tokens.startswith(child.key, at) and at + child.size <= end else 0
             if not step:
                 step = tokens.common(child.key, at, end, ps)
-                child = tree._split(child, step)
+                child = tree.split(child, step)
             if child.host_slots is None and not tree.write_back:
                 # D15: a device node without a backup takes the fetched pages as its backup
                 child.host_slots = host.cut(at - base, at - base + step)
                 kept.frombytes(child.host_slots.raw)
                 added += step
-                tree._refresh(child)
+                tree.refresh(child)
             node, at = child, at + step  # D15: write-back walks past a device node without a backup
         mine = set(kept)
         tree.host.alloc.release(tuple(s for s in p.host_slots if s not in mine))

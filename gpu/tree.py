@@ -2,8 +2,8 @@
 
 `RadixTree` is `GpuCache`'s core (the facade subclasses it and wires the tiers in): it owns the
 node table, the root, the device allocator and the device-side counters (`evictable_size`,
-`protected_size`, `held_sizes`), and keeps the eviction index exact by calling `_refresh(node)`
-wherever a node's residency, children or locks change. `_refresh` and `_entry` are the index's
+`protected_size`, `held_sizes`), and keeps the eviction index exact by calling `refresh(node)`
+wherever a node's residency, children or locks change. `refresh` and `_entry` are the index's
 methods bound as instance attributes (no extra frame on the hot path; a test may wrap them).
 
 - Keys and slots are `Run`s (`kvcert.gpu.run`): every length and offset here counts tokens;
@@ -19,19 +19,21 @@ methods bound as instance attributes (no extra frame on the hot path; a test may
 
 The tiers above the device (`host`, `stores`, `refs`) are set by the facade; device eviction
 and insertion call into them where the spec says (write-back backups, write-through, store copies).
+They call back only into the section "the tiers' interface" (`refresh` and a dozen methods), typed
+against protocols (`kvcert.gpu.tiers.TierTree`, ...): this module imports the tiers, never the reverse.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Optional, TypeGuard
+from typing import TYPE_CHECKING, Optional
 
 from kvcert.gpu.alloc import PageAllocator
 from kvcert.gpu.copy_engine import CopyEngine, CopyJob
 from kvcert.gpu.evict_index import Entry, EvictionIndex
 from kvcert.gpu.kv import KVPool
-from kvcert.gpu.node import Copy, Node, Prefetch, Selector
+from kvcert.gpu.node import Copy, Node, Prefetch, Selector, is_id
 from kvcert.gpu.run import EMPTY, Run
 from kvcert.gpu.sessions import Sessions, hand_over
 from kvcert.spec.types import (
@@ -53,11 +55,6 @@ if TYPE_CHECKING:
 CHOICES_KEPT = 4096
 """The most eviction choices a report keeps: a caller that never sets the clock (an engine) keeps a bounded log;
 one that does (the harness, once a step) gets every choice of the step."""
-
-
-def is_id(x: object) -> TypeGuard[int]:
-    """An int that is not a bool: a node, copy or prefetch handle, a slot id."""
-    return isinstance(x, int) and not isinstance(x, bool)
 
 
 class RadixTree:
@@ -95,8 +92,9 @@ class RadixTree:
         """Device tokens of unlocked nodes by tier, kept for LOW_REF and HIGH_REF only (index 0 stays 0): UNUSED's
         is `evictable_size` less both (§11.2), so a node no session holds costs the counters nothing."""
         self.index = EvictionIndex(self.root, policy, write_back, host)
-        self._refresh: Callable[[Node], None] = self.index.refresh
-        """Re-derive a node's candidate memberships (`EvictionIndex.refresh`): every component calls it through here."""
+        self.refresh: Callable[[Node], None] = self.index.refresh
+        """Re-derive a node's candidate memberships (`EvictionIndex.refresh`), bound here (no extra frame on the hot
+        path; a test may wrap it): the tree and every tier call it wherever they change a node."""
         self._entry: Callable[[Node], Entry] = self.index.entry
         self.copies: OrderedDict[int, Copy] = OrderedDict()
         self.queues: dict[str, deque[Copy]] = {"write": deque(), "load": deque(), "store": deque()}
@@ -105,42 +103,44 @@ class RadixTree:
         """Eviction choices since the last `set_clock`, in order (`Snapshot.choices`, SPEC.md §6.1): device
         victims and write-back nodes tried and skipped, duplicate backups dropped, host-only nodes removed."""
 
-    # ================================================================== metadata upkeep
+    # ================================================================== the tiers' interface
+    # What `HostTier`, `StorageTier` and `Sessions` call on their tree (typed as `kvcert.gpu.tiers.TierTree`,
+    # `kvcert.gpu.storage.StorageTree` and `kvcert.gpu.sessions.RefTree`, so no tier imports this module):
+    # `refresh` (the index's method, bound in `__init__`) and the methods below. The tree calls them too;
+    # everything else here is the tree's own.
 
-    def _compact(self) -> None:
+    def compact(self) -> None:
+        """Rebuild the index's heaps if stale entries pile up (`EvictionIndex.compact`): a tier's operation that ends a
+        call (load-back, retraction backup, prefetch, its check) ends with it, as the facade's calls do."""
         self.index.compact(self.nodes)
 
-    def _new_node(self, parent: Node, ns: Namespace, key: Run, size: int) -> Node:
-        """A new node for edge `key` of `size` tokens (`len(key)`, which the caller knows) below `parent`."""
+    def new_node(self, parent: Node, ns: Namespace, key: Run, size: int) -> Node:
+        """A new node for edge `key` of `size` tokens (`len(key)`, which the caller knows) below `parent`: the
+        storage tier hangs a prefetch's fetched pages as one (the caller links it in under `selector`)."""
         n = Node(self._next_id, parent, ns, key, size)
         self._next_id += 1
         self.nodes[n.id] = n
         self._shape += 1
         return n
 
-    def _forget(self, n: Node, heir: Node) -> None:
-        """`n` leaves the tree; sessions that ended at it now end at `heir`, its deepest surviving ancestor."""
+    def forget(self, n: Node, heir: Node) -> None:
+        """`n` leaves the tree; sessions that ended at it now end at `heir`, its deepest surviving ancestor: the host
+        tier removes host-only subtrees with it (the caller unlinks them from their parent)."""
         self._shape += 1
         del self.nodes[n.id]
         if n.ending:
             hand_over(n, heir)
         self.index.forget(n.id)
 
-    def _selector(self, parent: Node, n: Node) -> Selector:
-        """`n`'s entry in `parent`'s children: its first page (and namespace, under the root)."""
+    def selector(self, parent: Node, n: Node) -> Selector:
+        """`n`'s key in `parent.children`: its first page (and namespace, under the root). The tiers link (storage)
+        and unlink (host) nodes with it."""
         page = n.key.raw[: self._pb]
         return (n.ns, page) if parent is self.root else page
 
-    def _account(self, n: Node, sign: int) -> None:
-        if n.lock_ref > 0:
-            self.protected_size += sign * n.size
-        else:
-            self.evictable_size += sign * n.size
-            if n.tier:
-                self.held_sizes[n.tier] += sign * n.size
-
-    def _set_device(self, n: Node, slots: Optional[Run]) -> None:
-        """Move `n` on or off the device, keeping counters, the parent's device-child count and memberships exact."""
+    def set_device(self, n: Node, slots: Optional[Run]) -> None:
+        """Move `n` on or off the device, keeping counters, the parent's device-child count and memberships exact:
+        load-back restores host-only nodes with it."""
         was = n.slots is not None
         if was:
             self._account(n, -1)
@@ -151,11 +151,12 @@ class RadixTree:
         parent = n.parent
         if parent is not None and was != now:
             parent.dev_children += 1 if now else -1
-            self._refresh(parent)
-        self._refresh(n)
+            self.refresh(parent)
+        self.refresh(n)
 
-    def _lock_path(self, node: Node, delta: int) -> None:
-        """Add `delta` to `lock_ref` from `node` up to the root; only a count that leaves or reaches 0 moves tokens."""
+    def lock_path(self, node: Node, delta: int) -> None:
+        """Add `delta` to `lock_ref` from `node` up to the root; only a count that leaves or reaches 0 moves tokens.
+        The host tier locks a written node's or a load's path until its ack (`poll` unlocks copies' anchors)."""
         cur: Optional[Node] = node
         root = self.root
         moved = 0
@@ -180,12 +181,132 @@ class RadixTree:
                     if cur.tier:
                         held[cur.tier] += cur.size
                     if cur.dev_children == 0:
-                        self._refresh(cur)
+                        self.refresh(cur)
                 else:
-                    self._refresh(cur)
+                    self.refresh(cur)
             cur = cur.parent
         self.evictable_size -= moved
         self.protected_size += moved
+
+    def path_tokens(self, n: Node) -> tuple[int, ...]:
+        """The tokens from the root to `n`'s end: the storage tier's page keys of a node or a prefetch's anchor."""
+        return self._path_run(n).to_tuple()
+
+    def issue_copy(self, kind: str, nodes: list[Node], anchors: list[Node], job: Optional[CopyJob]) -> Copy:
+        """Submit a copy to the engine; it pins its nodes (`Node.copies`) until `poll` consumes its ack. The tiers
+        issue theirs here (write and load: host; store: storage), so `poll` and the snapshot see one registry."""
+        c = Copy(self._next_copy, kind, list(nodes), anchors, [], self.engine.submit(job))
+        self._next_copy += 1
+        self.copies[c.id] = c
+        self.queues[kind].append(c)
+        for n in nodes:
+            n.copies.append(c)
+            self.refresh(n)
+        return c
+
+    def host_lock(self, n: Node, owner: Copy | Prefetch) -> None:
+        """`owner` (a load, a store, a prefetch) protects `n`'s host copy until `host_unlock_all`: the tiers
+        host-lock what their copies and prefetches read or hang from."""
+        n.host_lock_ref += 1
+        n.hl_owners.append(owner)
+        owner.host_locked.append(n)
+        self.refresh(n)
+
+    def host_unlock_all(self, owner: Copy | Prefetch) -> None:
+        """Release every host lock `owner` holds: a tier's prefetch or load-back that ends or is refused."""
+        for n in owner.host_locked:
+            n.host_lock_ref -= 1
+            n.hl_owners.remove(owner)
+            self.refresh(n)
+        owner.host_locked = []
+
+    def split(self, child: Node, cut: int) -> Node:
+        """Cut `child` `cut` tokens in: a new head takes the prefix, `child` keeps its identity (SPEC.md §4.3). The
+        storage tier splits where a prefetch's pages end or diverge inside an edge."""
+        parent = child.parent
+        assert parent is not None
+        head = self.new_node(parent, child.ns, child.key.head(cut), cut)
+        head.slots = None if child.slots is None else child.slots.head(cut)
+        head.host_slots = None if child.host_slots is None else child.host_slots.head(cut)
+        head.lock_ref, head.host_lock_ref = child.lock_ref, child.host_lock_ref
+        head.last_access, head.creation = self.now, self.now
+        head.hit_count, head.priority = child.hit_count, child.priority
+        # the head lies on every path the suffix lies on: it takes its refs (SPEC.md §11.1)
+        head.high_ref, head.low_ref, head.tier = child.high_ref, child.low_ref, child.tier
+        parent.children[self.selector(parent, child)] = head
+        child.key = child.key.tail(cut)
+        child.size -= cut
+        if child.slots is not None:
+            child.slots = child.slots.tail(cut)
+        if child.host_slots is not None:
+            child.host_slots = child.host_slots.tail(cut)
+        child.parent = head
+        head.children[self.selector(head, child)] = child
+        head.dev_children = 1 if child.slots is not None else 0
+        for c in child.copies:  # a copy in flight moves both halves
+            c.nodes.append(head)
+            head.copies.append(c)
+        for owner in child.hl_owners:  # a host-lock segment lengthens
+            owner.host_locked.append(head)
+            head.hl_owners.append(owner)
+        self.refresh(head)
+        self.refresh(child)
+        return head
+
+    def evict_device(self, n: int, allow_low: bool = True, allow_high: bool = True) -> int:
+        """Free device KV of minimal-rank candidates in scope until `n` tokens are freed or none is left: the
+        facade's `evict` (its scope) and load-back's room (the full scope); the caller compacts."""
+        freed = 0
+        aside: list[Node] = []
+        released: list[bytes] = []
+        """The victims' device slots, given back to the allocator in one call at the end."""
+        index, nodes = self.index, self.nodes
+        while freed < n:  # UNUSED first, then LOW_REF, then HIGH_REF, as the scope allows (SPEC.md §11.3)
+            victim = index.pop_device(nodes, allow_low, allow_high)
+            if victim is None:
+                break
+            if (
+                not self.write_back
+                and victim.host_slots is None
+                and (victim.host_lock_ref or victim.children)
+                and self._drops_protected(victim)
+            ):
+                aside.append(victim)  # pinned: no candidate
+                continue
+            if victim.host_slots is None and self.write_back:
+                # Write-back tries it: a synchronous backup, then a store copy of it (D8); if the
+                # backup fails and a drop would take a protected host copy, it stays (D14).
+                assert self.host is not None
+                if self.host.backup_now(victim):
+                    self.stores.store([victim])
+                elif self._drops_protected(victim):
+                    aside.append(victim)
+                    self.chosen.append(("skip", victim.id))
+                    continue
+            assert victim.slots is not None
+            self.chosen.append(("evict", victim.id))
+            released.append(victim.slots.raw)
+            if victim.host_slots is not None:
+                self.set_device(victim, None)  # demoted: the host copy stays
+            else:
+                self._drop(victim)
+            freed += victim.size
+        if released:
+            self.alloc_dev.release_raw(b"".join(released))
+        for v in aside:  # pinned ones stay candidates-in-waiting
+            if v.id in self.nodes:
+                self.refresh(v)
+        return freed
+
+    # ================================================================== metadata upkeep
+
+    def _account(self, n: Node, sign: int) -> None:
+        if n.lock_ref > 0:
+            self.protected_size += sign * n.size
+        else:
+            self.evictable_size += sign * n.size
+            if n.tier:
+                self.held_sizes[n.tier] += sign * n.size
 
     def _path_run(self, n: Node) -> Run:
         """The tokens from the root to `n`'s end."""
@@ -197,73 +318,13 @@ class RadixTree:
         parts.reverse()
         return Run(b"".join(parts))
 
-    def _path(self, n: Node) -> tuple[int, ...]:
-        return self._path_run(n).to_tuple()
-
     def _live(self, node_id: object) -> Node:
         n = self.nodes.get(node_id) if type(node_id) is int or is_id(node_id) else None
         if n is None:
             raise StaleHandle(f"no live node {node_id!r}")
         return n
 
-    def _issue(self, kind: str, nodes: list[Node], anchors: list[Node], job: Optional[CopyJob]) -> Copy:
-        """Submit a copy to the engine; it pins its nodes (`Node.copies`) until `poll` consumes its ack."""
-        c = Copy(self._next_copy, kind, list(nodes), anchors, [], self.engine.submit(job))
-        self._next_copy += 1
-        self.copies[c.id] = c
-        self.queues[kind].append(c)
-        for n in nodes:
-            n.copies.append(c)
-            self._refresh(n)
-        return c
-
-    def _host_lock(self, n: Node, owner: Copy | Prefetch) -> None:
-        """`owner` (a load, a store, a prefetch) protects `n`'s host copy until `_host_unlock_all`."""
-        n.host_lock_ref += 1
-        n.hl_owners.append(owner)
-        owner.host_locked.append(n)
-        self._refresh(n)
-
-    def _host_unlock_all(self, owner: Copy | Prefetch) -> None:
-        for n in owner.host_locked:
-            n.host_lock_ref -= 1
-            n.hl_owners.remove(owner)
-            self._refresh(n)
-        owner.host_locked = []
-
     # ================================================================== tree walk
-
-    def _split(self, child: Node, cut: int) -> Node:
-        """Cut `child` `cut` tokens in: a new head takes the prefix, `child` keeps its identity (SPEC.md §4.3)."""
-        parent = child.parent
-        assert parent is not None
-        head = self._new_node(parent, child.ns, child.key.head(cut), cut)
-        head.slots = None if child.slots is None else child.slots.head(cut)
-        head.host_slots = None if child.host_slots is None else child.host_slots.head(cut)
-        head.lock_ref, head.host_lock_ref = child.lock_ref, child.host_lock_ref
-        head.last_access, head.creation = self.now, self.now
-        head.hit_count, head.priority = child.hit_count, child.priority
-        # the head lies on every path the suffix lies on: it takes its refs (SPEC.md §11.1)
-        head.high_ref, head.low_ref, head.tier = child.high_ref, child.low_ref, child.tier
-        parent.children[self._selector(parent, child)] = head
-        child.key = child.key.tail(cut)
-        child.size -= cut
-        if child.slots is not None:
-            child.slots = child.slots.tail(cut)
-        if child.host_slots is not None:
-            child.host_slots = child.host_slots.tail(cut)
-        child.parent = head
-        head.children[self._selector(head, child)] = child
-        head.dev_children = 1 if child.slots is not None else 0
-        for c in child.copies:  # a copy in flight moves both halves
-            c.nodes.append(head)
-            head.copies.append(c)
-        for owner in child.hl_owners:  # a host-lock segment lengthens
-            owner.host_locked.append(head)
-            head.hl_owners.append(owner)
-        self._refresh(head)
-        self._refresh(child)
-        return head
 
     def _walk(
         self, ns: Namespace, key: Run, size: int, priority: Optional[int], rerank_last: bool = True
@@ -302,7 +363,7 @@ class RadixTree:
                     at_b += len(edge)
                 else:  # the key ends or diverges inside this edge
                     step = key.common(child.key, at_b >> 3, size, ps)
-                    child = self._split(child, step)
+                    child = self.split(child, step)
                     at_b += step << 3
                 if priority is not None:
                     child.hit_count += 1
@@ -323,9 +384,9 @@ class RadixTree:
                 if n.slots is None:
                     hosted = True
                     if i:
-                        self._refresh(path[i - 1])
+                        self.refresh(path[i - 1])
         if path and rerank_last:
-            self._refresh(path[-1])
+            self.refresh(path[-1])
         return at, path, hosted
 
     # ================================================================== device tier (SPEC.md §4)
@@ -441,29 +502,29 @@ class RadixTree:
                 if n.slots is None:  # host only: the request's fresh KV restores it, the backup stays
                     mine = slots.cut(offset, offset + width)
                     self.alloc_dev.adopt_raw(mine.raw)
-                    self._set_device(n, mine)
+                    self.set_device(n, mine)
                 elif offset == prefix:
                     prefix += width
                 offset += width
         node = path[-1] if path else self.root
         if matched < size:
-            leaf = self._new_node(node, ns, key.tail(matched), size - matched)
+            leaf = self.new_node(node, ns, key.tail(matched), size - matched)
             leaf.last_access = leaf.creation = self.now
             leaf.hit_count, leaf.priority = 1, priority
-            node.children[self._selector(node, leaf)] = leaf
+            node.children[self.selector(node, leaf)] = leaf
             rest = slots.tail(matched)
             if pages is not None:
                 self.alloc_dev.adopt_pages(pages[matched // self.page_size :])
             else:
                 self.alloc_dev.adopt_raw(rest.raw)
-            leaf.slots = rest  # `_set_device` for a new unlocked leaf
+            leaf.slots = rest  # `set_device` for a new unlocked leaf
             self.evictable_size += leaf.size
             node.dev_children += 1
-            self._refresh(node)  # it has a child on device now
-            self._refresh(leaf)
+            self.refresh(node)  # it has a child on device now
+            self.refresh(leaf)
             node = leaf
         elif path:
-            self._refresh(node)
+            self.refresh(node)
         host = self.host
         if host is not None and host.threshold is not None:  # (`path` is the walk's, kept for the next one: read only)
             host.write_through(path if node is self.root or (path and node is path[-1]) else [*path, node])
@@ -486,54 +547,10 @@ class RadixTree:
             stack.extend(g for g in c.children.values() if g.slots is None)
         return False
 
-    def _evict(self, n: int, allow_low: bool = True, allow_high: bool = True) -> int:
-        """Free device KV of minimal-rank candidates in scope until `n` tokens are freed or none is left."""
-        freed = 0
-        aside: list[Node] = []
-        released: list[bytes] = []
-        """The victims' device slots, given back to the allocator in one call at the end."""
-        index, nodes = self.index, self.nodes
-        while freed < n:  # UNUSED first, then LOW_REF, then HIGH_REF, as the scope allows (SPEC.md §11.3)
-            victim = index.pop_device(nodes, allow_low, allow_high)
-            if victim is None:
-                break
-            if (
-                not self.write_back
-                and victim.host_slots is None
-                and (victim.host_lock_ref or victim.children)
-                and self._drops_protected(victim)
-            ):
-                aside.append(victim)  # pinned: no candidate
-                continue
-            if victim.host_slots is None and self.write_back:
-                # Write-back tries it: a synchronous backup, then a store copy of it (D8); if the
-                # backup fails and a drop would take a protected host copy, it stays (D14).
-                assert self.host is not None
-                if self.host.backup_now(victim):
-                    self.stores.store([victim])
-                elif self._drops_protected(victim):
-                    aside.append(victim)
-                    self.chosen.append(("skip", victim.id))
-                    continue
-            assert victim.slots is not None
-            self.chosen.append(("evict", victim.id))
-            released.append(victim.slots.raw)
-            if victim.host_slots is not None:
-                self._set_device(victim, None)  # demoted: the host copy stays
-            else:
-                self._drop(victim)
-            freed += victim.size
-        if released:
-            self.alloc_dev.release_raw(b"".join(released))
-        for v in aside:  # pinned ones stay candidates-in-waiting
-            if v.id in self.nodes:
-                self._refresh(v)
-        return freed
-
     def _drop(self, n: Node) -> None:
         """Remove an unlocked device node without a backup, with any host-only subtree below it.
 
-        Its device slots are the caller's to release (`_evict` gives back all its victims' at once).
+        Its device slots are the caller's to release (`evict_device` gives back all its victims' at once).
         """
         parent = n.parent
         assert parent is not None
@@ -541,10 +558,10 @@ class RadixTree:
             assert self.host is not None  # a device candidate's children are host only
             for c in list(n.children.values()):
                 self.host.delete_subtree(c)
-        del parent.children[self._selector(parent, n)]
+        del parent.children[self.selector(parent, n)]
         self.evictable_size -= n.size  # a candidate: unlocked
         if n.tier:
             self.held_sizes[n.tier] -= n.size
         parent.dev_children -= 1
-        self._forget(n, parent)
-        self._refresh(parent)
+        self.forget(n, parent)
+        self.refresh(parent)

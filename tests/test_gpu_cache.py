@@ -217,13 +217,13 @@ def test_hot_paths_never_scan_the_tree(write_policy: str) -> None:
     cache = factory(config)
     cache.nodes = CountingDict(cache.nodes)
     refreshes = [0]
-    original = cache._refresh
+    original = cache.refresh
 
     def counted(n: Any) -> None:
         refreshes[0] += 1
         original(n)
 
-    cache._refresh = counted  # type: ignore[method-assign]
+    cache.refresh = counted  # type: ignore[method-assign]
     for i in range(1500):
         insert(cache, (i % 7, i, i + 1))
     for c in cache.snapshot().pending:
@@ -251,7 +251,7 @@ def test_node_ends_stay_exact_through_splits() -> None:
     for tokens in [(1, 1, 2, 2, 3, 3), (1, 1, 4, 4), (1, 1, 2, 2, 5, 5), (1, 1)]:
         insert(cache, tokens)
     cache.match_prefix(None, (1, 1, 2, 2, 3, 3, 7, 7))
-    assert all(n.end == len(cache._path(n)) for n in cache.nodes.values())
+    assert all(n.end == len(cache.path_tokens(n)) for n in cache.nodes.values())
 
 
 class SlowPeer(Agreement):

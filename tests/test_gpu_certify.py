@@ -35,14 +35,14 @@ def test_gpu_metadata_is_compared_under_the_profile(tmp_path: Path, monkeypatch:
     at the split under the profile that pins RANK (INV-META-1); the core leaves metadata to the backend."""
     from kvcert.gpu.tree import RadixTree
 
-    split = RadixTree._split
+    split = RadixTree.split
 
     def loses_hits(self: RadixTree, child: Any, cut: int) -> Any:
         head = split(self, child, cut)
         head.hit_count = 0
         return head
 
-    monkeypatch.setattr(RadixTree, "_split", loses_hits)
+    monkeypatch.setattr(RadixTree, "split", loses_hits)
     kw: dict[str, Any] = dict(
         examples=40, steps=30, page_sizes=[1], policies=["lfu"], device_cells=True, out_dir=tmp_path
     )

@@ -507,13 +507,13 @@ def test_tier_counters_and_session_calls_never_scan_the_tree() -> None:
     handles = [cache.match_prefix(None, [k % 7, k, k + 1]).node for k in range(0, 1500, 100)]
     cache.nodes = CountingDict(cache.nodes)
     refreshes = [0]
-    original = cache._refresh
+    original = cache.refresh
 
     def counted(n: Any) -> None:
         refreshes[0] += 1
         original(n)
 
-    cache._refresh = counted  # type: ignore[method-assign]
+    cache.refresh = counted  # type: ignore[method-assign]
     CountingDict.scans = 0
     cache.set_clock(5000)
     for k, h in enumerate(handles):
@@ -547,13 +547,13 @@ def test_session_calls_touch_only_the_path() -> None:
         cache.free(slots[: out.prefix_len])
     handle = cache.match_prefix(None, [5, 6]).node
     refreshes = [0]
-    original = cache._refresh
+    original = cache.refresh
 
     def counted(n: Any) -> None:
         refreshes[0] += 1
         original(n)
 
-    cache._refresh = counted  # type: ignore[method-assign]
+    cache.refresh = counted  # type: ignore[method-assign]
     cache.nodes = CountingDict(cache.nodes)
     CountingDict.scans = 0
     cache.register_ref("a", handle, 1)

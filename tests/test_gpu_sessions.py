@@ -15,7 +15,7 @@ class Tree:
         self.root = Node(0, None, None, EMPTY)
         self.held_sizes = [0, 0, 0]
         self.refreshed: list[int] = []
-        self._refresh = lambda n: self.refreshed.append(n.id)
+        self.refresh = lambda n: self.refreshed.append(n.id)
         self.next_id = 1
 
     def chain(self, *sizes: int, device: bool = True) -> list[Node]:
