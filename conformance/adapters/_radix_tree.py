@@ -1,17 +1,48 @@
 """What an adapter around an SGLang-style `RadixCache` needs whatever the SGLang version: a logical clock to
 stand in for the `time` module its nodes are stamped with, node handles by `TreeNode.id`, and slots from a
-torch allocator. Plain Python and torch: no SGLang import, so 0.5.23's adapter and the 0.5.10 RefAware fork's
-share it."""
+torch allocator, the lock calls, and what every such adapter declares alike. Plain Python and torch: no SGLang
+import, so 0.5.23's adapters and the 0.5.10 RefAware fork's share it."""
 
 from __future__ import annotations
 
+import contextlib
 import time as _real_time
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any, Optional
 
 import torch
 
-from kvcert.spec.types import PoolExhausted, StaleHandle
+from kvcert.spec.types import POLICIES, CacheConfig, Capabilities, NodeView, PoolExhausted, Snapshot, StaleHandle
+
+POOL_NOTES = (
+    "real MHATokenToKVPool + (Paged)TokenToKVPoolAllocator on CPU; slot 0 / page 0 is reserved padding",
+    "KV bytes: the harness writes the spec's entries into the pool's K/V buffers and reads them back",
+)
+"""What the KV of every adapter over a RadixCache and its CPU pools is."""
+
+INSERTION_ORDERED_TIES = (
+    "eviction ties: SGLang's sets of candidate leaves are insertion-ordered, so equally ranked leaves leave in "
+    "insertion order; as shipped a set orders them by memory address, which differs from run to run (F-9)"
+)
+"""The deviation of every SGLang 0.5.23 adapter whose cache keeps its candidate leaves in a set."""
+
+
+def radix_capabilities(name: str, **fields: Any) -> Capabilities:
+    """What an adapter over an SGLang-style RadixCache declares alike (pages of 1, 4 and 16 tokens, every policy,
+    namespaces, lenient input, KV reads, exact metadata, `POOL_NOTES`), with `fields` on top."""
+    base = Capabilities(
+        name=name,
+        page_sizes=(1, 4, 16),
+        policies=POLICIES,
+        namespaces=True,
+        strict_input=False,
+        kv_reads=True,
+        reports_metadata=True,
+        metadata_exact=True,
+        notes=POOL_NOTES,
+    )
+    return replace(base, **fields)
 
 
 class LogicalTime:
@@ -36,6 +67,8 @@ class RadixTreeAdapter:
 
     cache: Any
     allocator: Any
+    config: CacheConfig
+    page_size: int
     _nodes: dict[int, Any]
     _now: int
     ALLOCATOR = "SGLang allocator"
@@ -64,6 +97,41 @@ class RadixTreeAdapter:
             out.append((node, parent))
             stack.extend((child, node) for child in reversed(list(node.children.values())))
         return out
+
+    @staticmethod
+    def _root_view(node: Any) -> NodeView:
+        """The root as the spec sees it: no key, no slots (SGLang gives it an empty key and `value=[]`), its lock."""
+        return NodeView(int(node.id), None, None, (), (), int(node.lock_ref))
+
+    def _radix_snapshot(self, views: Sequence[NodeView], free: Sequence[int], **fields: Any) -> Snapshot:
+        """The snapshot of the cache's tree (`views`, root first) and its free slots with the cache's own counters;
+        slot 0 / page 0 is the engine's padding, so slot ids run 1..capacity. `fields`: what its tiers add."""
+        ps = self.page_size
+        return Snapshot(
+            page_size=ps,
+            capacity=self.config.capacity,
+            slot_limit=self.config.capacity + ps,
+            root=int(self.cache.root_node.id),
+            nodes=tuple(views),
+            free_slots=tuple(free),
+            evictable_size=int(self.cache.evictable_size()),
+            protected_size=int(self.cache.protected_size()),
+            **fields,
+        )
+
+    def _in_engine(self) -> contextlib.AbstractContextManager[None]:
+        """The context the engine's code runs in for one call (its clock, its counters): each adapter's own."""
+        raise NotImplementedError
+
+    def inc_lock_ref(self, node: int) -> None:
+        target = self._node(node)
+        with self._in_engine():
+            self.cache.inc_lock_ref(target)
+
+    def dec_lock_ref(self, node: int) -> None:
+        target = self._node(node)
+        with self._in_engine():
+            self.cache.dec_lock_ref(target)
 
     def set_clock(self, now: int) -> None:
         self._now = now

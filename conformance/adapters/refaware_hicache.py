@@ -96,7 +96,7 @@ from typing import Any, Optional
 
 import torch
 
-from kvcert.conformance.adapters._radix_tree import LogicalTime
+from kvcert.conformance.adapters._radix_tree import LogicalTime, radix_capabilities
 from kvcert.conformance.adapters._refaware_env import (
     REFAWARE_SGLANG_VERSION,
     import_refaware,
@@ -114,12 +114,9 @@ from kvcert.conformance.adapters.refaware_radix import (
     device_pools,
 )
 from kvcert.spec.types import (
-    POLICIES,
     WRITE_POLICIES,
     CacheConfig,
-    Capabilities,
     InsertOut,
-    MatchOut,
     PendingCopy,
     Snapshot,
     UnknownCopy,
@@ -145,7 +142,6 @@ from sglang.srt.mem_cache.base_prefix_cache import (  # noqa: E402
     EvictParams,
     InitLoadBackParams,
     InsertParams,
-    MatchPrefixParams,
 )
 
 
@@ -267,7 +263,7 @@ class RefAwareHiRadixBackend(RefAwareAdapter):
             served_model_name="kvcert-synthetic",
             extra_metric_labels=None,
         )
-        with self._in_fork():
+        with self._in_engine():
             self.cache = RA.RefAwareHiRadixCache(params, server_args)
         c = self.cache
         atexit.unregister(c.shutdown)  # registered by HiRadixCache.__init__: it would pin every cache for the process
@@ -290,7 +286,7 @@ class RefAwareHiRadixBackend(RefAwareAdapter):
     # ------------------------------------------------------------------ plumbing
 
     @contextlib.contextmanager
-    def _in_fork(self) -> Iterator[None]:
+    def _in_engine(self) -> Iterator[None]:
         """Run fork code on this adapter's logical clock, id counters and ordered RefInfo."""
         node_cls, op_cls = _radix_cache.TreeNode, _cc.CacheOperation
         clock = LogicalTime(self._now)
@@ -335,16 +331,8 @@ class RefAwareHiRadixBackend(RefAwareAdapter):
 
     # ------------------------------------------------------------------ Backend
 
-    def match_prefix(self, namespace: Optional[str], tokens: Sequence[int]) -> MatchOut:
-        with self._in_fork():
-            res = self.cache.match_prefix(MatchPrefixParams(key=self._key(namespace, tokens)))
-        return MatchOut(
-            length=int(len(res.device_indices)),
-            slots=tuple(int(x) for x in res.device_indices.tolist()),
-            node=self._remember(res.last_device_node),
-            host_length=int(res.host_hit_length),
-            host_node=self._remember(res.last_host_node),
-        )
+    def _host_match(self, res: Any) -> dict[str, int]:
+        return dict(host_length=int(res.host_hit_length), host_node=self._remember(res.last_host_node))
 
     def insert(
         self, namespace: Optional[str], tokens: Sequence[int], slots: Sequence[int], priority: int = 0
@@ -352,12 +340,12 @@ class RefAwareHiRadixBackend(RefAwareAdapter):
         params = InsertParams(
             key=self._key(namespace, tokens), value=torch.tensor(list(slots), dtype=torch.int64), priority=priority
         )
-        with self._in_fork():
+        with self._in_engine():
             res = self.cache.insert(params)
         return InsertOut(prefix_len=int(res.prefix_len), node=self._remember(res.last_node))
 
     def evict(self, n: int, allow_low: bool = True, allow_high: bool = True) -> int:
-        with self._in_fork():
+        with self._in_engine():
             if not self.priority_refs:  # no session: every node is UNUSED, any scope is the same
                 res = self.cache.evict(EvictParams(num_tokens=n))
             else:
@@ -368,7 +356,7 @@ class RefAwareHiRadixBackend(RefAwareAdapter):
     # ------------------------------------------------------------------ HostTierBackend (SPEC.md §9)
 
     def evict_host(self, n: int) -> int:
-        with self._in_fork():
+        with self._in_engine():
             if self.priority_refs:
                 return int(self.cache.evict_host(n, allow_high=True))
             return int(self.cache.evict_host(n))
@@ -384,7 +372,7 @@ class RefAwareHiRadixBackend(RefAwareAdapter):
         host_len = sum(len(n.host_value) for n in moving if n.host_value is not None)
         self._loading = ([int(n.id) for n in moving], {int(n.id) for n in path})
         try:
-            with self._in_fork():
+            with self._in_engine():
                 values, _ = self.cache.init_load_back(
                     InitLoadBackParams(last_host_node=target, host_hit_length=host_len, mem_quota=None, req=None)
                 )
@@ -411,31 +399,15 @@ class RefAwareHiRadixBackend(RefAwareAdapter):
 
     def poll(self) -> int:
         before = {c.id for c, _ in self._live_copies()}
-        with self._in_fork():
+        with self._in_engine():
             self.cache.writing_check()
             self.cache.loading_check()
         return len(before - {c.id for c, _ in self._live_copies()})
 
     # ------------------------------------------------------------------ SPEC.md §11 (factory_priority)
 
-    def register_ref(self, session: str, node: int, priority: int) -> None:
-        target = self._node(node)
-        req = SimpleNamespace(
-            rid=session,
-            priority=priority,
-            last_node=target,
-            # The root: what register_ref reads to walk a path by key; no committed tokens, no nodes.
-            origin_input_ids=[],
-            output_ids=[],
-            kv_committed_len=0,
-            extra_key=None,
-        )
-        self._registered.pop(session, None)
-        self._registered[session] = None
-        with self._in_fork():
-            if session in self.cache.rid_to_ref_info:  # a move: release, then register (R1, R2)
-                self.cache.release_ref(session)
-            self.cache.register_ref(req)
+    def _released_first(self, priority: int, info: Any) -> bool:
+        return True  # a move: release, then register (R1, R2)
 
     # ------------------------------------------------------------------ KVBackend (SPEC.md §9.12)
 
@@ -528,19 +500,12 @@ def factory_priority_load_locked(config: CacheConfig) -> Any:
     return RefAwareHiRadixBackend(config, priority_refs=True, load_host_lock=True)
 
 
-factory.capabilities = Capabilities(  # type: ignore[attr-defined]
-    name=f"refaware.RefAwareHiRadixCache {REFAWARE_SGLANG_VERSION} ({FORK})",
-    page_sizes=(1, 4, 16),
-    policies=POLICIES,
-    namespaces=True,
-    strict_input=False,
+factory.capabilities = radix_capabilities(  # type: ignore[attr-defined]
+    f"refaware.RefAwareHiRadixCache {REFAWARE_SGLANG_VERSION} ({FORK})",
     write_policies=WRITE_POLICIES,
-    kv_reads=True,
     aligns_keys=False,  # 0.5.10's insert does not page-align a key: its callers do
     checkpoints=False,  # 0.5.10 has no checkpoint: the harness composes it
     profile="refaware-0.5.10",  # its own design pinned: BATCH H11, DEMOTE H4/H6/H8/H9, LOAD_LOCK H1, LOAD_ROOM H7/H13, ROOM H12
-    reports_metadata=True,
-    metadata_exact=True,
     notes=(
         "host cells: real MHATokenToKVPool + (Paged)TokenToKVPoolAllocator + unpinned MHATokenToKVPoolHost on CPU, "
         "direct io, layer_first; one-rank gloo group; host pool sized exactly to host_capacity",

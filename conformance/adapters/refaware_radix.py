@@ -64,7 +64,7 @@ from typing import Any, Optional
 
 import torch
 
-from kvcert.conformance.adapters._radix_tree import LogicalTime, RadixTreeAdapter
+from kvcert.conformance.adapters._radix_tree import LogicalTime, RadixTreeAdapter, radix_capabilities
 from kvcert.conformance.adapters._refaware_env import REFAWARE_SGLANG_VERSION, import_refaware
 from kvcert.conformance.adapters._sglang_env import OrderedSet
 from kvcert.conformance.adapters._sglang_kv import (
@@ -75,11 +75,9 @@ from kvcert.conformance.adapters._sglang_kv import (
     write_pool,
 )
 from kvcert.spec.types import (
-    POLICIES,
     AdmissionPlan,
     AdmissionProfile,
     CacheConfig,
-    Capabilities,
     InsertOut,
     MatchOut,
     NodeView,
@@ -152,7 +150,7 @@ class RefAwareAdapter(RadixTreeAdapter):
     """What both RefAware adapters do alike: the fork's lock, ref and KV calls, its admission counters, and the
     snapshot (`RefAwareRadixBackend` over the device cache, `refaware_hicache.RefAwareHiRadixBackend` with the host
     tier). A subclass sets `config`, `page_size`, `priority_refs`, `cache`, `allocator`, `kv_pool` and
-    `_registered`, and runs fork code inside its `_in_fork`."""
+    `_registered`, and runs fork code inside its `_in_engine`."""
 
     config: CacheConfig
     page_size: int
@@ -162,30 +160,58 @@ class RefAwareAdapter(RadixTreeAdapter):
     kv_pool: Any
     _registered: dict[str, None]
 
-    def _in_fork(self) -> contextlib.AbstractContextManager[None]:
-        raise NotImplementedError
-
     def _key(self, namespace: Optional[str], tokens: Sequence[int]) -> Any:
         return _radix_cache.RadixKey(array("q", tokens), extra_key=namespace)
 
-    def inc_lock_ref(self, node: int) -> None:
-        target = self._node(node)
-        with self._in_fork():
-            self.cache.inc_lock_ref(target)
+    def _host_match(self, res: Any) -> dict[str, int]:
+        """A match's host fields (`MatchOut.host_length`, `host_node`): none without a host tier."""
+        return {}
 
-    def dec_lock_ref(self, node: int) -> None:
+    def match_prefix(self, namespace: Optional[str], tokens: Sequence[int]) -> MatchOut:
+        with self._in_engine():
+            res = self.cache.match_prefix(MatchPrefixParams(key=self._key(namespace, tokens)))
+        return MatchOut(
+            length=int(len(res.device_indices)),
+            slots=tuple(int(x) for x in res.device_indices.tolist()),
+            node=self._remember(res.last_device_node),
+            **self._host_match(res),
+        )
+
+    def _released_first(self, priority: int, info: Any) -> bool:
+        """Whether a session registered again (`info`: the fork's record of it) is released before it registers:
+        each adapter says when it composes a move from a release and a registration instead of the fork's own."""
+        raise NotImplementedError
+
+    def register_ref(self, session: str, node: int, priority: int) -> None:
+        """The fork's `register_ref` with a request built as its finish path leaves one: the rid, its priority, and the
+        node the handle names as `last_node`."""
         target = self._node(node)
-        with self._in_fork():
-            self.cache.dec_lock_ref(target)
+        req = SimpleNamespace(
+            rid=session,
+            priority=priority,
+            last_node=target,
+            # The root: what register_ref reads to walk a path by key; no committed tokens, no nodes.
+            origin_input_ids=[],
+            output_ids=[],
+            kv_committed_len=0,
+            extra_key=None,
+        )
+        self._registered.pop(session, None)  # (re-)registration order, SPEC.md §11.1 (see `_sessions`)
+        self._registered[session] = None
+        with self._in_engine():
+            info = self.cache.rid_to_ref_info.get(session)
+            if info is not None and self._released_first(priority, info):
+                self.cache.release_ref(session)
+            self.cache.register_ref(req)
 
     def update_ref(self, session: str, priority: int) -> None:
-        with self._in_fork():
+        with self._in_engine():
             ok, msg = self.cache.update_ref(session, priority)
         if not ok:
             raise UnknownSession(msg)
 
     def release_ref(self, session: str) -> None:
-        with self._in_fork():
+        with self._in_engine():
             self.cache.release_ref(session)  # an unknown rid is (True, "not tracked"): the fork's idempotence (R5)
         self._registered.pop(session, None)
 
@@ -235,7 +261,7 @@ class RefAwareAdapter(RadixTreeAdapter):
             nid = int(node.id)
             if parent is None:
                 depth[nid] = 0
-                views.append(NodeView(nid, None, None, (), (), int(node.lock_ref)))
+                views.append(self._root_view(node))
                 continue
             depth[nid] = depth[int(parent.id)] + 1
             views.append(node_view(node, parent, self.priority_refs, host_lock_of(node)))
@@ -248,18 +274,7 @@ class RefAwareAdapter(RadixTreeAdapter):
                 tier_evictable=tier_counters(c),
                 high_priority_threshold=self.config.high_priority_threshold,
             )
-        return Snapshot(
-            page_size=ps,
-            capacity=self.config.capacity,
-            slot_limit=self.config.capacity + ps,  # slot 0 / page 0 is the fork's padding
-            root=int(c.root_node.id),
-            nodes=tuple(views),
-            free_slots=tuple(free),
-            evictable_size=int(c.evictable_size()),
-            protected_size=int(c.protected_size()),
-            **tier,
-            **extra,
-        )
+        return self._radix_snapshot(views, free, **tier, **extra)
 
 
 class RefAwareRadixBackend(RefAwareAdapter):
@@ -292,7 +307,7 @@ class RefAwareRadixBackend(RefAwareAdapter):
         server_args = SimpleNamespace(
             enable_priority_scheduling=True, high_priority_threshold=config.high_priority_threshold
         )
-        with self._in_fork():
+        with self._in_engine():
             self.cache = RA.RefAwareRadixCache(params, server_args)
         c = self.cache
         for name in (
@@ -308,7 +323,7 @@ class RefAwareRadixBackend(RefAwareAdapter):
     # ------------------------------------------------------------------ plumbing
 
     @contextlib.contextmanager
-    def _in_fork(self) -> Iterator[None]:
+    def _in_engine(self) -> Iterator[None]:
         """Run fork code on this adapter's logical clock, node-id counter and ordered RefInfo."""
         node_cls = _radix_cache.TreeNode
         saved = (_radix_cache.time, node_cls.counter, _core.RefInfo)
@@ -344,26 +359,17 @@ class RefAwareRadixBackend(RefAwareAdapter):
 
     # ------------------------------------------------------------------ protocol
 
-    def match_prefix(self, namespace: Optional[str], tokens: Sequence[int]) -> MatchOut:
-        with self._in_fork():
-            res = self.cache.match_prefix(MatchPrefixParams(key=self._key(namespace, tokens)))
-        return MatchOut(
-            length=int(len(res.device_indices)),
-            slots=tuple(int(x) for x in res.device_indices.tolist()),
-            node=self._remember(res.last_device_node),
-        )
-
     def insert(
         self, namespace: Optional[str], tokens: Sequence[int], slots: Sequence[int], priority: int = 0
     ) -> InsertOut:
         key = self._key(namespace, tokens)
         params = InsertParams(key=key, value=torch.tensor(list(slots), dtype=torch.int64), priority=priority)
-        with self._in_fork():
+        with self._in_engine():
             res = self.cache.insert(params)
         return InsertOut(prefix_len=int(res.prefix_len), node=self._remember(self._node_at(key)))
 
     def evict(self, n: int, allow_low: bool = True, allow_high: bool = True) -> int:
-        with self._in_fork():
+        with self._in_engine():
             full = allow_low is True and allow_high is True
             if not self.priority_refs or (full and self.fork_default_scope):  # no session: any scope is the same
                 res = self.cache.evict(EvictParams(num_tokens=n))
@@ -374,27 +380,9 @@ class RefAwareRadixBackend(RefAwareAdapter):
 
     # ------------------------------------------------------------------ SPEC.md §11 (factory_priority)
 
-    def register_ref(self, session: str, node: int, priority: int) -> None:
-        target = self._node(node)
-        req = SimpleNamespace(
-            rid=session,
-            priority=priority,
-            last_node=target,
-            # The root: what register_ref reads to walk a path by key; no committed tokens, no nodes.
-            origin_input_ids=[],
-            output_ids=[],
-            kv_committed_len=0,
-            extra_key=None,
-        )
-        self._registered.pop(session, None)  # (re-)registration order, SPEC.md §11.1 (see `_sessions`)
-        self._registered[session] = None
-        with self._in_fork():
-            info = self.cache.rid_to_ref_info.get(session)
-            if info is not None and (
-                self.moves == "all" or (self.moves == "class" and self.cache.is_high_priority(priority) != info.is_high)
-            ):
-                self.cache.release_ref(session)
-            self.cache.register_ref(req)
+    def _released_first(self, priority: int, info: Any) -> bool:
+        """Whether a session registered again (`info`: the fork's record of it) is released before it registers."""
+        return self.moves == "all" or (self.moves == "class" and self.cache.is_high_priority(priority) != info.is_high)
 
     # ------------------------------------------------------------------ KVBackend (SPEC.md §9.12)
 
@@ -480,22 +468,11 @@ def factory_priority_default_scope(config: CacheConfig) -> RefAwareRadixBackend:
     return RefAwareRadixBackend(config, priority_refs=True, fork_default_scope=True)
 
 
-factory.capabilities = Capabilities(  # type: ignore[attr-defined]
-    name=f"refaware.RefAwareRadixCache {REFAWARE_SGLANG_VERSION} ({FORK})",
-    page_sizes=(1, 4, 16),
-    policies=POLICIES,
-    namespaces=True,
-    strict_input=False,
-    kv_reads=True,
+factory.capabilities = radix_capabilities(  # type: ignore[attr-defined]
+    f"refaware.RefAwareRadixCache {REFAWARE_SGLANG_VERSION} ({FORK})",
     aligns_keys=False,  # 0.5.10's insert does not page-align a key: its callers do (cache_finished_req)
     checkpoints=False,  # 0.5.10 has cache_unfinished_req, no checkpoint: the harness composes it
     profile="sglang-0.5.23",  # 0.5.10's RadixCache makes 0.5.23's device choices: certified under it too
-    reports_metadata=True,
-    metadata_exact=True,
-    notes=(
-        "real MHATokenToKVPool + (Paged)TokenToKVPoolAllocator on CPU; slot 0 / page 0 is reserved padding",
-        "KV bytes: the harness writes the spec's entries into the pool's K/V buffers and reads them back",
-    ),
     deviations=(
         "eviction ties: the fork's leaf sets and RefInfo.nodes are insertion-ordered, so equally ranked leaves leave in insertion order; as shipped a set orders them by memory address, which differs from run to run",
         "clock: time.monotonic and TreeNode.counter are the harness's logical clock and a per-adapter counter during each call",

@@ -368,7 +368,7 @@ class RefAwareRequestPath(RadixTreeAdapter):
         if self.host:
             _start_gloo()
             install_host_cpu_shims()
-        with self._in_fork():
+        with self._in_engine():
             self.scheduler = self._make_scheduler()
         s = self.scheduler
         self.cache = c = s.tree_cache
@@ -508,7 +508,7 @@ class RefAwareRequestPath(RadixTreeAdapter):
     # ------------------------------------------------------------------ plumbing
 
     @contextlib.contextmanager
-    def _in_fork(self) -> Iterator[None]:
+    def _in_engine(self) -> Iterator[None]:
         """Run fork code on this target's clock, id counters, ordered RefInfo, server args and (paged) allocation."""
         node_cls, op_cls = _radix_cache.TreeNode, _cc.CacheOperation
         clock = LogicalTime(self._now)
@@ -608,7 +608,7 @@ class RefAwareRequestPath(RadixTreeAdapter):
         self._ended_last_step = []
         self._inbox.polls_left = 1
         try:
-            with self._in_fork():
+            with self._in_engine():
                 try:
                     self.scheduler.event_loop_normal()
                 except _StepDone:
@@ -783,7 +783,7 @@ class RefAwareRequestPath(RadixTreeAdapter):
             nid = int(node.id)
             if parent is None:
                 depth[nid] = 0
-                views.append(NodeView(nid, None, None, (), (), int(node.lock_ref)))
+                views.append(self._root_view(node))
                 continue
             depth[nid] = depth[int(parent.id)] + 1
             host_locks = int(node.host_ref_counter) if self.host else 0
@@ -802,15 +802,9 @@ class RefAwareRequestPath(RadixTreeAdapter):
                 write_policy=self.config.write_policy,
                 pending=self._pending(),
             )
-        return Snapshot(
-            page_size=ps,
-            capacity=self.config.capacity,
-            slot_limit=self.config.capacity + ps,  # slot 0 / page 0 is the engine's padding
-            root=int(c.root_node.id),
-            nodes=tuple(views),
-            free_slots=tuple(free_slots(self.allocator, ps)),
-            evictable_size=int(c.evictable_size()),
-            protected_size=int(c.protected_size()),
+        return self._radix_snapshot(
+            views,
+            free_slots(self.allocator, ps),
             sessions=self._sessions(depth),
             tier_evictable=tier_counters(c),
             high_priority_threshold=self.config.high_priority_threshold,

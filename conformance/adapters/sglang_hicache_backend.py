@@ -65,6 +65,7 @@ from typing import Any, Optional
 
 import torch
 
+from kvcert.conformance.adapters._radix_tree import INSERTION_ORDERED_TIES
 from kvcert.conformance.adapters._sglang_env import SGLANG_VERSION
 from kvcert.conformance.adapters._sglang_kv import HEAD_DIM, HEAD_NUM, entries_of, write_pool
 from kvcert.conformance.adapters.sglang_file_store import SGLangFileStore
@@ -580,7 +581,7 @@ def make_factory(
         )
         + (("L3: SGLang's storage threads stepped by the harness (sglang_hicache_storage.py)",) if storage else ()),
         deviations=(
-            "eviction ties: SGLang's sets of candidate leaves are insertion-ordered, so equally ranked leaves leave in insertion order; as shipped a set orders them by memory address, which differs from run to run (F-9)",
+            INSERTION_ORDERED_TIES,
             "clock: the tree's access-time, node-id, uuid and operation counters are the adapter's during each call",
             "host transfers: torch index-copy stand-ins for sgl_kernel's transfer kernels (direct io on CPU), host "
             "pools unpinned",

@@ -34,7 +34,13 @@ from typing import Any, Optional
 
 import torch
 
-from kvcert.conformance.adapters._radix_tree import LogicalTime, RadixTreeAdapter
+from kvcert.conformance.adapters._radix_tree import (
+    INSERTION_ORDERED_TIES,
+    POOL_NOTES,
+    LogicalTime,
+    RadixTreeAdapter,
+    radix_capabilities,
+)
 from kvcert.conformance.adapters._sglang_env import SGLANG_VERSION, OrderedSet, import_sglang
 from kvcert.conformance.adapters._sglang_kv import (
     HEAD_DIM,
@@ -44,9 +50,7 @@ from kvcert.conformance.adapters._sglang_kv import (
     write_pool,
 )
 from kvcert.spec.types import (
-    POLICIES,
     CacheConfig,
-    Capabilities,
     InsertOut,
     MatchOut,
     NodeView,
@@ -108,7 +112,7 @@ class SGLangRadixBackend(RadixTreeAdapter):
             page_size=config.page_size,
             eviction_policy=config.policy,
         )
-        with self._in_sglang():
+        with self._in_engine():
             self.cache = self.sg.RadixCache(params)
         assert not self.cache.evictable_leaves
         self.cache.evictable_leaves = OrderedSet()
@@ -117,7 +121,7 @@ class SGLangRadixBackend(RadixTreeAdapter):
     # ------------------------------------------------------------------ plumbing
 
     @contextlib.contextmanager
-    def _in_sglang(self) -> Iterator[None]:
+    def _in_engine(self) -> Iterator[None]:
         """Run SGLang code on this adapter's logical clock and node-id counter."""
         mod, node_cls = self.sg.radix_cache, self.sg.TreeNode
         saved_time, saved_counter = mod.time, node_cls.counter
@@ -134,7 +138,7 @@ class SGLangRadixBackend(RadixTreeAdapter):
     # ------------------------------------------------------------------ protocol
 
     def match_prefix(self, namespace: Optional[str], tokens: Sequence[int]) -> MatchOut:
-        with self._in_sglang():
+        with self._in_engine():
             res = self.cache.match_prefix(self.sg.MatchPrefixParams(key=self._key(namespace, tokens)))
             # What BasePrefixCache.prefix_device_indices does for a request.
             slots = self.cache.path_device_indices(res.last_device_node)[: res.device_prefix_len]
@@ -152,22 +156,12 @@ class SGLangRadixBackend(RadixTreeAdapter):
             value=torch.tensor(list(slots), dtype=torch.int64),
             priority=priority,
         )
-        with self._in_sglang():
+        with self._in_engine():
             res = self.cache.insert(params)
         return InsertOut(prefix_len=int(res.prefix_len), node=self._remember(res.last_device_node))
 
-    def inc_lock_ref(self, node: int) -> None:
-        target = self._node(node)
-        with self._in_sglang():
-            self.cache.inc_lock_ref(target)
-
-    def dec_lock_ref(self, node: int) -> None:
-        target = self._node(node)
-        with self._in_sglang():
-            self.cache.dec_lock_ref(target)
-
     def evict(self, n: int) -> int:
-        with self._in_sglang():
+        with self._in_engine():
             res = self.cache.evict(self.sg.EvictParams(num_tokens=n))
         return int(res.num_tokens_evicted)
 
@@ -219,7 +213,7 @@ class SGLangRadixBackend(RadixTreeAdapter):
 
         self.cache.insert = spy  # type: ignore[method-assign]
         try:
-            with self._in_sglang():
+            with self._in_engine():
                 self.cache.checkpoint(req, up_to=len(toks))
         finally:
             del self.cache.insert
@@ -253,7 +247,7 @@ class SGLangRadixBackend(RadixTreeAdapter):
         views = []
         for node, parent in self._walk():
             if parent is None:  # root: SGLang gives it an empty key, `value=[]` and a permanent lock_ref of 1
-                views.append(NodeView(int(node.id), None, None, (), (), int(node.lock_ref)))
+                views.append(self._root_view(node))
                 continue
             views.append(
                 NodeView(
@@ -273,17 +267,7 @@ class SGLangRadixBackend(RadixTreeAdapter):
             )
         pages = self.allocator.get_all_free_pages().tolist()
         free = sorted(p * ps + i for p in pages for i in range(ps))
-        return Snapshot(
-            page_size=ps,
-            capacity=self.config.capacity,
-            # Slot 0 (page 0) is SGLang's padding slot: ids run 1..capacity, page ids 1..capacity/ps.
-            slot_limit=self.config.capacity + ps,
-            root=int(self.cache.root_node.id),
-            nodes=tuple(views),
-            free_slots=tuple(free),
-            evictable_size=int(self.cache.evictable_size()),
-            protected_size=int(self.cache.protected_size()),
-        )
+        return self._radix_snapshot(views, free)
 
 
 def factory(config: CacheConfig) -> SGLangRadixBackend:
@@ -297,26 +281,18 @@ def factory_need_sort(config: CacheConfig) -> SGLangRadixBackend:
     return SGLangRadixBackend(config, need_sort=True)
 
 
-factory.capabilities = Capabilities(  # type: ignore[attr-defined]
-    name=f"sglang.RadixCache {SGLANG_VERSION}",
-    page_sizes=(1, 4, 16),
-    policies=POLICIES,
-    namespaces=True,
-    strict_input=False,
-    kv_reads=True,
+factory.capabilities = radix_capabilities(  # type: ignore[attr-defined]
+    f"sglang.RadixCache {SGLANG_VERSION}",
     aligns_keys=True,
     checkpoints=True,
     profile="sglang-0.5.23",
-    reports_metadata=True,
-    metadata_exact=True,
-    notes=(
-        "real MHATokenToKVPool + (Paged)TokenToKVPoolAllocator on CPU; slot 0 / page 0 is reserved padding",
-        "KV bytes: the harness writes the spec's entries into the pool's K/V buffers and reads them back",
+    notes=POOL_NOTES
+    + (
         "SGLang 0.5.23 builds this RadixCache only for all-sliding-window models and --enable-flexkv; its default "
         "is UnifiedRadixCache (sglang_hicache_backend, host_capacity 0)",
     ),
     deviations=(
-        "eviction ties: SGLang's sets of candidate leaves are insertion-ordered, so equally ranked leaves leave in insertion order; as shipped a set orders them by memory address, which differs from run to run (F-9)",
+        INSERTION_ORDERED_TIES,
         "clock: time.monotonic and TreeNode.counter are the harness's logical clock and a per-adapter counter during "
         "each call, so every stamp within one operation is equal",
         "requests: the API is driven by calls the suite composes in the scheduler's place (match, lock, alloc, "

@@ -622,7 +622,7 @@ class SGLangRequestPath:
                     yield
             else:
                 self.backend.set_clock(self._now)
-                with self.backend._in_sglang():
+                with self.backend._in_engine():
                     yield
 
     def _send(self, message: Any) -> None:
