@@ -2,7 +2,7 @@
 and its proactive manager at 64/96/128 HP clients, next to the same figure of a `kvcert bench policy --table
 --json` run (baseline and proactive contenders).
 
-    python scripts/seed_compare.py docs/runs/2026-12-03-issue15/table.json [SEED_TEXT]
+    kvcert bench policy --table --json table.json && python scripts/seed_compare.py table.json [SEED_TEXT]
 
 SEED_TEXT defaults to ../shared/seeds/000_*.txt (the proactive manager's write-up). Its figures are read from its
 metric blocks ("High-priority TTFT mean/p90/p99: ..."), never typed here. Measured, never asserted

@@ -212,7 +212,7 @@ def test_priority_factory_demotes_restores_and_scopes(tmp_path: Path) -> None:
     """`factory_priority`, page size 1, write_through and write_through_selective: sessions were registered,
     host eviction ran, and the fork's own demotion and scoped eviction were called (counted in the fork's
     process); what failed is calibrated. Restores are counted on the calibration traces (H6, H9) and in the
-    default-budget certificate of `factory_priority_flow` (docs/runs/2026-12-03-issue14-final): a run this
+    default-budget certificate of `factory_priority_flow` (docs/results.md): a run this
     small seldom gets a high session to end after a demotion."""
     _environment()
     cells = ("--write-policy", "write_through", "--write-policy", "write_through_selective")

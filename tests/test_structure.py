@@ -85,3 +85,74 @@ def test_every_relative_link_in_the_docs_resolves() -> None:
         if not target.startswith(("http:", "https:", "mailto:")) and not (page.parent / target).exists()
     ]
     assert not broken, broken
+
+
+def _results_page():  # scripts/ is not a package: load scripts/results_page.py by path
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("results_page", ROOT / "scripts" / "results_page.py")
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _runs_kept(runs: Path, docs: list[Path]) -> list[str]:
+    """What under `runs` breaks its rule: one certificate per (target, profile); besides certificates, only files
+    a doc (outside `runs`) links to, and the README of a folder that keeps one of either."""
+    import re
+    from collections import Counter
+
+    results = _results_page()
+    certs = results.all_certificates(runs)
+    twice = [k for k, n in Counter(results.key(cert) for _, cert in certs).items() if n > 1]
+    linked = {
+        (page.parent / target).resolve()
+        for page in docs
+        if runs.resolve() not in page.resolve().parents
+        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", page.read_text())
+    }
+    kept = {path.resolve() for path, _ in certs} | {p for p in linked if runs.resolve() in p.parents}
+    folders = {p.parent for p in kept}
+    stray = [
+        str(p.relative_to(runs))
+        for p in sorted(runs.rglob("*"))
+        if p.is_file() and p.resolve() not in kept and not (p.name == "README.md" and p.resolve().parent in folders)
+    ]
+    return [f"two certificates of {t} {prof or '(no profile)'}" for t, prof in twice] + [
+        f"{s}: neither a certificate nor linked from a doc" for s in stray
+    ]
+
+
+def _doc_pages() -> list[Path]:
+    return [*ROOT.glob("*.md"), *ROOT.glob("spec/*.md"), *ROOT.glob("examples/**/*.md"), *ROOT.glob("docs/**/*.md")]
+
+
+def test_docs_runs_keeps_one_certificate_per_target_and_what_the_docs_cite() -> None:
+    """docs/runs/ is not an archive: per (target, profile) one certificate, the newest, the one docs/results.md
+    shows (a new run replaces the old file; git keeps history). Anything else there is a file a doc links to
+    (a figure's printed output), or the README that says which command wrote a kept file."""
+    problems = _runs_kept(ROOT / "docs" / "runs", _doc_pages())
+    assert not problems, problems
+
+
+def test_the_runs_rule_fails_on_a_second_certificate_and_on_a_stray_file(tmp_path: Path) -> None:
+    """The rule above can fail: a superseded certificate left beside the new one, or a log no doc cites."""
+    import json
+
+    runs = tmp_path / "docs" / "runs"
+    cert = {"target": "kvcert.gpu:factory", "profile": "core", "cells": [], "total_steps": 0}
+    for folder in ("2026-01-01-old", "2026-01-02-new"):
+        (runs / folder).mkdir(parents=True)
+        (runs / folder / "gpu.json").write_text(json.dumps(cert))
+    (runs / "2026-01-02-new" / "gpu.log").write_text("output\n")
+    (runs / "2026-01-02-new" / "README.md").write_text("# how\n")
+    page = tmp_path / "docs" / "page.md"
+    page.write_text("[the run](runs/2026-01-02-new/gpu.json)\n")
+    assert _runs_kept(runs, [page]) == [
+        "two certificates of kvcert.gpu:factory core",
+        "2026-01-02-new/gpu.log: neither a certificate nor linked from a doc",
+    ]
+    (runs / "2026-01-01-old" / "gpu.json").unlink()
+    (runs / "2026-01-02-new" / "gpu.log").unlink()
+    assert _runs_kept(runs, [page]) == []
