@@ -5,6 +5,7 @@ is a contract of its own: scripts/layers.sh, in CI.)"""
 from __future__ import annotations
 
 import ast
+import importlib.util
 from pathlib import Path
 
 import pytest
@@ -69,6 +70,25 @@ def test_the_results_page_is_what_the_certificates_say() -> None:
     got = subprocess.run([sys.executable, str(ROOT / "scripts" / "results_page.py"), "--check"], capture_output=True,
                          text=True)  # fmt: skip
     assert got.returncode == 0, got.stdout + got.stderr
+
+
+def test_the_tour_page_shows_the_readmes_tour() -> None:
+    """docs/tour_output.md holds what the README's tour printed, written by scripts/tour.py: a tour edited without
+    rerunning the script fails here; so does a page that shows one command too many or too few."""
+    import subprocess
+    import sys
+
+    tour = ROOT / "scripts" / "tour.py"
+    got = subprocess.run([sys.executable, str(tour), "--check"], capture_output=True, text=True)
+    assert got.returncode == 0, got.stdout + got.stderr
+    spec = importlib.util.spec_from_file_location("tour", tour)
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    readme = "## A short tour\n\n```bash\n./kvcert certify a:f   # one\n./kvcert selftest\n```\n"
+    assert module.tour_commands(readme) == ["./kvcert certify a:f", "./kvcert selftest"]
+    page = module.render([("./kvcert certify a:f", 0, ["CERTIFIED"])])
+    assert module.page_commands(page) == ["./kvcert certify a:f"], "a page missing a command is told apart"
 
 
 def test_every_relative_link_in_the_docs_resolves() -> None:

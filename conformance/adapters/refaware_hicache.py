@@ -1,4 +1,3 @@
-# Over 600 lines: one adapter for the fork's host-tier cache; the snapshot building it shares with the SGLang adapters is not yet factored out.
 """The priority-aware ("ref-aware") SGLang fork's `RefAwareHiRadixCache` (base 0.5.10): host tier + SPEC.md §11.
 
     .venv-refaware/bin/kvcert certify kvcert.conformance.adapters.refaware_hicache:factory --policy lru
