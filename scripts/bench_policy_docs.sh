@@ -9,7 +9,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 OUT="${1:-bench-policy}"
 mkdir -p "$OUT"
 K=("$ROOT/kvcert" bench policy)
-ALL=(--cache baseline --cache baseline-hp --cache proactive --cache refaware --cache blind --cache infinite --cache offline)
+ALL=(--cache baseline --cache proactive --cache refaware --cache blind --cache infinite --cache offline --cache baseline@fcfs)
 echo "== table"
 /usr/bin/time -f "table: %e s wall" -o "$OUT/table.time" "${K[@]}" --table "${ALL[@]}" --json "$OUT/table.json" --plots "$OUT" > "$OUT/table.txt"
 cat "$OUT/table.time"
@@ -17,13 +17,13 @@ echo "== 128 HP clients: every run's metric block and per-turn breakdown"
 "${K[@]}" --hp 128 --json "$OUT/hp128.json" > "$OUT/hp128.txt"
 for s in host think speed; do
     echo "== sweep $s"
-    "${K[@]}" --hp 128 --sweep "$s" --cache baseline --cache baseline-hp --cache proactive --cache refaware --cache infinite \
+    "${K[@]}" --hp 128 --sweep "$s" --cache baseline --cache proactive --cache refaware --cache infinite --cache baseline@fcfs \
         --json "$OUT/sweep-$s.json" --plots "$OUT" > "$OUT/sweep-$s.txt"
 done
 for g in groups-10x50 groups-50x10; do
-    echo "== $g (default pools; then a quarter of them, 8 prompts/s)"
+    echo "== $g (default pools; then a quarter of the device pool and twice that on the host, 8 prompts/s)"
     "${K[@]}" --workload "$g" "${ALL[@]}" --no-breakdown --json "$OUT/$g.json" > "$OUT/$g.txt"
-    "${K[@]}" --workload "$g" "${ALL[@]}" --no-breakdown --set device_tokens=262144 --set host_tokens=786432 --rate 8 \
+    "${K[@]}" --workload "$g" "${ALL[@]}" --no-breakdown --set device_tokens=229248 --set host_tokens=458496 --rate 8 \
         --json "$OUT/$g-small.json" > "$OUT/$g-small.txt"
 done
 "$ROOT/scripts/bench_policy_seed.sh" "$OUT"

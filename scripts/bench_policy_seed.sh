@@ -12,7 +12,7 @@ mkdir -p "$OUT/seed-engine"
 K=("${KVCERT:-$ROOT/kvcert}" bench policy)
 PY="${PYTHON:-$ROOT/.venv/bin/python}"
 echo "== table, --engine seed"
-"${K[@]}" --table --engine seed --cache baseline --cache baseline-hp --cache proactive --cache refaware --cache infinite \
+"${K[@]}" --table --engine seed --cache baseline --cache proactive --cache refaware --cache infinite --cache baseline@fcfs \
     --json "$OUT/seed-engine/table.json" --plots "$OUT/seed-engine" > "$OUT/seed-engine/table.txt"
 for t in "$OUT/table.json" "$OUT/seed-engine/table.json"; do
     echo "== seed_compare $t"

@@ -1,13 +1,13 @@
 """The caches the simulator drives, each through its own API, and the two bounds.
 
 The simulator never decides what a cache keeps: it asks the cache, as an engine's scheduler does.
-Every driver answers the same calls (`admit`, `checkpoint`, `finish`, `drop`, `end_session`):
+Every driver answers the same calls (`admit`, `checkpoint`, `finish`, `end_session`):
 
 * `ProtocolDriver`: any kvcert `Backend` (kvcert.gpu, the reference model, the RefAware fork's
-  adapter). With `priority=True` it is the proactive manager's scheduler side (SPEC.md §11):
+  adapter). With `priority=True` it makes the proactive manager's cache calls (SPEC.md §11.1-§11.4):
   a session's path is registered at its priority after every turn and released after its last,
-  a low-priority request evicts only in its scope, and a high-priority one that does not fit
-  asks `plan_admission`, retracting the low-priority requests the plan names.
+  and a low-priority request evicts only in its scope. Admission and retraction are the scheduler's,
+  the same for every cache (`kvcert.sim.engine`): the driver never retracts a running request.
 * `SGLangDriver`: SGLang 0.5.23's `UnifiedRadixCache` + HiCache through its native calls
   (`match_prefix`, `init_load_back`, `inc/dec_lock_ref`, `evict`, `insert` with
   `prev_prefix_len`), as its scheduler calls them: priority-blind.
@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Protocol
 
 from kvcert.spec.invariants import check_snapshot
-from kvcert.spec.types import CacheConfig, InsertOut, PoolExhausted, Running, Snapshot
+from kvcert.spec.types import CacheConfig, InsertOut, PoolExhausted, Snapshot
 
 __all__ = ["CacheDriver", "Hold", "InfiniteBound", "OfflineBound", "ProtocolDriver", "SGLangDriver", "quiescent"]
 
@@ -51,9 +51,6 @@ class Hold:
     """A bound's device room for the request, in pages (a bound has no slots to hand out)."""
 
 
-Retract = Callable[[Sequence[int]], None]
-
-
 class CacheDriver(Protocol):
     name: str
     priority: bool
@@ -65,8 +62,6 @@ class CacheDriver(Protocol):
         session: str,
         prio: int,
         high: bool,
-        running: Sequence[Running],
-        retract: Retract,
     ) -> Optional[Hold]:
         """Room for the request (prompt `key` + `out_pages`), its prefix locked; None: not now (nothing held)."""
 
@@ -76,9 +71,6 @@ class CacheDriver(Protocol):
 
     def finish(self, key: Sequence[int], hold: Hold, session: str, prio: int) -> None:
         """The request ended: its prompt and output (`key`) go into the tree; its lock is returned."""
-
-    def drop(self, hold: Hold) -> None:
-        """The request was retracted: its own slots freed, its lock returned; it will be recomputed."""
 
     def end_session(self, session: str) -> None: ...
 
@@ -127,7 +119,7 @@ class ProtocolDriver:
 
     def __init__(self, name: str, backend: Any, priority: bool, threshold: int) -> None:
         self.name, self.c, self.priority, self.threshold = name, backend, priority, threshold
-        self.stats = {"evict_calls": 0, "evicted": 0, "loads": 0, "plans": 0}
+        self.stats = {"evict_calls": 0, "evicted": 0, "loads": 0}
         self._sees_demotions = priority and hasattr(backend, "demotions")
         """kvcert.gpu keeps its demoted sessions in `demotions`; a cache that does not show them counts none."""
         if self._sees_demotions:
@@ -162,18 +154,8 @@ class ProtocolDriver:
         self.stats["evicted"] += got
         self.settle()
 
-    def _room(self, need: int, prio: int, high: bool, running: Sequence[Running], retract: Retract) -> bool:
+    def _room(self, need: int, high: bool) -> bool:
         free = self._free()
-        if free >= need:
-            return True
-        if self.priority and high:
-            self.stats["plans"] += 1
-            plan = self.c.plan_admission(need, prio, list(running), None)
-            if not plan.fits:
-                return False
-            if plan.retract:
-                retract(plan.retract)
-                free = self._free()
         if free < need:
             self._evict(need - free, high)
         return self._free() >= need
@@ -186,15 +168,13 @@ class ProtocolDriver:
         session: str,
         prio: int,
         high: bool,
-        running: Sequence[Running],
-        retract: Retract,
     ) -> Optional[Hold]:
         m = self.c.match_prefix(None, key)
         self.c.inc_lock_ref(m.node)
         lock, dev = m.node, m.length
         host = m.host_length if m.host_node is not None and m.host_length >= self.threshold else 0
         need = len(key) - dev + out_pages
-        if not self._room(need, prio, high, running, retract):
+        if not self._room(need, high):
             self.c.dec_lock_ref(lock)
             return None
         loaded = 0
@@ -241,10 +221,6 @@ class ProtocolDriver:
             self.c.register_ref(session, out.node, prio)
             self._registered.add(session)
         self._watch_demotions()
-
-    def drop(self, hold: Hold) -> None:
-        self.c.free(hold.own)
-        self.c.dec_lock_ref(hold.lock)
 
     def end_session(self, session: str) -> None:
         if session in self._registered:  # a session whose first turn never ran holds nothing
@@ -293,8 +269,6 @@ class SGLangDriver:
         session: str,
         prio: int,
         high: bool,
-        running: Sequence[Running],
-        retract: Retract,
     ) -> Optional[Hold]:
         h = self.h
         m = h.match_prefix(None, key)
@@ -341,10 +315,6 @@ class SGLangDriver:
         self.h.insert(None, key, hold.prefix + hold.own, len(hold.prefix))
         self.h.dec_lock_ref(hold.lock)
         self.settle()
-
-    def drop(self, hold: Hold) -> None:
-        self.h.free(hold.own)
-        self.h.dec_lock_ref(hold.lock)
 
     def end_session(self, session: str) -> None:
         pass
@@ -399,8 +369,6 @@ class InfiniteBound:
         session: str,
         prio: int,
         high: bool,
-        running: Sequence[Running],
-        retract: Retract,
     ) -> Optional[Hold]:
         need = len(key) + out_pages
         if self.used + need > self.device_pages:
@@ -417,9 +385,6 @@ class InfiniteBound:
 
     def _keep(self, key: Sequence[int], session: str) -> None:
         self.seen.update(self._chain(key))
-
-    def drop(self, hold: Hold) -> None:
-        self.used -= hold.reserved
 
     def end_session(self, session: str) -> None:
         pass

@@ -15,13 +15,17 @@ from rich.table import Table
 
 from kvcert.sim import policy, report
 from kvcert.sim.costs import engine, with_overrides
-from kvcert.sim.targets import CONTENDERS, DEFAULT
+from kvcert.sim.sizing import DEFAULT_GPU, DEFAULT_MODEL, GPUS, MODELS, size
+from kvcert.sim.targets import CONTENDERS, DEFAULT, SCHEDULERS, parse
 from kvcert.sim.workload import GroupsSpec, StressSpec, TraceError, Workload, groups, read_trace, stress
 
 console = Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 160)
 
 TABLE_HP = (64, 96, 128)
-_CACHE_HELP = f"contenders (default: {', '.join(DEFAULT)}); known: {', '.join(CONTENDERS)}"
+_CACHE_HELP = (
+    f"rows, CACHE or CACHE@SCHEDULER (default: {', '.join(DEFAULT)}); caches: {', '.join(CONTENDERS)}; schedulers: "
+    f"{', '.join(SCHEDULERS)} (priority unless named)"
+)
 _SWEEP_HELP = f"sensitivity sweep at the first --hp: {', '.join(policy.SWEEPS)}"
 
 
@@ -40,7 +44,7 @@ def _progress() -> Progress:
 
 def _row(t: Table, s: dict[str, Any], base: Optional[dict[str, Any]], lead: list[str]) -> None:
     if "unavailable" in s:
-        t.add_row(*lead, s["contender"], *["-"] * 8, "unavailable here (below)")
+        t.add_row(*lead, s["contender"], *["-"] * 7, "unavailable here (below)")
         return
     hp, lp = s["high"], s["low"]
     p90 = hp["ttft"]["p90"]
@@ -61,7 +65,6 @@ def _row(t: Table, s: dict[str, Any], base: Optional[dict[str, Any]], lead: list
         hit(lp),
         f"{lp['ttft']['p90']:.1f}",
         f"{lp['out_tok_per_s']:.0f}",
-        str(hp["retractions"] + lp["retractions"]),
         str(s["counters"].get("demotions", "-")),
         "ok" if not bad else f"[red]{len(bad)} FAILED[/]: {bad[0]}",
     )
@@ -78,7 +81,6 @@ def _table(title: str, lead: list[str]) -> Table:
         "LP hit t>=1",
         "LP TTFT p90 s",
         "LP out tok/s",
-        "retractions",
         "demotions",
         "checks",
     ):
@@ -108,6 +110,8 @@ def policy_cmd(
         "--engine",
         help="physical (costs derived from an 8B model on an H200-class GPU) or seed (prefill at the seed's measured rate)",
     ),
+    model: str = typer.Option(DEFAULT_MODEL, help=f"the model the pools are sized for: {', '.join(MODELS)}"),
+    gpu: str = typer.Option(DEFAULT_GPU, help=f"the GPU the pools are sized for: {', '.join(GPUS)}"),
     set_: list[str] = typer.Option([], "--set", help="override an engine cost or limit: NAME=VALUE (kvcert.sim.costs)"),
     json_out: Optional[Path] = typer.Option(None, "--json", help="write every run's figures as JSON"),
     plots: Optional[Path] = typer.Option(None, "--plots", help="write PNG plots into this directory"),
@@ -116,7 +120,8 @@ def policy_cmd(
     """Serve the seed's stress test (or another workload) from real caches on a simulated engine; print the seed's
     metric block per run and a comparison table. Exits 1 if any run fails its cache's end checks or the accounting."""
     try:
-        costs = with_overrides(engine(engine_), set_)
+        costs = with_overrides(engine(engine_, model, gpu), set_)
+        sizing = size(model, gpu)
         spec = StressSpec(
             hp[0],
             min_turns,
@@ -133,15 +138,24 @@ def policy_cmd(
         console.print(f"[red]error:[/] {e}")
         raise typer.Exit(2) from None
     names = list(cache or DEFAULT)
-    unknown = [n for n in names if n not in CONTENDERS]
-    if unknown:
-        console.print(f"[red]error:[/] unknown contender(s) {unknown}; known: {', '.join(CONTENDERS)}")
-        raise typer.Exit(2)
+    try:
+        for n in names:
+            parse(n)
+    except ValueError as e:
+        console.print(f"[red]error:[/] {e}")
+        raise typer.Exit(2) from None
     if sweep_ is not None and sweep_ not in policy.SWEEPS:
         console.print(f"[red]error:[/] --sweep {sweep_!r}: one of {', '.join(policy.SWEEPS)}")
         raise typer.Exit(2)
     if plots is not None:
         plots.mkdir(parents=True, exist_ok=True)
+    for line in sizing.lines():
+        console.print(line)
+    pools = [p for p in set_ if p.partition("=")[0] in ("device_tokens", "host_tokens", "page_tokens")]
+    if pools:
+        console.print(f"pools overridden: {', '.join(pools)}")
+    for sched, about in SCHEDULERS.items():
+        console.print(f"scheduler {sched}: {about}")
     console.print(f"engine: {costs}")
     results: list[dict[str, Any]] = []
     with _progress() as bar:

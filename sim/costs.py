@@ -1,12 +1,10 @@
 """The engine's costs and limits: every figure the simulator's clock advances by, with its reason.
 
-The defaults describe an 8B-class dense model (32 layers, 8 KV heads of 128, bf16: about 128 KiB
-of KV per token) on one H200-class GPU, sized so that the seed's regime holds: the first turns of
-192 clients (2.9M prompt tokens) take on the order of the seed's turn-0 TTFT (78-86 s), and the
-high-priority working set of 128 clients does not fit device + host beside 64 low-priority
-clients while that of 96 does beside 48 (the seed's 96-client run keeps every turn's hit). They
-are parameters, not measurements: `kvcert bench policy --set NAME=VALUE` changes any of them and
-the sensitivity sweep (`--sweep`) shows where the verdict depends on them.
+The defaults describe Llama 3.1 8B (32 layers, 8 KV heads of 128, bf16: 128 KiB of KV per token) on one H200
+under SGLang 0.5.23's own defaults. The pools are derived, not chosen (`kvcert.sim.sizing`: the GPU's memory
+times SGLang's `mem_fraction_static` less the weights, and `hicache_ratio` 2.0 times that on the host); the time
+costs are parameters of that model and GPU, not measurements. `kvcert bench policy --set NAME=VALUE` changes any
+of them, and the sensitivity sweep (`--sweep`) shows where the verdict depends on them.
 """
 
 from __future__ import annotations
@@ -14,7 +12,12 @@ from __future__ import annotations
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
+from kvcert.sim.sizing import DEFAULT_GPU, DEFAULT_MODEL, size
+
 __all__ = ["ENGINES", "SEED_PREFILL_SLOWDOWN", "Costs", "engine", "with_overrides"]
+
+_SIZED = size(DEFAULT_MODEL, DEFAULT_GPU)
+"""The default pools: Llama 3.1 8B on an H200 under SGLang 0.5.23's memory defaults."""
 
 
 @dataclass(frozen=True)
@@ -22,11 +25,11 @@ class Costs:
     page_tokens: int = 64
     """Tokens per cache slot. Caches are keyed by pages (SGLang's `page_size` 64 is common), so pools
     and trees are metadata-sized: a 1M-token device pool is 16,384 slots."""
-    device_tokens: int = 1_048_576
-    """Device KV pool: ~128 GiB of KV at 128 KiB per token would be 1M tokens on a 141 GB GPU
-    after weights and activations."""
-    host_tokens: int = 3_145_728
-    """Host KV pool (HiCache's `hicache_ratio` 3): 384 GiB of pinned DRAM."""
+    device_tokens: int = _SIZED.device_tokens
+    """Device KV pool: the H200's memory times SGLang's `mem_fraction_static` (0.904) less the 8B model's weights,
+    at 128 KiB per token (`kvcert.sim.sizing`)."""
+    host_tokens: int = _SIZED.host_tokens
+    """Host KV pool: SGLang's `hicache_ratio` default, 2.0 times the device pool."""
     prefill_token_s: float = 20e-6
     """Linear prefill cost per uncached token: 2 x 8B FLOP at ~800 TFLOP/s effective."""
     attention_pair_s: float = 4 * 32 * 4096 / 500e12
@@ -41,10 +44,12 @@ class Costs:
     """Per context token per decode step: its KV read from HBM (128 KiB at ~6 TB/s)."""
     load_token_s: float = 4e-6
     """Host->device load per token: 128 KiB over PCIe at ~32 GB/s. Charged to the prefill that needs it."""
-    chunked_prefill_tokens: int = 8192
-    """New tokens per prefill step (SGLang's `chunked_prefill_size`); a longer prompt takes several."""
-    max_running: int = 256
-    """Requests running at once (SGLang's `max_running_requests`); device memory usually binds first."""
+    chunked_prefill_tokens: int = _SIZED.memory.chunked_prefill_size
+    """New tokens per prefill step (SGLang's `chunked_prefill_size`, 8192 on an H200); a longer prompt takes
+    several."""
+    max_running: int = _SIZED.max_running_requests
+    """Requests running at once: SGLang's `max_running_requests` default for this pool and the model's 131,072
+    positions (`kvcert.sim.sizing`); device memory binds first."""
     decode_block: int = 8
     """Decode steps simulated as one event: the clock's resolution while decoding."""
     load_back_threshold: int = 1
@@ -105,11 +110,19 @@ ENGINES = ("physical", "seed")
 same with prefill (linear and attention) slowed by `SEED_PREFILL_SLOWDOWN`, the seed's measured cold rate."""
 
 
-def engine(name: str) -> Costs:
-    """The named engine's costs (ValueError for an unknown name)."""
+def engine(name: str, model: str = DEFAULT_MODEL, gpu: str = DEFAULT_GPU) -> Costs:
+    """The named engine's costs, its pools and limits sized for `model` on `gpu` (`kvcert.sim.sizing`); ValueError
+    for an unknown name."""
     if name not in ENGINES:
         raise ValueError(f"--engine {name!r}: one of {', '.join(ENGINES)}")
-    c = Costs()
+    sized = size(model, gpu)
+    c = replace(
+        Costs(),
+        device_tokens=sized.device_tokens,
+        host_tokens=sized.host_tokens,
+        chunked_prefill_tokens=sized.memory.chunked_prefill_size,
+        max_running=sized.max_running_requests,
+    )
     if name == "seed":
         k = SEED_PREFILL_SLOWDOWN
         c = replace(c, prefill_token_s=c.prefill_token_s * k, attention_pair_s=c.attention_pair_s * k)

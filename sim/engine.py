@@ -4,19 +4,23 @@ What it models, each step priced by `Costs`:
 
 * **Arrivals.** Closed-loop sessions: a turn arrives `think` seconds after the session's previous
   turn ended; at most `Workload.max_in_flight` requests are outstanding (the clients' semaphore).
-* **Scheduling.** High priority first, then arrival order; admission stops at the first request
-  the cache cannot make room for (SGLang's PrefillAdder does not skip), or at `max_running`.
-  A request is admitted with room for its uncached prompt and its whole output (the engine
-  reserves decode room up front, so decode never runs out of memory).
+* **Scheduling, the same for every cache.** Under the priority scheduler (SGLang's
+  `--enable-priority-scheduling`) waiting requests go by priority, then arrival
+  (`managers/schedule_policy.py`, `_sort_by_priority_and_fcfs`: high priority values first by
+  default); under FCFS (SGLang's default) in arrival order. Admission stops at the first request
+  the cache cannot make room for (SGLang's PrefillAdder does not skip), or at `max_running`. A
+  request is admitted with room for its uncached prompt and its whole output (the engine reserves
+  decode room up front, so decode never runs out of memory and nothing is retracted).
 * **Prefill before decode.** While any admitted request has prompt left, a step prefills up to
   `chunked_prefill_tokens` of it (longest-waiting first), loads its host hit first; else a step
   decodes `decode_block` tokens for every running request. The first token comes at the end
   of the prefill step that finishes the prompt (TTFT, from arrival).
 * **Sharing while decoding.** A prompt's KV goes into the tree when its prefill ends (SGLang's
   `cache_unfinished_req`), so a request arriving meanwhile with the same prefix hits it.
-* **Retraction.** Only a priority-aware cache's admission plan retracts (low-priority requests,
-  for a high-priority one): the retracted request's own KV is freed and it is queued again at
-  the head of its class, its progress lost (SGLang's retract-and-recompute).
+* **Not modelled.** Preemption of running requests (`SchedulePolicy.preempt_to_schedule`): SGLang
+  preempts only for a priority difference above `--priority-scheduling-preemption-threshold`
+  (default 10), and the stress test's priorities are 1 and 0. Decode-time retraction
+  (`retract_decode`), since decode room is reserved at admission.
 
 Every request ends finished, or reported unservable (larger than the device pool); the
 accounting (`Run.check`) proves it.
@@ -35,7 +39,6 @@ from typing import Optional
 from kvcert.sim.caches import CacheDriver, Hold
 from kvcert.sim.costs import Costs
 from kvcert.sim.workload import Workload, pages, session_keys
-from kvcert.spec.types import Running
 
 __all__ = ["Record", "Run", "simulate"]
 
@@ -55,7 +58,6 @@ class Record:
     loaded_tokens: int = 0
     first_token: float = math.nan
     end: float = math.nan
-    retractions: int = 0
     outcome: str = "pending"
     """finished | unservable | not-run (a later turn of a session whose earlier turn was unservable)."""
 
@@ -147,12 +149,15 @@ def simulate(
     seed: int = 0,
     progress: Optional[Callable[[int], None]] = None,
     future: Optional[dict[str, float]] = None,
-    priority_first: bool = True,
+    scheduler: str = "priority",
 ) -> Run:
     """Serve `workload` from `cache`; `progress(n)` after each finished turn; `future`, when given, is kept
-    current with each session's next use (the offline bound reads it). `priority_first`: high-priority requests
-    are admitted before low ones (SGLang's `--enable-priority-scheduling`); else one queue in arrival order
-    (SGLang's default, FCFS)."""
+    current with each session's next use (the offline bound reads it). `scheduler`: "priority", high-priority
+    requests admitted before low ones (SGLang's `--enable-priority-scheduling`), or "fcfs", one queue in arrival
+    order (SGLang's default)."""
+    if scheduler not in ("priority", "fcfs"):
+        raise ValueError(f"unknown scheduler {scheduler!r}: priority or fcfs")
+    priority_first = scheduler == "priority"
     wall = time.perf_counter()
     pt = costs.page_tokens
     sessions = workload.sessions
@@ -175,7 +180,7 @@ def simulate(
     in_flight = 0
     rid = 0
     now = 0.0
-    steps = {"prefill": 0, "decode": 0, "idle": 0, "retracted": 0, "admit_refused": 0}
+    steps = {"prefill": 0, "decode": 0, "idle": 0, "admit_refused": 0}
     limit = workload.max_in_flight or 1 << 60
 
     turn_of = [0] * len(sessions)
@@ -194,25 +199,6 @@ def simulate(
             return
         in_flight += 1
         (waiting_hi if rec.high or not priority_first else waiting_lo).append(req)
-
-    def running_view() -> list[Running]:
-        return [
-            Running(r.rid, r.rec.priority, r.hold.cached + len(r.hold.own))
-            for r in (*prefilling, *decoding)
-            if r.hold is not None
-        ]
-
-    def retract(ids: object) -> None:
-        wanted = set(ids)  # type: ignore[call-overload]
-        for group in (prefilling, decoding):
-            for r in [r for r in group if r.rid in wanted]:
-                group.remove(r)
-                assert r.hold is not None
-                cache.drop(r.hold)
-                r.hold, r.decoded, r.done_prompt = None, 0, 0
-                r.rec.retractions += 1  # its first token, if it streamed one, stays the client's TTFT
-                steps["retracted"] += 1
-                (waiting_hi if r.rec.high or not priority_first else waiting_lo).appendleft(r)
 
     def end_turn(r: _Req, outcome: str) -> None:
         nonlocal in_flight
@@ -261,7 +247,7 @@ def simulate(
             r = queue[0]
             s = sessions[r.sess]
             next_use[s.id] = now
-            hold = cache.admit(r.key, r.out_pages, s.id, s.priority, r.rec.high, running_view(), retract)
+            hold = cache.admit(r.key, r.out_pages, s.id, s.priority, r.rec.high)
             if hold is None:
                 steps["admit_refused"] += 1
                 break
@@ -269,8 +255,7 @@ def simulate(
             r.hold = hold
             cached = min(r.rec.prompt_tokens, hold.cached * pt)
             loaded = min(cached, hold.loaded * pt)
-            if not r.rec.retractions:  # a retracted request's hit stays its first admission's (the prompt it
-                r.rec.cached_tokens, r.rec.loaded_tokens = cached, loaded  # computed then is not a cache hit)
+            r.rec.cached_tokens, r.rec.loaded_tokens = cached, loaded
             r.prefill_left = max(1, r.rec.prompt_tokens - cached)  # the last token is always computed
             r.done_prompt = cached if cached < r.rec.prompt_tokens else r.rec.prompt_tokens - 1
             r.load_due = loaded

@@ -15,7 +15,7 @@ from typing import Any, Optional
 from kvcert.sim import remote, report
 from kvcert.sim.costs import Costs
 from kvcert.sim.engine import simulate
-from kvcert.sim.targets import CONTENDERS, Unavailable, build
+from kvcert.sim.targets import CONTENDERS, SCHEDULERS, Unavailable, build, parse
 from kvcert.sim.workload import StressSpec, Workload, stress
 
 __all__ = ["SWEEPS", "run_one", "sweep", "table"]
@@ -29,15 +29,17 @@ def run_one(
     progress: Optional[Callable[[int], None]] = None,
     elsewhere: bool = True,
 ) -> dict[str, Any]:
-    """One contender over one workload: its summary (report.summary), or {"unavailable": why}.
+    """One row (`CACHE` or `CACHE@SCHEDULER`, kvcert.sim.targets.parse) over one workload: its summary
+    (report.summary), or {"unavailable": why}.
 
     A contender whose engine cannot be imported here but has its own environment in this checkout (the
     RefAware fork's `.venv-refaware`) runs there, in a subprocess (`kvcert.sim.remote`), when `elsewhere`."""
+    cache_name, scheduler = parse(name)
     future: dict[str, float] = {}
     try:
-        cache = build(name, costs, workload, future)
+        cache = build(cache_name, costs, workload, future)
     except Unavailable as e:
-        python = remote.python_for(name) if elsewhere else None
+        python = remote.python_for(cache_name) if elsewhere else None
         if python is not None:
             return remote.run_elsewhere(python, name, workload, costs, seed)
         return {"contender": name, "workload": workload.name, "unavailable": str(e)}
@@ -49,11 +51,16 @@ def run_one(
             seed=seed,
             progress=progress,
             future=future,
-            priority_first=CONTENDERS[name].priority_first,
+            scheduler=scheduler,
         )
     finally:
         cache.close()
-    extra = {"contender": name, "about": CONTENDERS[name].about, "priority_first": CONTENDERS[name].priority_first}
+    extra = {
+        "contender": name,
+        "about": CONTENDERS[cache_name].about,
+        "scheduler": scheduler,
+        "scheduler_about": SCHEDULERS[scheduler],
+    }
     return report.summary(run, workload, run.accounting(workload, costs), extra)
 
 
@@ -88,7 +95,7 @@ class Sweep:
 
 
 def _host(c: Costs, s: StressSpec, v: float) -> tuple[Costs, StressSpec]:
-    return replace(c, host_tokens=int(v * 1e6) // c.page_tokens * c.page_tokens), s
+    return replace(c, host_tokens=int(v * c.device_tokens) // c.page_tokens * c.page_tokens), s
 
 
 def _think(c: Costs, s: StressSpec, v: float) -> tuple[Costs, StressSpec]:
@@ -108,7 +115,7 @@ def _speed(c: Costs, s: StressSpec, v: float) -> tuple[Costs, StressSpec]:
 
 
 SWEEPS: dict[str, Sweep] = {
-    "host": Sweep("host pool (million tokens)", (1.5, 2.0, 2.5, 3.1, 4.0, 5.0), _host),
+    "host": Sweep("host pool (x the device pool: SGLang's hicache_ratio, default 2)", (1.0, 1.5, 2.0, 3.0, 4.0, 5.0), _host),
     "think": Sweep("mean think time (s)", (1.5, 3.75, 7.5, 15.0, 30.0), _think),
     "speed": Sweep("engine speed (x the default costs)", (0.5, 1.0, 2.0, 4.0), _speed),
 }

@@ -52,7 +52,7 @@ def per_turn(records: Sequence[Record]) -> list[dict[str, Any]]:
 
 
 def block(run: Run, workload: Workload, high: bool) -> dict[str, Any]:
-    """One priority class's figures (the fork's summary, plus retractions and what did not finish)."""
+    """One priority class's figures (the fork's summary, plus what did not finish)."""
     clients = [s for s in workload.sessions if workload.high(s) == high]
     mine = [r for r in run.records if r.high == high]
     done = [r for r in mine if r.outcome == "finished"]
@@ -77,7 +77,6 @@ def block(run: Run, workload: Workload, high: bool) -> dict[str, Any]:
         "latency": _stats([r.latency for r in done]),
         "turn0_ttft": _stats([r.ttft for r in first]),
         "turn1_ttft": _stats([r.ttft for r in later]),
-        "retractions": sum(r.retractions for r in mine),
         "per_turn": per_turn(done),
     }
 
@@ -120,7 +119,6 @@ def text_block(s: dict[str, Any], high: bool = True) -> str:
         f"  {who}-priority Lat mean/p90/p99:  {b['latency']['mean']:.3f} / {b['latency']['p90']:.3f} / {b['latency']['p99']:.3f}s",
         f"  {who}-priority turn0 TTFT p90/p99:{b['turn0_ttft']['p90']:.3f} / {b['turn0_ttft']['p99']:.3f}s",
         f"  {who}-priority turn>=1 TTFT p90/p99:{b['turn1_ttft']['p90']:.3f} / {b['turn1_ttft']['p99']:.3f}s",
-        f"  {who}-priority retractions:       {b['retractions']}",
     ]
     if "demotions" in s["counters"]:
         lines.append(f"  Adaptive demotions:              {s['counters']['demotions']}")

@@ -11,7 +11,7 @@ from kvcert.sim.caches import CacheDriver, InfiniteBound, OfflineBound, Protocol
 from kvcert.sim.costs import Costs
 from kvcert.sim.workload import Workload, pages
 
-__all__ = ["CONTENDERS", "DEFAULT", "Contender", "Unavailable", "build"]
+__all__ = ["CONTENDERS", "DEFAULT", "SCHEDULERS", "Contender", "Unavailable", "build", "parse"]
 
 
 class Unavailable(RuntimeError):
@@ -63,40 +63,56 @@ def _offline(costs: Costs, w: Workload, future: dict[str, float]) -> CacheDriver
 
 @dataclass(frozen=True)
 class Contender:
-    """A cache and the scheduler in front of it."""
+    """A cache; the scheduler in front of it is the run's (`SCHEDULERS`), the same for every cache of a table."""
 
     cache: str
-    priority_first: bool
-    """HP-first admission (SGLang's `--enable-priority-scheduling`, the fork's scheduler) or FCFS (SGLang's default)."""
     about: str
 
 
 CONTENDERS: dict[str, Contender] = {
     "baseline": Contender(
-        "sglang",
-        False,
-        "SGLang 0.5.23 UnifiedRadixCache + HiCache, LRU, with SGLang's default FCFS scheduler: what users run today",
+        "sglang", "SGLang 0.5.23 UnifiedRadixCache + HiCache, LRU: the cache users run today, priority-blind"
     ),
-    "baseline-hp": Contender(
-        "sglang", True, "the same SGLang cache behind HP-first scheduling: priority in the scheduler only"
-    ),
+    "blind": Contender("gpu", "kvcert.gpu without the priority calls: LRU, priority-blind"),
     "proactive": Contender(
-        "gpu-refs", True, "kvcert.gpu with session refs, scoped eviction, demotion and admission plans (SPEC.md §11)"
+        "gpu-refs", "kvcert.gpu with session refs, scoped eviction and demotion (SPEC.md §11.1-§11.4)"
     ),
     "refaware": Contender(
-        "refaware", True, "the RefAware fork's RefAwareHiRadixCache (SGLang 0.5.10), driven as its scheduler drives it"
+        "refaware",
+        "the RefAware fork's RefAwareHiRadixCache (SGLang 0.5.10) with its refs and scoped eviction, behind this "
+        "table's scheduler (the fork's own PrefillAdder admission is not modelled)",
     ),
-    "blind": Contender(
-        "gpu", False, "kvcert.gpu without the priority calls, FCFS: the baseline's policy on kvcert's cache"
-    ),
-    "infinite": Contender("infinite", True, "bound: an infinite cache (every token computed before is a hit)"),
-    "offline": Contender("offline", True, "bound: device+host as one pool, evicting what is used furthest ahead"),
+    "infinite": Contender("infinite", "bound: an infinite cache (every token computed before is a hit)"),
+    "offline": Contender("offline", "bound: device+host as one pool, evicting what is used furthest ahead"),
 }
-DEFAULT = ("baseline", "baseline-hp", "proactive", "refaware", "infinite", "offline")
+
+SCHEDULERS: dict[str, str] = {
+    "priority": "SGLang's --enable-priority-scheduling: waiting requests by priority, then arrival "
+    "(managers/schedule_policy.py, _sort_by_priority_and_fcfs)",
+    "fcfs": "SGLang's default: one queue in arrival order (--schedule-policy fcfs)",
+}
+
+DEFAULT = ("baseline", "proactive", "refaware", "infinite", "offline", "baseline@fcfs")
+"""Every cache behind the priority scheduler (the fork's server requires --enable-priority-scheduling for its tiers
+to act), and the blind cache behind SGLang's default FCFS scheduler as an extra row."""
+
+
+def parse(row: str) -> tuple[str, str]:
+    """A row of the table, `CACHE` or `CACHE@SCHEDULER` (the priority scheduler by default): (cache, scheduler);
+    ValueError naming the known ones."""
+    name, _, sched = row.partition("@")
+    sched = sched or "priority"
+    if name not in CONTENDERS:
+        raise ValueError(f"unknown contender {name!r}; known: {', '.join(CONTENDERS)}")
+    if sched not in SCHEDULERS:
+        raise ValueError(f"unknown scheduler {sched!r} in {row!r}; known: {', '.join(SCHEDULERS)}")
+    return name, sched
 
 
 def build(name: str, costs: Costs, workload: Workload, future: dict[str, float]) -> CacheDriver:
-    """The named contender's cache over `costs`' pools; `Unavailable` if its engine is not installed here."""
+    """The named contender's cache over `costs`' pools (a row's scheduler suffix ignored); `Unavailable` if its
+    engine is not installed here."""
+    name = name.partition("@")[0]
     if name not in CONTENDERS:
         raise ValueError(f"unknown cache {name!r}; known: {', '.join(CONTENDERS)}")
     makers: dict[str, Callable[[], Any]] = {
