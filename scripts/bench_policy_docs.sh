@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Every figure of docs/bench_policy.md, printed by the command that makes it: the 3 x N table, the three
-# sensitivity sweeps at 128 HP clients, and both shared-prefix workloads. Each run's text, JSON and plots go to
+# sensitivity sweeps and the two maps at 128 HP clients, and both shared-prefix workloads. Each run's text, JSON and plots go to
 # OUT. About 15 minutes on 2 cores; needs SGLang (KVCERT_SGLANG=1) and, for the fork's rows, .venv-refaware.
 #
 #   KVCERT_SGLANG=1 scripts/bench_policy_docs.sh [OUT]
@@ -19,6 +19,10 @@ for s in host think speed; do
     echo "== sweep $s"
     "${K[@]}" --hp 128 --sweep "$s" --cache baseline --cache proactive --cache refaware --cache infinite --cache baseline@fcfs \
         --json "$OUT/sweep-$s.json" --plots "$OUT" > "$OUT/sweep-$s.txt"
+done
+for m in host,think lp,growth; do
+    echo "== map $m"
+    "${K[@]}" --hp 128 --map "$m" --json "$OUT/map-${m/,/-}.json" --plots "$OUT" > "$OUT/map-${m/,/-}.txt"
 done
 for g in groups-10x50 groups-50x10; do
     echo "== $g (default pools; then a quarter of the device pool and twice that on the host, 8 prompts/s)"

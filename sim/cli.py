@@ -93,6 +93,12 @@ def policy_cmd(
     cache: Optional[list[str]] = typer.Option(None, "--cache", help=_CACHE_HELP),
     table_: bool = typer.Option(False, "--table", help="the 3 x N grid: every contender at 64, 96 and 128 HP clients"),
     sweep_: Optional[str] = typer.Option(None, "--sweep", help=_SWEEP_HELP),
+    map_: Optional[str] = typer.Option(
+        None,
+        "--map",
+        help=f"X,Y: the proactive cache's gain over the baseline, both behind the priority scheduler, at every pair "
+        f"of two sweeps' values, at the first --hp ({', '.join(policy.SWEEPS)})",
+    ),
     workload: str = typer.Option("stress", help="stress | groups-10x50 | groups-50x10"),
     trace: Optional[Path] = typer.Option(None, "--trace", help="a JSONL trace of sessions (docs/bench_policy.md)"),
     min_turns: int = typer.Option(5, help="stress: fewest turns per client (the fork's --min-turns)"),
@@ -147,6 +153,15 @@ def policy_cmd(
     if sweep_ is not None and sweep_ not in policy.SWEEPS:
         console.print(f"[red]error:[/] --sweep {sweep_!r}: one of {', '.join(policy.SWEEPS)}")
         raise typer.Exit(2)
+    axes = map_.split(",") if map_ is not None else []
+    if map_ is not None and (len(axes) != 2 or len(set(axes)) != 2 or not set(axes) <= set(policy.SWEEPS)):
+        console.print(f"[red]error:[/] --map {map_!r}: two different sweeps X,Y of {', '.join(policy.SWEEPS)}")
+        raise typer.Exit(2)
+    try:
+        policy.points(axes or ([sweep_] if sweep_ else []), hp[0], costs, spec)
+    except ValueError as e:
+        console.print(f"[red]error:[/] {e}")
+        raise typer.Exit(2) from None
     if plots is not None:
         plots.mkdir(parents=True, exist_ok=True)
     for line in sizing.lines():
@@ -164,7 +179,9 @@ def policy_cmd(
             task = bar.add_task(f"{name} @ {tag}", total=w.turns)
             return lambda n: bar.advance(task, n)
 
-        if sweep_ is not None:
+        if axes:
+            results = policy.grid(axes[0], axes[1], hp[0], costs, spec, seed, on_run)
+        elif sweep_ is not None:
             results = policy.sweep(sweep_, names, hp[0], costs, spec, seed, on_run)
         elif table_:
             results = policy.table(names, TABLE_HP, costs, spec, seed, on_run)
@@ -190,7 +207,10 @@ def policy_cmd(
                     s = policy.run_one(name, w, costs, seed, on_run(w.name, name, w))
                     s["hp_clients"] = sum(1 for x in w.sessions if w.high(x))
                     results.append(s)
-    _print(results, names, sweep_, breakdown and sweep_ is None and not table_)
+    if axes:
+        _print_map(results)
+    else:
+        _print(results, names, sweep_, breakdown and sweep_ is None and not table_)
     if plots is not None:
         for path in _plots(results, plots, sweep_):
             console.print(f"plot: {path}")
@@ -230,7 +250,28 @@ def _print(results: list[dict[str, Any]], names: list[str], sweep_: Optional[str
             console.print(f"[red]FAILED[/] {r['contender']} ({r['workload']}): {msg}")
 
 
+def _print_map(results: list[dict[str, Any]]) -> None:
+    x, y = results[0]["map"]
+    t = Table(title=f"{results[0]['hp_clients']} HP clients: proactive over baseline, both behind the priority scheduler")
+    for col in (x, y, "baseline HP hit t>=1", "proactive HP hit t>=1", "hit gained", "HP TTFT p90 baseline/proactive"):
+        t.add_column(col, justify="right")
+    for g in policy.gains(results):
+        t.add_row(
+            f"{g['x']:g}", f"{g['y']:g}", f"{g['base_hit']:.4f}", f"{g['it_hit']:.4f}", f"{g['hit_gain']:+.4f}",
+            f"{g['ttft_ratio']:.2f}x",
+        )  # fmt: skip
+    console.print(t)
+    for r in results:
+        if "unavailable" in r:
+            console.print(f"{r['contender']}: {r['unavailable']}")
+        elif policy.failed(r):
+            console.print(f"[red]FAILED[/] {r['contender']} ({r['workload']}): {policy.failed(r)[0]}")
+
+
 def _plots(results: list[dict[str, Any]], where: Path, sweep_: Optional[str]) -> list[Path]:
+    if results and "map" in results[0]:
+        x, y = results[0]["map"]
+        return [policy.plot_map(results, where / f"map-{x}-{y}.png")]
     if sweep_ is not None:
         return [policy.plot_sweep(results, where / f"sweep-{sweep_}.png")]
     out = []

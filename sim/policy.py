@@ -18,7 +18,7 @@ from kvcert.sim.engine import simulate
 from kvcert.sim.targets import CONTENDERS, SCHEDULERS, Unavailable, build, parse
 from kvcert.sim.workload import StressSpec, Workload, stress
 
-__all__ = ["SWEEPS", "run_one", "sweep", "table"]
+__all__ = ["MAP_ROWS", "SWEEPS", "gains", "grid", "plot_map", "run_one", "sweep", "table"]
 
 
 def run_one(
@@ -114,11 +114,75 @@ def _speed(c: Costs, s: StressSpec, v: float) -> tuple[Costs, StressSpec]:
     return replace(c, **{k: getattr(c, k) / v for k in keys}), s
 
 
+def _lp(c: Costs, s: StressSpec, v: float) -> tuple[Costs, StressSpec]:
+    return c, replace(s, lp_per_hp=v)
+
+
+def _growth(c: Costs, s: StressSpec, v: float) -> tuple[Costs, StressSpec]:
+    return c, replace(s, sub_question_length=int(v))
+
+
 SWEEPS: dict[str, Sweep] = {
-    "host": Sweep("host pool (x the device pool: SGLang's hicache_ratio, default 2)", (1.0, 1.5, 2.0, 3.0, 4.0, 5.0), _host),
+    "host": Sweep("host pool (x the device pool: SGLang's hicache_ratio, default 2)", (1.25, 1.5, 2.0, 3.0, 4.0, 5.0), _host),
     "think": Sweep("mean think time (s)", (1.5, 3.75, 7.5, 15.0, 30.0), _think),
     "speed": Sweep("engine speed (x the default costs)", (0.5, 1.0, 2.0, 4.0), _speed),
+    "lp": Sweep("low-priority clients per high-priority one (the script: 0.5)", (0.25, 0.5, 1.0, 2.0), _lp),
+    "growth": Sweep("tokens appended per turn (the script: 1024)", (256.0, 512.0, 1024.0, 2048.0, 4096.0), _growth),
 }
+
+MAP_ROWS = ("baseline", "proactive")
+"""What a map compares: the blind SGLang cache and the proactive one, both behind the priority scheduler."""
+
+
+def points(axes: Sequence[str], hp: int, costs: Costs, spec: StressSpec) -> list[tuple[tuple[float, ...], Costs, Workload]]:
+    """Every combination of the named sweeps' values, as (values, costs, workload); ValueError, before anything
+    runs, for a combination that makes no workload (a fractional number of clients)."""
+    combos: list[tuple[tuple[float, ...], Costs, StressSpec]] = [((), costs, replace(spec, hp_clients=hp))]
+    for axis in axes:
+        combos = [((*vs, v), *SWEEPS[axis].apply(c, s, v)) for vs, c, s in combos for v in SWEEPS[axis].values]
+    return [(vs, c, stress(s)) for vs, c, s in combos]
+
+
+def grid(
+    x: str,
+    y: str,
+    hp: int,
+    costs: Costs,
+    spec: StressSpec,
+    seed: int = 0,
+    on_run: Optional[Callable[[str, str, Workload], Optional[Callable[[int], None]]]] = None,
+    names: Sequence[str] = MAP_ROWS,
+) -> list[dict[str, Any]]:
+    """Every pair of values of sweeps `x` and `y` (the others at their defaults), each row of `names` at each."""
+    out = []
+    for (vx, vy), c, w in points((x, y), hp, costs, spec):
+        for name in names:
+            r = run_one(name, w, c, seed, on_run(f"{x}={vx:g} {y}={vy:g}", name, w) if on_run else None)
+            r |= {"map": [x, y], "x": vx, "y": vy, "hp_clients": hp}
+            out.append(r)
+    return out
+
+
+def gains(rows: Sequence[dict[str, Any]], base: str = MAP_ROWS[0], it: str = MAP_ROWS[1]) -> list[dict[str, Any]]:
+    """Per map point, `it` over `base`: the HP turn>=1 hit gained (points of hit) and the HP TTFT p90 ratio
+    (base / it: above 1, `it` is faster)."""
+    out = []
+    for vx, vy in dict.fromkeys((r["x"], r["y"]) for r in rows):
+        at = {r["contender"]: r for r in rows if (r["x"], r["y"]) == (vx, vy) and "high" in r}
+        if base not in at or it not in at:
+            continue
+        b, p = at[base]["high"], at[it]["high"]
+        out.append(
+            {
+                "x": vx,
+                "y": vy,
+                "hit_gain": p["turn1_cache_hit"] - b["turn1_cache_hit"],
+                "ttft_ratio": b["ttft"]["p90"] / p["ttft"]["p90"] if p["ttft"]["p90"] else float("nan"),
+                "base_hit": b["turn1_cache_hit"],
+                "it_hit": p["turn1_cache_hit"],
+            }
+        )
+    return out
 
 
 def sweep(
@@ -130,11 +194,8 @@ def sweep(
     seed: int = 0,
     on_run: Optional[Callable[[float, str, Workload], Optional[Callable[[int], None]]]] = None,
 ) -> list[dict[str, Any]]:
-    sw = SWEEPS[which]
     out = []
-    for v in sw.values:
-        c, s = sw.apply(costs, replace(spec, hp_clients=hp), v)
-        w = stress(s)
+    for (v,), c, w in points((which,), hp, costs, spec):
         for name in names:
             r = run_one(name, w, c, seed, on_run(v, name, w) if on_run else None)
             r |= {"sweep": which, "value": v, "hp_clients": hp}
@@ -192,6 +253,38 @@ def plot_sweep(results: Sequence[dict[str, Any]], path: Path) -> Path:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.suptitle(f"sweep: {SWEEPS[which].label}, {results[0]['hp_clients']} HP clients")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_map(rows: Sequence[dict[str, Any]], path: Path) -> Path:
+    """Two heatmaps over the map's two parameters: the proactive cache's HP turn>=1 hit gain over the blind one,
+    and the HP TTFT p90 ratio, both behind the priority scheduler."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    x, y = rows[0]["map"]
+    xs, ys = list(SWEEPS[x].values), list(SWEEPS[y].values)
+    g = {(r["x"], r["y"]): r for r in gains(rows)}
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.8))
+    for ax, key, label, cmap in (
+        (axes[0], "hit_gain", "HP turn>=1 hit gained (proactive - baseline)", "Greens"),
+        (axes[1], "ttft_ratio", "HP TTFT p90, baseline / proactive", "Blues"),
+    ):
+        grid_ = [[g[(vx, vy)][key] if (vx, vy) in g else float("nan") for vx in xs] for vy in ys]
+        im = ax.imshow(grid_, origin="lower", aspect="auto", cmap=cmap)
+        for j, row in enumerate(grid_):
+            for i, v in enumerate(row):
+                ax.text(i, j, f"{v:.2f}" if key == "hit_gain" else f"{v:.1f}x", ha="center", va="center", fontsize=8)
+        ax.set_xticks(range(len(xs)), [f"{v:g}" for v in xs])
+        ax.set_yticks(range(len(ys)), [f"{v:g}" for v in ys])
+        ax.set(xlabel=SWEEPS[x].label, ylabel=SWEEPS[y].label, title=label)
+        fig.colorbar(im, ax=ax)
+    fig.suptitle(f"where the cache matters: {rows[0]['hp_clients']} HP clients, both behind the priority scheduler")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

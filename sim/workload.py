@@ -91,18 +91,23 @@ class StressSpec:
     think_min: float = 5.0
     think_max: float = 10.0
     seed: int = 42
+    lp_per_hp: float = 0.5
+    """Low-priority clients per high-priority one: the script's fixed 2:1 split is 0.5."""
 
 
 def stress(spec: StressSpec) -> Workload:
     """The seed's multi-turn stress test: every client arrives at t=0 (the script gathers them at once)."""
-    if spec.hp_clients <= 0 or spec.hp_clients % 2:
-        raise ValueError(f"hp_clients must be a positive even number (a 2:1 split), got {spec.hp_clients}")
+    if spec.hp_clients <= 0 or spec.lp_per_hp < 0 or not (spec.hp_clients * spec.lp_per_hp).is_integer():
+        raise ValueError(
+            f"need hp_clients > 0 and a whole number of low-priority clients (hp_clients x lp_per_hp), got "
+            f"{spec.hp_clients} x {spec.lp_per_hp}"
+        )
     if not 1 <= spec.min_turns <= spec.max_turns:
         raise ValueError(f"need 1 <= min_turns <= max_turns, got {spec.min_turns}, {spec.max_turns}")
     if not 0 <= spec.think_min <= spec.think_max:
         raise ValueError(f"need 0 <= think_min <= think_max, got {spec.think_min}, {spec.think_max}")
     rng = random.Random(spec.seed)
-    lp = spec.hp_clients // 2
+    lp = int(spec.hp_clients * spec.lp_per_hp)
     sessions = []
     for i in range(spec.hp_clients + lp):
         turns = rng.randint(spec.min_turns, spec.max_turns)

@@ -356,3 +356,22 @@ def test_the_priority_scheduler_admits_high_priority_first_and_fcfs_does_not() -
             assert max(lp) <= min(hp) and min(lp) < min(hp), (hp, lp)
     with pytest.raises(ValueError, match="unknown scheduler"):
         _run("blind", w, tight, scheduler="lifo")
+
+
+def test_the_map_compares_the_proactive_cache_with_the_baseline_at_every_pair(tmp_path: Path) -> None:
+    """`--map X,Y`: both caches at every pair of the two sweeps' values, the gain per pair, a heatmap; a pair that
+    makes no workload (a fractional number of clients) is refused before anything runs."""
+    small = replace(SPEC, hp_clients=4, min_turns=2, max_turns=2)
+    rows = policy.grid("lp", "think", 4, TINY, small, names=("blind", "proactive"))
+    pairs = {(x, y) for x in policy.SWEEPS["lp"].values for y in policy.SWEEPS["think"].values}
+    assert {(r["x"], r["y"]) for r in rows} == pairs and len(rows) == 2 * len(pairs)
+    g = policy.gains(rows, base="blind", it="proactive")
+    assert len(g) == len(pairs) and all(-1 <= p["hit_gain"] <= 1 and p["ttft_ratio"] > 0 for p in g)
+    assert policy.plot_map(rows, tmp_path / "m.png").stat().st_size > 10_000
+    with pytest.raises(ValueError, match="whole number of low-priority clients"):
+        policy.points(("lp",), 2, TINY, small)
+    for bad in ("host", "host,host", "host,nope"):
+        res = CliRunner().invoke(app, ["bench", "policy", "--map", bad])
+        assert res.exit_code == 2 and "two different sweeps" in res.output
+    res = CliRunner().invoke(app, ["bench", "policy", "--hp", "2", "--map", "lp,think"])
+    assert res.exit_code == 2 and "whole number of low-priority clients" in res.output
