@@ -633,3 +633,30 @@ def test_the_core_takes_any_demotion_and_restore_but_not_an_extra_one() -> None:
     low_move = [*ops[:-1], RegisterRef("d", 6, 0), RegisterRef("d", 6, 0)]
     assert _verdict(_LowMoveRestores, caps, config, low_move, "core") >= {"INV-TIER-5"}
     assert _verdict(factory, caps, config, low_move, "core") == set()
+
+
+FAULT_AFTER_THROTTLE = (
+    CacheConfig(
+        page_size=4, capacity=24, host_capacity=24, write_policy="write_through", prefetch_policy="best_effort"
+    ),
+    [
+        Publish(None, (0, 0, 0, 1)),
+        Match(None, (0, 0, 0, 1, 2, 2, 2, 2, 1, 1, 1, 1)),
+        Prefetch(1),
+        InjectFault("host_alloc"),
+        Match(None, (0, 0, 0, 1)),
+        Prefetch(4),
+        Prefetch(4),
+    ],
+)
+"""A running prefetch's span is half the host pool. The alternative, which never throttles, takes the second prefetch,
+asks storage, and fails on the armed host-allocation fault; SGLang's rule declines it without asking storage, the
+fault still armed. Both leave the same snapshot, so only the storage lookup tells the two declines apart: the third
+prefetch is the alternative's, and the core must follow its spent fault."""
+
+
+def test_the_core_tells_a_throttled_prefetch_from_one_that_failed_after_asking_storage() -> None:
+    config, ops = FAULT_AFTER_THROTTLE
+    caps = alternative.capabilities  # type: ignore[attr-defined]
+    assert _verdict(alternative, caps, config, ops, "core") == set()
+    assert _verdict(alternative, caps, config, ops, "sglang-0.5.23") & {"INV-PF-2", "INV-PF-3"}

@@ -70,7 +70,9 @@ def attempts(
         rooms = [*rooms, "whole", *(["low", "low-whole"] if priority_refs else [])]
     admits: list[Optional[bool]] = [None]
     if not pinned(THROTTLE) and isinstance(op, Prefetch) and prefetching:
-        admits = [True] if got else [None, False]
+        # Declined: by SGLang's rule, or admitted and then short of storage or host room (its lookup made, an
+        # armed fault spent), or declined for admission; the last is what a disagreement is reported against.
+        admits = [True] if got else [None, True, False]
     publishes: list[Optional[bool]] = [True, False] if not pinned(FETCH) and isinstance(op, Fetch) else [None]
     return [
         replace(a, room=room, admit=admit, publish=shares)

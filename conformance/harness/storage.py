@@ -173,6 +173,9 @@ class FaultyStorage:
         self.inner = inner
         self.log: list[Fault] = []
         self._armed: list[tuple[str, Optional[int]]] = []
+        self.lookups = 0
+        """`batch_exists` calls so far: a prefetch declined for admission (THROTTLE) makes none, one whose host
+        room then failed makes one, and the snapshots cannot tell the two apart."""
 
     def arm(self, kind: str, count: int = 1, at: Optional[int] = None) -> None:
         """Queue `count` faults of `kind`; `at` is the page a write fault hits.
@@ -198,6 +201,7 @@ class FaultyStorage:
         return None
 
     def batch_exists(self, keys: Sequence[str]) -> int:
+        self.lookups += 1
         return self.inner.batch_exists(keys)
 
     def batch_get(self, keys: Sequence[str]) -> list[Optional[bytes]]:
