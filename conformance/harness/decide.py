@@ -25,7 +25,7 @@ from kvcert.spec.types import Snapshot
 
 @dataclass(frozen=True)
 class Attempt:
-    """One candidate for what the backend's snapshots do not show (`Steering.attempts`)."""
+    """One candidate for what the backend's snapshots do not show (`attempts`)."""
 
     order: Optional[tuple[contracts.Path, ...]] = None
     """The order of the host victims (RECLAIM under the core) or of write-back's dropped backups; None: rank order."""
@@ -119,7 +119,7 @@ def decide(steering: Steering, oracle: RefCache, op: Op, attempt: Attempt, profi
 def victims(
     steering: Steering,
     oracle: RefCache,
-    spec: Snapshot,
+    spec: Callable[[], Snapshot],
     op: Op,
     got: Any,
     attempt: Attempt,
@@ -128,10 +128,11 @@ def victims(
 ) -> tuple[Optional[Chooser], Optional[Callable[[Snapshot], list[Violation]]]]:
     """The chooser of the victims `op` itself evicts (RANK) and, for Evict / EvictHost, the judge of the
     oracle's replay: a witness over ranks where the profile pins RANK, else the backend's victims seated
-    (`witness`, `seat`). `spec` is the oracle's snapshot before the op; the bounds go to `out`."""
+    (`witness`, `seat`). `spec` gives the oracle's snapshot before the op, taken only for the witness; the bounds
+    go to `out`."""
     if isinstance(op, (Evict, EvictHost)) and isinstance(got, int):
         if profile.pinned(RANK):
-            return steering.witness(oracle, spec, op, got, out, attempt.skipped_first)
+            return steering.witness(oracle, spec(), op, got, out, attempt.skipped_first)
         return steering.seat(oracle, op, got, out, attempt.skipped_first, attempt.tail, attempt.order)
     if isinstance(op, Admit):  # the plan's scoped eviction: among tied leaves, the backend's victims
         return steering.follow(oracle, tail=attempt.tail), None

@@ -115,8 +115,6 @@ class Harness(Queries):
     backend that does not declare `strict_input` is sent."""
     _queries: dict[Any, Any] = field(default_factory=dict)
     _queries_at: int = -1
-    _looked: int = 0
-    """The backend's storage lookups before the running step (`FaultyStorage.lookups`)."""
 
     def __post_init__(self) -> None:
         try:
@@ -233,7 +231,7 @@ class Harness(Queries):
             self.check(index, op, before, [])
             return None
         notes = StepNotes()
-        self._looked = self.storages[0].lookups if self.storages else 0
+        looked = self.storages[0].lookups if self.storages else 0  # the backend's, before the op
         kv = self.model if self.capabilities.kv_reads else None
         lenient = self.capabilities.aligns_keys
         mine = Side(
@@ -261,7 +259,8 @@ class Harness(Queries):
             self.windows = entered(op, before, after, locked)
             if after.sessions or before.sessions:
                 self.events = events(op, before, after)
-        want, found = self._follow(op, before, after, got)
+        asked = self.storages[0].lookups - looked if self.storages else 0
+        want, found = self._follow(op, before, after, got, asked)
         if isinstance(want, BadInput):
             self.rejected.append(index)
         violations = found
@@ -273,9 +272,11 @@ class Harness(Queries):
         self.check(index, op, after, violations)
         return got
 
-    def _follow(self, op: Op, before: Snapshot, after: Snapshot, got: Outcome) -> tuple[Outcome, list[Violation]]:
+    def _follow(
+        self, op: Op, before: Snapshot, after: Snapshot, got: Outcome, asked: int
+    ) -> tuple[Outcome, list[Violation]]:
         """Run `op` on the oracle under the decisions that lead it to the backend's choices; its outcome and the
-        steering's findings.
+        steering's findings. `asked`: the storage lookups the backend made during the op.
 
         Where the spec leaves the backend a choice the snapshots cannot show, the oracle is put back and tried
         once per candidate (`decide.attempts`, which says why) until it reaches the backend's state.
@@ -297,7 +298,7 @@ class Harness(Queries):
                 if self.storages:
                     self.storages = (self.storages[0], self.oracle.storage)  # type: ignore[assignment]
             found = []
-            choose, replayed = victims(steering, self.oracle, self.spec_snapshot(), op, got, attempt, self.profile, found)
+            choose, replayed = victims(steering, self.oracle, self.spec_snapshot, op, got, attempt, self.profile, found)
             decisions = decide(steering, self.oracle, op, attempt, self.profile, gave_up)
             theirs = Side(
                 self.oracle,
@@ -316,7 +317,7 @@ class Harness(Queries):
                 self._spec_snap = None
             # Storage lookups are compared too: a throttled prefetch makes none, a failed allocation one (its
             # armed fault then spent), and both leave the same snapshot.
-            same_asks = not self.storages or self.storages[1].lookups - looked == self.storages[0].lookups - self._looked
+            same_asks = not self.storages or self.storages[1].lookups - looked == asked
             if not pinned(BATCH):
                 self._regroup(before, after)
             if replayed is not None:
