@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every figure of docs/bench_policy.md, printed by the command that makes it: the 3 x N table, the three
 # sensitivity sweeps and the two maps at 128 HP clients, and both shared-prefix workloads. Each run's text, JSON and plots go to
-# OUT. About 15 minutes on 2 cores; needs SGLang (KVCERT_SGLANG=1) and, for the fork's rows, .venv-refaware.
+# OUT. About 20 minutes on 2 cores; needs SGLang (KVCERT_SGLANG=1) and, for the fork's rows, .venv-refaware.
 #
 #   KVCERT_SGLANG=1 scripts/bench_policy_docs.sh [OUT]
 set -euo pipefail
@@ -9,7 +9,8 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 OUT="${1:-bench-policy}"
 mkdir -p "$OUT"
 K=("$ROOT/kvcert" bench policy)
-ALL=(--cache baseline --cache proactive --cache refaware --cache blind --cache infinite --cache offline --cache baseline@fcfs)
+ALL=(--cache baseline --cache proactive --cache refaware --cache blind --cache infinite --cache offline --cache baseline@fcfs
+     --cache proactive@fork --cache refaware@fork)
 echo "== table"
 /usr/bin/time -f "table: %e s wall" -o "$OUT/table.time" "${K[@]}" --table "${ALL[@]}" --json "$OUT/table.json" --plots "$OUT" > "$OUT/table.txt"
 cat "$OUT/table.time"

@@ -1,21 +1,17 @@
 """The caches the simulator drives, each through its own API, and the two bounds.
 
 The simulator never decides what a cache keeps: it asks the cache, as an engine's scheduler does.
-Every driver answers the same calls (`admit`, `checkpoint`, `finish`, `end_session`):
+Every driver answers the same calls (`room`, `admit`, `checkpoint`, `grow`, `finish`, `release`,
+`end_session`); which request runs, waits or is retracted is the scheduler's (`kvcert.sim.engine`):
 
 * `ProtocolDriver`: any kvcert `Backend` (kvcert.gpu, the reference model, the RefAware fork's
   adapter). With `priority=True` it makes the proactive manager's cache calls (SPEC.md §11.1-§11.4):
   a session's path is registered at its priority after every turn and released after its last,
-  and a low-priority request evicts only in its scope. Admission and retraction are the scheduler's,
-  the same for every cache (`kvcert.sim.engine`): the driver never retracts a running request.
+  and a low-priority request evicts only in its scope.
 * `SGLangDriver`: SGLang 0.5.23's `UnifiedRadixCache` + HiCache through its native calls
   (`match_prefix`, `init_load_back`, `inc/dec_lock_ref`, `evict`, `insert` with
   `prev_prefix_len`), as its scheduler calls them: priority-blind.
-* `InfiniteBound`: never evicts; every token computed before is a hit.
-* `OfflineBound`: device + host pages as one pool that, knowing each session's next arrival,
-  evicts the KV used furthest in the future first (Belady's rule, per session tail). Optimistic:
-  its hits cost no load time and running requests take no room. It is a reference, not a proof
-  of optimality for KV of unequal sizes.
+* The bounds, `InfiniteBound` and `OfflineBound`, are in `kvcert.sim.bounds`.
 
 Copies complete at once (`settle`): on a CPU the bytes move at submission; the simulator charges
 their time through `Costs.load_token_s` instead.
@@ -23,7 +19,6 @@ their time through `Costs.load_token_s` instead.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional, Protocol
@@ -31,7 +26,7 @@ from typing import Any, Optional, Protocol
 from kvcert.spec.invariants import check_snapshot
 from kvcert.spec.types import CacheConfig, InsertOut, PoolExhausted, Snapshot
 
-__all__ = ["CacheDriver", "Hold", "InfiniteBound", "OfflineBound", "ProtocolDriver", "SGLangDriver", "quiescent"]
+__all__ = ["CacheDriver", "Hold", "ProtocolDriver", "SGLangDriver", "quiescent"]
 
 
 @dataclass
@@ -55,6 +50,17 @@ class CacheDriver(Protocol):
     name: str
     priority: bool
 
+    def room(self) -> int:
+        """Free plus evictable device pages, as SGLang's budget reads them (`available_size() +
+        evictable_size()`)."""
+
+    def safe_room(self) -> int:
+        """Free plus evictable device pages outside the HIGH_REF tier (the fork's `_ref_aware_full_capacity`);
+        `room()` for a cache without tiers."""
+
+    def high_evictable(self) -> int:
+        """Evictable pages in the HIGH_REF tier (0 without tiers)."""
+
     def admit(
         self,
         key: Sequence[int],
@@ -62,8 +68,19 @@ class CacheDriver(Protocol):
         session: str,
         prio: int,
         high: bool,
+        fits: Callable[[int], bool],
     ) -> Optional[Hold]:
-        """Room for the request (prompt `key` + `out_pages`), its prefix locked; None: not now (nothing held)."""
+        """With the cached prefix locked, ask the scheduler's budget whether the request fits (`fits(uncached
+        prompt pages)`); if so, load the host hit back and allocate the uncached prompt. None, and nothing held,
+        when the budget refuses or the allocation fails."""
+
+    def grow(self, needs: Sequence[tuple[Hold, int, bool]]) -> bool:
+        """Decode: `(hold, pages, high)` more pages for each request, evicting as needed; False, and nothing
+        allocated, when they do not all fit (SGLang's `check_decode_mem`)."""
+
+    def release(self, hold: Hold, reclaim: int) -> None:
+        """Retraction, preemption or abort (`release_req`): the request's own slots freed (not cached), its lock
+        returned, and the tree evicted until `reclaim` pages are free."""
 
     def checkpoint(self, key: Sequence[int], hold: Hold, session: str) -> None:
         """The prompt (`key`) is computed: it goes into the tree while the request decodes, its lock moves to
@@ -126,6 +143,14 @@ class ProtocolDriver:
             self.stats["demotions"] = 0
         self._demoted: set[str] = set()
         self._registered: set[str] = set()
+        self._now = 0
+
+    def _tick(self) -> None:
+        """Advance the cache's clock before each of the engine's calls: a kvcert backend stamps nodes from the
+        clock it is given (`set_clock`), as SGLang's tree stamps them from its own counter; left alone it would
+        stamp every node 0, and LRU would rank by node id."""
+        self._now += 1
+        self.c.set_clock(self._now)
 
     # -- plumbing
     def _free(self) -> int:
@@ -160,7 +185,27 @@ class ProtocolDriver:
             self._evict(need - free, high)
         return self._free() >= need
 
+    def _evictable(self) -> int:
+        count = getattr(self.c, "evictable_count", None)
+        if callable(count):
+            return int(count())
+        size = getattr(self.c, "evictable_size", None)
+        return int(size) if isinstance(size, int) else int(self.c.snapshot().evictable_size)
+
+    def _tiers(self) -> tuple[int, int, int]:
+        tiers = getattr(self.c, "tier_evictable", None)
+        return tuple(tiers) if tiers is not None else self.c.snapshot().tier_evictable  # type: ignore[return-value]
+
     # -- the calls the engine makes
+    def room(self) -> int:
+        return self._free() + self._evictable()
+
+    def safe_room(self) -> int:
+        return self.room() - self.high_evictable()
+
+    def high_evictable(self) -> int:
+        return int(self._tiers()[2]) if self.priority else 0
+
     def admit(
         self,
         key: Sequence[int],
@@ -168,15 +213,19 @@ class ProtocolDriver:
         session: str,
         prio: int,
         high: bool,
+        fits: Callable[[int], bool],
     ) -> Optional[Hold]:
+        self._tick()
         m = self.c.match_prefix(None, key)
         self.c.inc_lock_ref(m.node)
         lock, dev = m.node, m.length
         host = m.host_length if m.host_node is not None and m.host_length >= self.threshold else 0
-        need = len(key) - dev + out_pages
-        if not self._room(need, high):
+        extend = len(key) - dev
+        if not fits(extend):
             self.c.dec_lock_ref(lock)
             return None
+        if not self._room(extend, high):
+            return self._refuse(lock)
         loaded = 0
         if host:
             loaded = self.c.load_back(m.host_node)
@@ -188,12 +237,46 @@ class ProtocolDriver:
                 self.c.dec_lock_ref(lock)
                 lock, loaded = m.node, m.length - dev
         try:
-            own = list(self.c.alloc(len(key) - m.length + out_pages))
+            own = list(self.c.alloc(len(key) - m.length))
         except PoolExhausted:
-            self.c.dec_lock_ref(lock)
-            return None
+            return self._refuse(lock)
         self._watch_demotions()
         return Hold(lock, list(m.slots), m.length, loaded, own)
+
+    def _refuse(self, lock: Any) -> Optional[Hold]:
+        """The budget admitted what eviction in the request's scope cannot make room for (SGLang's prefill
+        would fail its allocation here)."""
+        self.stats["alloc_refused"] = self.stats.get("alloc_refused", 0) + 1
+        self.c.dec_lock_ref(lock)
+        self._watch_demotions()
+        return None
+
+    def grow(self, needs: Sequence[tuple[Hold, int, bool]]) -> bool:
+        total = sum(n for _, n, _ in needs)
+        if not total:
+            return True
+        self._tick()
+        if self._free() < total:
+            # a low-priority request's pages are made in its scope; a high one's may take HIGH_REF KV
+            self._evict(total - self._free(), False)
+            high = sum(n for _, n, h in needs if h)
+            short = total - self._free()
+            if short > 0 and high and self.priority:
+                self._evict(min(short, high), True)
+        if self._free() < total:
+            return False
+        for hold, n, _ in needs:
+            hold.own += self.c.alloc(n)
+        return True
+
+    def release(self, hold: Hold, reclaim: int) -> None:
+        self._tick()
+        self.c.free(hold.own)
+        hold.own = []
+        self.c.dec_lock_ref(hold.lock)
+        self.settle()
+        if self._free() < reclaim:
+            self._evict(reclaim - self._free(), False)  # on no request's behalf: never HIGH_REF KV
 
     def _insert(self, key: Sequence[int], hold: Hold, own: list[int]) -> InsertOut:
         """`key` into the tree over the held prefix and `own` (the request's slots for the rest); the pages
@@ -205,6 +288,7 @@ class ProtocolDriver:
         return out
 
     def checkpoint(self, key: Sequence[int], hold: Hold, session: str) -> None:
+        self._tick()
         n = len(key) - hold.cached
         self._insert(key, hold, hold.own[:n])
         m = self.c.match_prefix(None, key)
@@ -214,6 +298,7 @@ class ProtocolDriver:
         hold.lock, hold.prefix, hold.cached, hold.own = m.node, list(m.slots), m.length, hold.own[n:]
 
     def finish(self, key: Sequence[int], hold: Hold, session: str, prio: int) -> None:
+        self._tick()
         out = self._insert(key, hold, hold.own)
         self.c.dec_lock_ref(hold.lock)
         self.settle()
@@ -225,6 +310,7 @@ class ProtocolDriver:
     def end_session(self, session: str) -> None:
         if session in self._registered:  # a session whose first turn never ran holds nothing
             self._registered.discard(session)
+            self._tick()
             self.c.release_ref(session)
             self._watch_demotions()
 
@@ -262,6 +348,23 @@ class SGLangDriver:
             self.h.complete(op, poll=False)
         self.h.poll()
 
+    def room(self) -> int:
+        return int(self.h.device_free()) + int(self.h.cache.evictable_size())
+
+    def safe_room(self) -> int:
+        return self.room()
+
+    def high_evictable(self) -> int:
+        return 0
+
+    def _evict(self, n: int) -> None:
+        """SGLang's `evict_to_free_tokens`: evict until `n` pages are free."""
+        free = self.h.device_free()
+        if free < n:
+            self.stats["evict_calls"] += 1
+            self.stats["evicted"] += self.h.evict(n - free)
+            self.settle()
+
     def admit(
         self,
         key: Sequence[int],
@@ -269,20 +372,17 @@ class SGLangDriver:
         session: str,
         prio: int,
         high: bool,
+        fits: Callable[[int], bool],
     ) -> Optional[Hold]:
         h = self.h
         m = h.match_prefix(None, key)
         lock, node, dev = h.inc_lock_ref(m.last_device_node), m.last_device_node, m.device_len
         host = m.host_hit_len if m.host_hit_len >= self.threshold else 0
-        need = len(key) - dev + out_pages
-        free = h.device_free()
-        if free < need:
-            self.stats["evict_calls"] += 1
-            self.stats["evicted"] += h.evict(need - free)
-            self.settle()
-        if h.device_free() < need:
+        extend = len(key) - dev
+        if not fits(extend):
             h.dec_lock_ref(lock)
             return None
+        self._evict(extend)
         loaded = 0
         if host:
             loaded, node = h.init_load_back(m.last_host_node, host, last_device=m.last_device_node)
@@ -294,11 +394,30 @@ class SGLangDriver:
                 lock = new
         prefix = h.device_slots(node) if dev + loaded else []
         try:
-            own = h.alloc(len(key) - len(prefix) + out_pages)
+            own = h.alloc(len(key) - len(prefix))
         except MemoryError:
+            self.stats["alloc_refused"] = self.stats.get("alloc_refused", 0) + 1
             h.dec_lock_ref(lock)
             return None
         return Hold(lock, prefix, len(prefix), loaded, own)
+
+    def grow(self, needs: Sequence[tuple[Hold, int, bool]]) -> bool:
+        total = sum(n for _, n, _ in needs)
+        if not total:
+            return True
+        self._evict(total)
+        if self.h.device_free() < total:
+            return False
+        for hold, n, _ in needs:
+            hold.own += self.h.alloc(n)
+        return True
+
+    def release(self, hold: Hold, reclaim: int) -> None:
+        self.h.free(hold.own)
+        hold.own = []
+        self.h.dec_lock_ref(hold.lock)
+        self.settle()
+        self._evict(reclaim)
 
     def checkpoint(self, key: Sequence[int], hold: Hold, session: str) -> None:
         # cache_unfinished_req: the prompt goes in with prev_prefix_len; the request's lock moves to its new node.
@@ -333,140 +452,3 @@ class SGLangDriver:
 
     def close(self) -> None:
         self.adapter.close()
-
-
-class InfiniteBound:
-    """Never evicts: every page a request computed before is a hit. Running requests still need
-    device room (`device_pages`, their cached prefix included), as on any GPU."""
-
-    name = "bound: infinite cache"
-    priority = False
-
-    def __init__(self, device_pages: int) -> None:
-        self.seen: set[int] = set()
-        self.device_pages, self.used = device_pages, 0
-
-    @staticmethod
-    def _chain(key: Sequence[int]) -> list[int]:
-        h, out = 0, []
-        for t in key:
-            h = hash((h, t))
-            out.append(h)
-        return out
-
-    def _hit(self, key: Sequence[int]) -> int:
-        n = 0
-        for h in self._chain(key):
-            if h not in self.seen:
-                break
-            n += 1
-        return n
-
-    def admit(
-        self,
-        key: Sequence[int],
-        out_pages: int,
-        session: str,
-        prio: int,
-        high: bool,
-    ) -> Optional[Hold]:
-        need = len(key) + out_pages
-        if self.used + need > self.device_pages:
-            return None
-        self.used += need
-        return Hold(None, [], self._hit(key), 0, reserved=need)
-
-    def checkpoint(self, key: Sequence[int], hold: Hold, session: str) -> None:
-        self._keep(key, session)
-
-    def finish(self, key: Sequence[int], hold: Hold, session: str, prio: int) -> None:
-        self.used -= hold.reserved
-        self._keep(key, session)
-
-    def _keep(self, key: Sequence[int], session: str) -> None:
-        self.seen.update(self._chain(key))
-
-    def end_session(self, session: str) -> None:
-        pass
-
-    def counters(self) -> dict[str, int]:
-        return {"pages": len(self.seen)}
-
-    def check(self) -> list[str]:
-        return [f"{self.used} device pages still held after the run"] if self.used else []
-
-    def close(self) -> None:
-        pass
-
-
-class OfflineBound(InfiniteBound):
-    """Device + host pages as one pool; evicts the session tail (or shared prefix) used furthest ahead.
-
-    `next_use(session)` is the simulator's knowledge of the future: the time of the session's next
-    arrival (now, when it is queued or running; inf after its last turn). A session's KV is one
-    item (the pages after its shared prefix, if any); a shared prefix is another, used next when
-    the first of its group's sessions is. Evicting an item drops pages from its tail, so what
-    stays is still a prefix.
-    """
-
-    name = "bound: offline (Belady, device+host)"
-
-    def __init__(
-        self,
-        device_pages: int,
-        capacity_pages: int,
-        next_use: Callable[[str], float],
-        groups: dict[str, str],
-        prefix_pages: dict[str, int],
-    ) -> None:
-        super().__init__(device_pages)
-        self.capacity, self.next_use = capacity_pages, next_use
-        self.groups, self.prefix_pages = groups, prefix_pages
-        self.members: dict[str, list[str]] = {}
-        for s, g in groups.items():
-            self.members.setdefault(g, []).append(s)
-        self.items: dict[str, list[int]] = {}
-        """item -> chain hashes kept (a prefix of its pages): 'g:<group>' or 's:<session>'."""
-        self.size = 0
-        self.stats = {"evicted": 0}
-
-    def _keep(self, key: Sequence[int], session: str) -> None:
-        chain = self._chain(key)
-        group = self.groups.get(session)
-        cut = self.prefix_pages.get(group, 0) if group is not None else 0
-        if group is not None:
-            self._put(f"g:{group}", chain[:cut])
-        self._put(f"s:{session}", chain[cut:])
-        self._fit()
-
-    def _put(self, item: str, chain: list[int]) -> None:
-        old = self.items.pop(item, [])
-        self.size -= len(old)
-        self.seen.difference_update(old)
-        self.items[item] = chain
-        self.size += len(chain)
-        self.seen.update(chain)
-
-    def _use(self, item: str) -> float:
-        if item.startswith("s:"):
-            return self.next_use(item[2:])
-        group = item[2:]
-        return min((self.next_use(s) for s in self.members.get(group, ())), default=math.inf)
-
-    def _fit(self) -> None:
-        if self.size <= self.capacity:
-            return
-        for item in sorted(self.items, key=self._use, reverse=True):
-            over = self.size - self.capacity
-            if over <= 0:
-                break
-            chain = self.items[item]
-            cut = max(0, len(chain) - over)
-            self._put(item, chain[:cut])
-            self.stats["evicted"] += len(chain) - cut
-
-    def end_session(self, session: str) -> None:
-        self._fit()
-
-    def counters(self) -> dict[str, int]:
-        return {"pages": self.size, **self.stats}

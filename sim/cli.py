@@ -19,7 +19,7 @@ from kvcert.sim.sizing import DEFAULT_GPU, DEFAULT_MODEL, GPUS, MODELS, size
 from kvcert.sim.targets import CONTENDERS, DEFAULT, SCHEDULERS, parse
 from kvcert.sim.workload import GroupsSpec, StressSpec, TraceError, Workload, groups, read_trace, stress
 
-console = Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 160)
+console = Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 200)
 
 TABLE_HP = (64, 96, 128)
 _CACHE_HELP = (
@@ -66,6 +66,8 @@ def _row(t: Table, s: dict[str, Any], base: Optional[dict[str, Any]], lead: list
         f"{lp['ttft']['p90']:.1f}",
         f"{lp['out_tok_per_s']:.0f}",
         str(s["counters"].get("demotions", "-")),
+        str(s["counters"].get("alloc_refused", 0)),
+        "/".join(str(s["steps"].get(k, 0)) for k in ("retracted", "preempted", "reclaimed")),
         "ok" if not bad else f"[red]{len(bad)} FAILED[/]: {bad[0]}",
     )
 
@@ -82,6 +84,8 @@ def _table(title: str, lead: list[str]) -> Table:
         "LP TTFT p90 s",
         "LP out tok/s",
         "demotions",
+        "refused allocs",
+        "retracted/preempted/released",
         "checks",
     ):
         t.add_column(col, justify="left" if col in ("contender", "checks") else "right")
@@ -233,7 +237,8 @@ def _print(results: list[dict[str, Any]], names: list[str], sweep_: Optional[str
     title = (
         f"sweep: {policy.SWEEPS[sweep_].label}"
         if sweep_
-        else "HP = high priority, LP = low; turn>=1 hit token-weighted (* a one-turn workload: the hit over every turn)"
+        else "HP = high priority, LP = low; turn>=1 hit token-weighted (* a one-turn workload: the hit over every turn); "
+        "refused allocs: rounds a scoped cache ended where SGLang's prefill would fail its allocation"
     )
     t = _table(title, lead)
     key = "value" if sweep_ else "hp_clients"
@@ -252,7 +257,9 @@ def _print(results: list[dict[str, Any]], names: list[str], sweep_: Optional[str
 
 def _print_map(results: list[dict[str, Any]]) -> None:
     x, y = results[0]["map"]
-    t = Table(title=f"{results[0]['hp_clients']} HP clients: proactive over baseline, both behind the priority scheduler")
+    t = Table(
+        title=f"{results[0]['hp_clients']} HP clients: proactive over baseline, both behind the priority scheduler"
+    )
     for col in (x, y, "baseline HP hit t>=1", "proactive HP hit t>=1", "hit gained", "HP TTFT p90 baseline/proactive"):
         t.add_column(col, justify="right")
     for g in policy.gains(results):

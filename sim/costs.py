@@ -54,6 +54,12 @@ class Costs:
     """Decode steps simulated as one event: the clock's resolution while decoding."""
     load_back_threshold: int = 1
     """Pages a host hit must reach before it is loaded back (SGLang's default is 10 tokens: one page)."""
+    preemption_threshold: int = 10
+    """SGLang's `--priority-scheduling-preemption-threshold`: a waiting request preempts running ones only when
+    its priority is higher by more than this (and the batch is full by request count)."""
+    retract_decode_steps: int = 20
+    """SGLang's `SGLANG_RETRACT_DECODE_STEPS`: tokens of room per request still running that a retraction
+    evicts the tree down to."""
 
     def __post_init__(self) -> None:
         for f in fields(self):

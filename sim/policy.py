@@ -123,7 +123,9 @@ def _growth(c: Costs, s: StressSpec, v: float) -> tuple[Costs, StressSpec]:
 
 
 SWEEPS: dict[str, Sweep] = {
-    "host": Sweep("host pool (x the device pool: SGLang's hicache_ratio, default 2)", (1.25, 1.5, 2.0, 3.0, 4.0, 5.0), _host),
+    "host": Sweep(
+        "host pool (x the device pool: SGLang's hicache_ratio, default 2)", (1.25, 1.5, 2.0, 3.0, 4.0, 5.0), _host
+    ),
     "think": Sweep("mean think time (s)", (1.5, 3.75, 7.5, 15.0, 30.0), _think),
     "speed": Sweep("engine speed (x the default costs)", (0.5, 1.0, 2.0, 4.0), _speed),
     "lp": Sweep("low-priority clients per high-priority one (the script: 0.5)", (0.25, 0.5, 1.0, 2.0), _lp),
@@ -134,7 +136,9 @@ MAP_ROWS = ("baseline", "proactive")
 """What a map compares: the blind SGLang cache and the proactive one, both behind the priority scheduler."""
 
 
-def points(axes: Sequence[str], hp: int, costs: Costs, spec: StressSpec) -> list[tuple[tuple[float, ...], Costs, Workload]]:
+def points(
+    axes: Sequence[str], hp: int, costs: Costs, spec: StressSpec
+) -> list[tuple[tuple[float, ...], Costs, Workload]]:
     """Every combination of the named sweeps' values, as (values, costs, workload); ValueError, before anything
     runs, for a combination that makes no workload (a fractional number of clients)."""
     combos: list[tuple[tuple[float, ...], Costs, StressSpec]] = [((), costs, replace(spec, hp_clients=hp))]

@@ -7,7 +7,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from kvcert.sim.caches import CacheDriver, InfiniteBound, OfflineBound, ProtocolDriver, SGLangDriver, _config
+from kvcert.sim import engine
+from kvcert.sim.bounds import InfiniteBound, OfflineBound
+from kvcert.sim.caches import CacheDriver, ProtocolDriver, SGLangDriver, _config
 from kvcert.sim.costs import Costs
 from kvcert.sim.workload import Workload, pages
 
@@ -79,22 +81,28 @@ CONTENDERS: dict[str, Contender] = {
     ),
     "refaware": Contender(
         "refaware",
-        "the RefAware fork's RefAwareHiRadixCache (SGLang 0.5.10) with its refs and scoped eviction, behind this "
-        "table's scheduler (the fork's own PrefillAdder admission is not modelled)",
+        "the RefAware fork's RefAwareHiRadixCache (SGLang 0.5.10) with its refs and scoped eviction, behind the "
+        "row's scheduler (refaware@fork: the fork as it ships, behind its own admission)",
     ),
     "infinite": Contender("infinite", "bound: an infinite cache (every token computed before is a hit)"),
     "offline": Contender("offline", "bound: device+host as one pool, evicting what is used furthest ahead"),
 }
 
 SCHEDULERS: dict[str, str] = {
-    "priority": "SGLang's --enable-priority-scheduling: waiting requests by priority, then arrival "
-    "(managers/schedule_policy.py, _sort_by_priority_and_fcfs)",
-    "fcfs": "SGLang's default: one queue in arrival order (--schedule-policy fcfs)",
+    "priority": "SGLang 0.5.23 --enable-priority-scheduling: by priority, then queue time; admitted while free + "
+    "evictable less every running request's remaining output covers it; preemption above "
+    "--priority-scheduling-preemption-threshold when the batch is full by count; decode retraction "
+    "(sim/engine.py cites the lines)",
+    "fcfs": "SGLang 0.5.23's default: one queue in arrival order; the same admission and retraction",
+    "fork": "the RefAware fork's PrefillAdder (0.5.10 + overlay): priority order; every request against free + "
+    "evictable outside HIGH_REF; a high-priority one short of it releases running low-priority requests, largest "
+    "first (_plan_high_priority_admission)",
 }
+assert tuple(SCHEDULERS) == engine.SCHEDULERS
 
-DEFAULT = ("baseline", "proactive", "refaware", "infinite", "offline", "baseline@fcfs")
+DEFAULT = ("baseline", "proactive", "refaware", "infinite", "offline", "baseline@fcfs", "refaware@fork")
 """Every cache behind the priority scheduler (the fork's server requires --enable-priority-scheduling for its tiers
-to act), and the blind cache behind SGLang's default FCFS scheduler as an extra row."""
+to act); as extra rows, the blind cache behind SGLang's default FCFS scheduler, and the fork as it ships."""
 
 
 def parse(row: str) -> tuple[str, str]:

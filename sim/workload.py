@@ -97,7 +97,7 @@ class StressSpec:
 
 def stress(spec: StressSpec) -> Workload:
     """The seed's multi-turn stress test: every client arrives at t=0 (the script gathers them at once)."""
-    if spec.hp_clients <= 0 or spec.lp_per_hp < 0 or not (spec.hp_clients * spec.lp_per_hp).is_integer():
+    if spec.hp_clients <= 0 or spec.lp_per_hp < 0 or not float(spec.hp_clients * spec.lp_per_hp).is_integer():
         raise ValueError(
             f"need hp_clients > 0 and a whole number of low-priority clients (hp_clients x lp_per_hp), got "
             f"{spec.hp_clients} x {spec.lp_per_hp}"

@@ -11,16 +11,15 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from _sim import TINY, serve
 from typer.testing import CliRunner
 
 from kvcert.conformance.cli import app
 from kvcert.sim import caches, engine, policy, workload
 from kvcert.sim.costs import SEED_PREFILL_SLOWDOWN, Costs, with_overrides
 from kvcert.sim.costs import engine as named_engine
-from kvcert.sim.targets import build
 from kvcert.sim.workload import StressSpec, TraceError, read_trace, stress, write_trace
 
-TINY = Costs(device_tokens=64 * 256, host_tokens=64 * 512)
 SPEC = StressSpec(
     hp_clients=4,
     min_turns=2,
@@ -33,13 +32,7 @@ SPEC = StressSpec(
 )
 
 
-def _run(name: str, w: workload.Workload, costs: Costs = TINY, **kw: object) -> engine.Run:
-    future: dict[str, float] = {}
-    cache = build(name, costs, w, future)
-    try:
-        return engine.simulate(w, cache, costs, future=future, **kw)  # type: ignore[arg-type]
-    finally:
-        cache.close()
+_run = serve
 
 
 # --------------------------------------------------------------------------- workloads

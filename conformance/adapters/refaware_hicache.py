@@ -111,6 +111,7 @@ from kvcert.conformance.adapters.refaware_radix import (
     RefAwareRadixBackend,
     _OrderedRefInfo,
     device_pools,
+    tier_counters,
 )
 from kvcert.spec.types import (
     WRITE_POLICIES,
@@ -395,6 +396,15 @@ class RefAwareHiRadixBackend(RefAwareAdapter):
     def free_count(self) -> int:
         """Free device slots (`Snapshot.free_slots`' length, without listing them)."""
         return int(len(self.allocator.free_pages) + len(self.allocator.release_pages)) * self.page_size
+
+    def evictable_count(self) -> int:
+        """The fork's own `evictable_size()` (`Snapshot.evictable_size`, without a tree walk)."""
+        return int(self.cache.evictable_size())
+
+    @property
+    def tier_evictable(self) -> tuple[int, int, int]:
+        """The fork's own tier counters (`Snapshot.tier_evictable`, without a tree walk)."""
+        return tier_counters(self.cache)
 
     def poll(self) -> int:
         before = {c.id for c, _ in self._live_copies()}
