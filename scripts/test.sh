@@ -6,6 +6,7 @@ cd "$ROOT"
 export KVCERT_SGLANG="${KVCERT_SGLANG:-1}"  # the SGLang tests then fail, not skip, if SGLang cannot import
 export KVCERT_REFAWARE="${KVCERT_REFAWARE:-1}"  # likewise the RefAware fork's (.venv-refaware)
 export KVCERT_RAY="${KVCERT_RAY:-1}"  # and the Ray path's (a local cluster)
+export KVCERT_VLLM="${KVCERT_VLLM:-1}"  # and vLLM's (.venv-vllm)
 scripts/bootstrap.sh
 V="$ROOT/.venv/bin"
 if [[ "$KVCERT_REFAWARE" == "1" ]]; then
@@ -13,6 +14,11 @@ if [[ "$KVCERT_REFAWARE" == "1" ]]; then
     refaware_log="$(mktemp)"
     scripts/install_refaware.sh > "$refaware_log" 2>&1 &
     refaware_pid=$!
+fi
+if [[ "$KVCERT_VLLM" == "1" ]]; then
+    vllm_log="$(mktemp)"
+    scripts/install_vllm.sh > "$vllm_log" 2>&1 &
+    vllm_pid=$!
 fi
 
 echo "== ruff"
@@ -28,6 +34,11 @@ if [[ -n "${refaware_pid:-}" ]]; then
     echo "== .venv-refaware"
     wait "$refaware_pid" || { cat "$refaware_log"; exit 1; }
     tail -n 1 "$refaware_log"
+fi
+if [[ -n "${vllm_pid:-}" ]]; then
+    echo "== .venv-vllm"
+    wait "$vllm_pid" || { cat "$vllm_log"; exit 1; }
+    tail -n 1 "$vllm_log"
 fi
 echo "== pytest"
 # Two workers, one test file each at a time (module fixtures are built once); the zoo's own pool runs
