@@ -584,6 +584,39 @@ def selftest_cmd(
     raise typer.Exit(0 if report.passed else 1)
 
 
+@app.command("partition")
+def partition_cmd(
+    target: str = typer.Argument(..., help="MODULE:FACTORY returning a probe, e.g. kvcert.conformance.adapters.vllm_kv:probe"),
+    cases: int = typer.Option(200, help="generated cases, after the directed ones"),
+    seed: int = typer.Option(0, help="same seed, same cases"),
+    json_path: Optional[Path] = typer.Option(None, "--json", help="write the report as JSON"),
+) -> None:
+    """Key partitioning: requests that differ in a cache key (LoRA, cache salt, an image) never reuse each other's KV
+    from where the key applies; requests that agree do. Exits 1 on any failure, or if no case reused or none
+    differed."""
+    from dataclasses import asdict
+
+    from kvcert.conformance import partition
+
+    try:
+        probe = partition.load(target)
+    except (ImportError, ValueError, AttributeError) as e:
+        console.print(f"[red]{escape(str(e))}[/]")
+        console.print("(a vLLM probe runs in .venv-vllm: scripts/install_vllm.sh, then .venv-vllm/bin/kvcert partition)")
+        raise typer.Exit(2) from e
+    report = partition.run(target, probe, partition.cases(cases, seed, probe.page))
+    verdict = "[green]PASSED[/]" if report.passed else "[red]FAILED[/]"
+    console.print(
+        f"{verdict} {target}: {report.cases} cases ({report.reused} reused KV, {report.isolated} with keys that "
+        f"differ where KV could be reused), {len(report.failures)} failures"
+    )
+    for f in report.failures[:5]:
+        console.print(f"  {f.case}: {'; '.join(f.why)}  (keys {f.keys_a} then {f.keys_b})")
+    if json_path is not None:
+        json_path.write_text(json.dumps({**asdict(report), "passed": report.passed}, indent=1))
+    raise typer.Exit(0 if report.passed else 1)
+
+
 @app.command("same")
 def same_cmd(
     first: Path = typer.Argument(..., exists=True, readable=True, help="a certificate written by certify --json"),
