@@ -646,10 +646,13 @@ class SGLangRequestPath:
         tokens: Sequence[int],
         priority: int,
         output: int,
+        lora_id: Optional[str] = None,
     ) -> None:
         """What the tokenizer sends for a generate request (`TokenizerManager._create_tokenized_object`):
         normalized and verified sampling params, `max_new_tokens=output`, `ignore_eos` off as clients leave it (the
-        model never samples the EOS id, so the request still ends at `max_new_tokens`)."""
+        model never samples the EOS id, so the request still ends at `max_new_tokens`). `lora_id`: the adapter id
+        the tokenizer resolves a request's `lora_path` to under `--enable-lora` (`lora_registry.acquire`); this
+        scheduler has no LoRA manager, and the scripted model computes no LoRA."""
         if request in self._submitted:
             raise ValueError(f"request id {request!r} was submitted before")
         sampling = SamplingParams(max_new_tokens=output, ignore_eos=False)
@@ -671,11 +674,16 @@ class SGLangRequestPath:
             priority=priority,
             extra_key=namespace,
             session_id=session if self.kind == "sessions" else None,
+            lora_id=lora_id,
         )
         self._submitted[request] = _Submitted(request, session, namespace, tuple(int(t) for t in tokens), priority)
         if self.kind == "sessions" and session is not None:
             self.backend._priority[session] = priority  # SessionView.priority: SGLang keeps no session priority
         self._send(message)
+
+    def req(self, request: str) -> Any:
+        """SGLang's own `Req` for a submitted request (None before the scheduler made one): what it recorded."""
+        return self._submitted[request].req
 
     def step(self) -> None:
         """One iteration of SGLang's `event_loop_normal`, then the outputs the tokenizer side receives."""
