@@ -612,6 +612,8 @@ def partition_cmd(
     )
     for f in report.failures[:5]:
         console.print(f"  {f.case}: {'; '.join(f.why)}  (keys {f.keys_a} then {f.keys_b})")
+    for kind, n in sorted(report.not_checked.items()):
+        console.print(f"  NOT CHECKED: {kind} (the probe does not take them; {n} cases not run)")
     if json_path is not None:
         json_path.write_text(json.dumps({**asdict(report), "passed": report.passed}, indent=1))
     raise typer.Exit(0 if report.passed else 1)

@@ -34,6 +34,7 @@ from typing import Optional, Protocol
 
 __all__ = [
     "DIRECTED",
+    "KINDS",
     "Case",
     "Failure",
     "Image",
@@ -75,6 +76,11 @@ class Served:
 
     hit_tokens: int
     pages: tuple[int, ...]
+
+
+KINDS = frozenset({"lora", "salt", "images"})
+"""The key kinds a case may use. A probe that takes fewer says so in `kinds`; its cases that use the others are
+not run, and the report names them NOT CHECKED."""
 
 
 class Probe(Protocol):
@@ -240,16 +246,29 @@ class Report:
     isolated: int = 0
     """Cases whose keys differ somewhere the second request could have reused (the partition was tested)."""
     failures: list[Failure] = field(default_factory=list)
+    not_checked: dict[str, int] = field(default_factory=dict)
+    """Key kinds the probe does not take, and how many cases used them (not run)."""
 
     @property
     def passed(self) -> bool:
         return not self.failures and self.reused > 0 and self.isolated > 0
 
 
+def _kinds(keys: Keys) -> set[str]:
+    return {k for k, used in (("lora", keys.lora), ("salt", keys.salt), ("images", keys.images)) if used}
+
+
 def run(target: str, probe: Probe, all_cases: Sequence[Case]) -> Report:
-    """Serve every case on a fresh cache and judge it."""
+    """Serve every case on a fresh cache and judge it (a case using a key kind the probe does not take is counted
+    under `not_checked` instead)."""
     report = Report(target, probe.page)
+    takes = getattr(probe, "kinds", KINDS)
     for case in all_cases:
+        missing = (_kinds(case.keys_a) | _kinds(case.keys_b)) - takes
+        if missing:
+            for kind in missing:
+                report.not_checked[kind] = report.not_checked.get(kind, 0) + 1
+            continue
         probe.fresh()
         first = probe.serve(case.tokens_a, case.keys_a)
         second = probe.serve(case.tokens_b, case.keys_b)

@@ -115,7 +115,8 @@ def test_a_target_that_cannot_load_here_is_refused_with_where_to_run_it() -> Non
 # --------------------------------------------------------------------------- vLLM 0.32, in .venv-vllm
 
 
-def _vllm(args: list[str], code: Optional[str] = None) -> tuple[int, str]:
+def _vllm(args: list[str], code: Optional[str] = None) -> tuple[int, str, str]:
+    """(exit status, stdout and stderr, stdout)."""
     if not (VLLM / "python").exists():
         why = ".venv-vllm missing: run scripts/install_vllm.sh"
         if os.environ.get("KVCERT_VLLM", "0") == "1":
@@ -123,14 +124,28 @@ def _vllm(args: list[str], code: Optional[str] = None) -> tuple[int, str]:
         pytest.skip(why)
     cmd = [str(VLLM / "python"), "-c", code, *args] if code else [str(VLLM / "kvcert"), "partition", *args]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONHASHSEED": "0"})
-    return done.returncode, done.stdout + done.stderr
+    return done.returncode, done.stdout + done.stderr, done.stdout
 
 
 def test_vllm_keeps_keys_apart_and_reuses_where_they_agree(tmp_path: Path) -> None:
-    rc, out = _vllm(["kvcert.conformance.adapters.vllm_kv:probe", "--cases", "300", "--json", str(tmp_path / "r.json")])
+    rc, out, _ = _vllm(
+        ["kvcert.conformance.adapters.vllm_kv:probe", "--cases", "300", "--json", str(tmp_path / "r.json")]
+    )
     report = json.loads((tmp_path / "r.json").read_text())
     assert rc == 0 and report["passed"] and report["failures"] == [], out[-2000:]
     assert report["cases"] == 300 + len(partition.DIRECTED(16)) and report["reused"] > 50 and report["isolated"] > 50
+    assert report["not_checked"] == {}
+
+
+def test_vllms_scheduler_keeps_keys_apart_and_says_what_it_did_not_check(tmp_path: Path) -> None:
+    """Through vLLM's own `Scheduler` (a stand-in model config that takes no images): the LoRA and salt cases pass,
+    and the image cases are counted NOT CHECKED rather than passed."""
+    target = "kvcert.conformance.adapters.vllm_kv:probe_scheduler"
+    rc, out, _ = _vllm([target, "--cases", "300", "--json", str(tmp_path / "r.json")])
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert rc == 0 and report["passed"] and report["failures"] == [], out[-2000:]
+    assert report["reused"] > 20 and report["isolated"] > 20 and report["not_checked"]["images"] > 0
+    assert "NOT CHECKED: images" in out
 
 
 PLANT = """
@@ -149,17 +164,22 @@ elif kind == "salt-as-lora":  # the salt and the LoRA's name hashed into one slo
         rest = tuple(k for k in (keys or ()) if k[0] not in ("lora", "cache_salt"))
         return (("key", name),) + rest if name else (rest or None), nxt
     utils.generate_block_hash_extra_keys = merged
-probe = vllm_kv.probe()
+probe = getattr(vllm_kv, sys.argv[2])()
 r = partition.run("planted", probe, partition.cases(100, 0, probe.page))
 print(json.dumps([f.case for f in r.failures]))
 """
 
 
 @pytest.mark.parametrize(
-    ("plant", "case"), [("keyless", "another cache salt"), ("salt-as-lora", "a salt that spells a LoRA's name")]
+    ("plant", "probe", "case"),
+    [
+        ("keyless", "probe", "another cache salt"),
+        ("salt-as-lora", "probe", "a salt that spells a LoRA's name"),
+        ("keyless", "probe_scheduler", "another LoRA path"),
+    ],
 )
-def test_the_cases_catch_a_vllm_that_mixes_its_keys(plant: str, case: str) -> None:
-    rc, out = _vllm([plant], code=PLANT)
+def test_the_cases_catch_a_vllm_that_mixes_its_keys(plant: str, probe: str, case: str) -> None:
+    rc, out, stdout = _vllm([plant, probe], code=PLANT)
     assert rc == 0, out[-2000:]
-    failed = json.loads(out.strip().splitlines()[-1])
+    failed = json.loads(stdout.strip().splitlines()[-1])
     assert case in failed, failed

@@ -1,12 +1,22 @@
-"""vLLM 0.32.0's prefix cache (`vllm.v1.core.kv_cache_manager.KVCacheManager`) as a key-partitioning probe.
+"""vLLM 0.32.0's prefix cache as a key-partitioning probe: its `KVCacheManager` (`probe`), and its v1 `Scheduler`
+(`probe_scheduler`, the request path).
 
 Runs in `.venv-vllm` (scripts/install_vllm.sh): `.venv-vllm/bin/kvcert partition
-kvcert.conformance.adapters.vllm_kv:probe`. A request is served as vLLM's scheduler serves a prefill:
+kvcert.conformance.adapters.vllm_kv:probe` (or `:probe_scheduler`). `probe` serves a request as vLLM's scheduler
+serves a prefill:
 `get_computed_blocks`, `allocate_slots` for the uncached rest (which caches its full blocks), the step's
 computed tokens recorded (`_update_after_schedule`'s part), then `free`. Each request is a real `Request`
 carrying the block hasher vLLM's engine gives it (sha256, `EngineCore`), with its keys as vLLM takes them:
 a `LoRARequest`, `cache_salt`, and one `MultiModalFeatureSpec` per image. One full-attention group of
 16-token blocks, 64 blocks.
+
+`probe_scheduler` hands the same `Request` to vLLM's own `Scheduler`: `add_request`, then `schedule` and
+`update_from_output` with a model-runner output the harness writes (one sampled token per scheduled request), until
+the request finishes (`max_tokens=1`) and the scheduler frees it. The hit is what the scheduler reported to the
+model runner (`NewRequestData.num_computed_tokens`), the pages its `block_ids`. Declared deviation: the scheduler's
+`ModelConfig` is a stand-in holding the fields the scheduler reads (no HF config, no tokenizer:
+`skip_tokenizer_init`), so nothing of vLLM's model loading runs; it takes no multimodal inputs, so images are NOT
+CHECKED through the scheduler.
 
 What the adapter chooses, not vLLM: a LoRA's integer id (vLLM requires one; each (name, path) gets its own,
 in the order first seen, and vLLM does not hash it); the image's modality ("image") and its data (None: the
@@ -24,7 +34,7 @@ from kvcert.conformance.partition import Keys, Served
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
-__all__ = ["VLLMProbe", "probe"]
+__all__ = ["VLLMProbe", "VLLMSchedulerProbe", "probe", "probe_scheduler"]
 
 BLOCK = 16
 BLOCKS = 64
@@ -101,5 +111,77 @@ class VLLMProbe:
         return Served(int(hit), pages)
 
 
+class VLLMSchedulerProbe(VLLMProbe):
+    """The same requests through vLLM's v1 `Scheduler` (one fresh per case). Images are NOT CHECKED here: the stand-in
+    model takes no multimodal inputs, so the scheduler's encoder path never runs."""
+
+    kinds = frozenset({"lora", "salt"})
+
+    def fresh(self) -> None:
+        from types import SimpleNamespace
+
+        from vllm.config import CacheConfig, SchedulerConfig, VllmConfig
+        from vllm.config.kv_events import KVEventsConfig
+        from vllm.v1.core.sched.scheduler import Scheduler
+        from vllm.v1.structured_output import StructuredOutputManager
+
+        os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
+        sched = SchedulerConfig(
+            max_model_len=4096, is_encoder_decoder=False, max_num_seqs=8, max_num_batched_tokens=4096
+        )
+        cache = CacheConfig(block_size=BLOCK, enable_prefix_caching=True)
+        cache.num_gpu_blocks = BLOCKS
+        vc = VllmConfig(
+            scheduler_config=sched,
+            cache_config=cache,
+            kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="null"),
+        )
+        model = SimpleNamespace(  # the stand-in ModelConfig: what the scheduler and its structured-output manager read
+            uses_mrope=False,
+            max_model_len=4096,
+            is_encoder_decoder=False,
+            runner_type="generate",
+            is_diffusion=False,
+            supports_multimodal_inputs=False,
+            return_sampling_mask=False,
+            multimodal_config=None,
+            skip_tokenizer_init=True,
+            is_multimodal_model=False,
+            hf_config=None,
+            tokenizer=None,
+        )
+        object.__setattr__(vc, "model_config", model)
+        self.sched = Scheduler(vc, self._config, StructuredOutputManager(vc), block_size=BLOCK)
+
+    def serve(self, tokens: Sequence[int], keys: Keys) -> Served:
+        from vllm.v1.outputs import ModelRunnerOutput
+
+        req = self._request(tokens, keys)
+        req.sampling_params.update_from_generation_config({}, eos_token_id=0)
+        self.sched.add_request(req)
+        hit = -1
+        pages: tuple[int, ...] = ()
+        for _ in range(1 + len(tokens) // 256):
+            out = self.sched.schedule()
+            for new in out.scheduled_new_reqs:
+                if new.req_id == req.request_id:
+                    hit, pages = int(new.num_computed_tokens), tuple(int(b) for b in new.block_ids[0])
+            ids = [r.req_id for r in out.scheduled_new_reqs] + list(out.scheduled_cached_reqs.req_ids)
+            sampled = [[1] if out.num_scheduled_tokens[i] else [] for i in ids]
+            result = ModelRunnerOutput(
+                req_ids=ids, req_id_to_index={i: k for k, i in enumerate(ids)}, sampled_token_ids=sampled
+            )
+            self.sched.update_from_output(out, result)
+            if req.request_id not in self.sched.requests:
+                break
+        if hit < 0 or req.request_id in self.sched.requests:
+            raise RuntimeError(f"vLLM's scheduler did not serve {req.request_id} to its end")
+        return Served(hit, pages)
+
+
 def probe() -> VLLMProbe:
     return VLLMProbe()
+
+
+def probe_scheduler() -> VLLMSchedulerProbe:
+    return VLLMSchedulerProbe()
