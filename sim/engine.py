@@ -338,6 +338,10 @@ def simulate(
 
     rnd = _Round()
 
+    def reserved() -> int:
+        """Every running request's remaining output, in pages: what the adder's offset starts from."""
+        return sum(r.out_left for r in prefilling) + sum(r.out_left for r in decoding)
+
     def fits_sglang(r: _Req, extend: int) -> bool:
         """`PrefillAdder.add_one_req`'s budget: prompt, output and a page of slack below free + evictable less the
         round's offset."""
@@ -376,17 +380,15 @@ def simulate(
             t, _, i = heapq.heappop(arrivals)
             arrive(i, t)
         # get_new_batch_prefill: one round of admission in the scheduler's order, stopping at the first refusal
-        rnd.offset = sum(r.out_left for r in prefilling) + sum(r.out_left for r in decoding)
-        admitted: list[_Req] = []
-        rnd.preempted = preempted = []
+        admitted = 0  # this round's, already in `prefilling`: each also holds a page of slack in the offset
+        rnd.offset, rnd.preempted = reserved(), []
         for r in list(waiting):
-            if len(admitted) + len(prefilling) + len(decoding) >= costs.max_running:
+            if len(prefilling) + len(decoding) >= costs.max_running:
                 victims = preempt(r, cache.room() - rnd.offset) if priority_first else []
                 if not victims:
                     break
-                preempted += victims
-                rnd.offset = sum(x.out_left for x in prefilling) + sum(x.out_left for x in decoding)
-                rnd.offset += sum(x.out_left + 1 for x in admitted)
+                rnd.preempted += victims
+                rnd.offset = reserved() + admitted
             s = sessions[r.sess]
             next_use[s.id] = now
             hold = cache.admit(r.admit_key, r.out_left, s.id, s.priority, r.rec.high, partial(fits, r))
@@ -394,7 +396,7 @@ def simulate(
                 steps["admit_refused"] += 1
                 break
             waiting.remove(r)
-            admitted.append(r)
+            admitted += 1
             rnd.offset += r.out_left + 1  # the adder's reservation: output plus a page of slack (extend is allocated)
             r.hold = hold
             fill = r.rec.prompt_tokens + (r.decoded if r.rec.retracted else 0)
@@ -406,7 +408,7 @@ def simulate(
             r.done_prompt = cached if cached < fill else fill - 1
             r.load_due = loaded
             prefilling.append(r)
-        for v in preempted:
+        for v in rnd.preempted:
             enqueue(v)
         if prefilling:
             budget, cost, done = costs.chunked_prefill_tokens, 0.0, []
