@@ -39,7 +39,6 @@ SCHEDULER_HUNKS=(
     observability/scheduler_metrics_mixin.py
 )
 REQS="$ROOT/requirements/refaware.txt"
-PY="$VENV/bin/python"
 
 if [[ ! -d "$OVERLAY" ]]; then
     echo "install_refaware: the fork's overlay is missing: $OVERLAY" >&2
@@ -56,44 +55,20 @@ if [[ ! -f "$REFERENCE/fork-vs-base.diff" ]]; then
     echo "install_refaware: the fork's diff is missing: $REFERENCE/fork-vs-base.diff" >&2
     exit 2
 fi
-if grep -Eiq '^[[:space:]]*torch([[:space:]]*[=<>!~;]|[[:space:]]*$)' "$REQS"; then
-    echo "install_refaware: refusing: $REQS names torch; torch is installed separately" >&2
-    exit 2
-fi
-
+NAME=refaware
+# shellcheck source=scripts/_side_venv.sh
+source "$ROOT/scripts/_side_venv.sh"
 # The stamp covers everything that decides the environment's content.
 stamp="$(
     {
-        cat "$REQS" "$ROOT/requirements/core.txt" "$ROOT/requirements/constraints.txt" "$ROOT/pyproject.toml" "$0"
+        side_venv_inputs
+        cat "$0"
         (cd "$OVERLAY" && find . -type f -name '*.py' | LC_ALL=C sort | xargs sha256sum)
         (cd "$REFERENCE" && sha256sum fork-vs-base.diff "${SCHEDULER_FILES[@]/#/sglang/srt/managers/}")
     } | sha256sum | cut -c1-16
 )"
-stamp_file="$VENV/.kvcert-refaware-stamp"
-if [[ -x "$PY" && "$(cat "$stamp_file" 2>/dev/null || true)" == "$stamp" ]]; then
-    echo "install_refaware: $VENV is up to date" >&2
-    exit 0
-fi
-
-if [[ ! -x "$PY" ]]; then
-    echo "install_refaware: creating $VENV" >&2
-    "$BASE_PY" -m venv "$VENV"
-fi
-rm -f "$stamp_file"
-
-pip_install() {
-    "$PY" -m pip install --disable-pip-version-check -q "$@" 2>&1 \
-        | grep -v -e "is ignored: it is neither a file nor a directory" -e "requires .*, which is not installed" \
-            -e "but you have .* which is incompatible" -e "pip's dependency resolver does not currently" || true
-}
-
-torch_version() { "$PY" -c 'import torch; print(torch.__version__)' 2>/dev/null; }
-if [[ "$(torch_version || true)" != 2.13.0* ]]; then
-    echo "install_refaware: installing torch==2.13.0 (CPU build)" >&2
-    # torch's own dependencies (filelock, sympy, ...) pinned by the tested set
-    pip_install -c "$ROOT/requirements/constraints.txt" torch==2.13.0
-fi
-torch_before="$(torch_version)" || { echo "install_refaware: torch is not importable" >&2; exit 1; }
+side_venv_open "$stamp" || exit 0
+side_torch
 
 echo "install_refaware: installing the fork's pinned set (--no-deps)" >&2
 pip_install --no-deps -r "$REQS"
@@ -130,16 +105,7 @@ for f in "${SCHEDULER_HUNKS[@]}"; do
     patch -d "$(dirname "$SITE")" -p2 -s -f --no-backup-if-mismatch < "$hunk"
 done
 
-echo "install_refaware: installing kvcert (--no-deps, editable) and its core requirements" >&2
-pip_install -c "$ROOT/requirements/constraints.txt" -r "$ROOT/requirements/core.txt"
-pip_install --no-deps -e "$ROOT"
-# core.txt must not have replaced a pin of the fork's set (a second --no-deps pass is a no-op then)
-pip_install --no-deps -r "$REQS"
-
-if [[ "$(torch_version)" != "$torch_before" ]]; then
-    echo "install_refaware: torch changed from $torch_before to $(torch_version); this must not happen" >&2
-    exit 1
-fi
+side_kvcert
 
 "$PY" -W ignore -c '
 from kvcert.conformance.adapters._refaware_env import import_refaware
@@ -152,4 +118,4 @@ sched = import_refaware_scheduler()
 assert hasattr(sched.Scheduler, "handle_release_ref"), "the fork scheduler did not install"
 print("install_refaware: the fork scheduler imports:", sched.Scheduler.__module__ + ".Scheduler")
 ' || { echo "install_refaware: import check failed" >&2; exit 1; }
-echo "$stamp" > "$stamp_file"
+side_venv_close "$stamp"

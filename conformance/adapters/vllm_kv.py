@@ -38,6 +38,8 @@ __all__ = ["VLLMProbe", "VLLMSchedulerProbe", "probe", "probe_scheduler"]
 
 BLOCK = 16
 BLOCKS = 64
+BATCH = 4096
+"""The scheduler's token budget per step (`max_num_batched_tokens`): a prompt takes len // BATCH + 1 steps."""
 
 
 class VLLMProbe:
@@ -127,7 +129,7 @@ class VLLMSchedulerProbe(VLLMProbe):
 
         os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
         sched = SchedulerConfig(
-            max_model_len=4096, is_encoder_decoder=False, max_num_seqs=8, max_num_batched_tokens=4096
+            max_model_len=4096, is_encoder_decoder=False, max_num_seqs=8, max_num_batched_tokens=BATCH
         )
         cache = CacheConfig(block_size=BLOCK, enable_prefix_caching=True)
         cache.num_gpu_blocks = BLOCKS
@@ -161,7 +163,7 @@ class VLLMSchedulerProbe(VLLMProbe):
         self.sched.add_request(req)
         hit = -1
         pages: tuple[int, ...] = ()
-        for _ in range(1 + len(tokens) // 256):
+        for _ in range(1 + len(tokens) // BATCH):
             out = self.sched.schedule()
             for new in out.scheduled_new_reqs:
                 if new.req_id == req.request_id:
