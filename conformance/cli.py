@@ -23,6 +23,7 @@ from kvcert.conformance.certification.certificate import CellResult, Certificate
 from kvcert.conformance.certification.certify import CorpusError, _tier, certify, judged_as, load_factory
 from kvcert.conformance.certification.cluster import RayUnavailable
 from kvcert.conformance.certification.diff import NODE_FIELDS, snapshot_rows
+from kvcert.conformance.certification.walk import WALK_FORMAT
 from kvcert.conformance.generation.request_machine import run_requests
 from kvcert.conformance.harness.driver import ConformanceFailure, Harness, Outcome, run_trace
 from kvcert.conformance.harness.running import lent
@@ -40,12 +41,18 @@ def _cell_line(cell: CellResult) -> str:
     verdict = "[green]PASS[/]" if cell.passed else "[red]FAIL[/]"
     rate = cell.steps / max(cell.seconds, 1e-9)
     tier = f" host={cell.write_policy:<37}" if cell.write_policy else " device-only" + " " * 31
+    if cell.tier:  # an API-level walk's own tier
+        tier = f" {cell.tier:<42}"
     line = f"  page_size={cell.page_size:<3} policy={cell.policy:<8}{tier} {verdict}  {cell.examples} examples, {cell.steps} steps, {rate:,.0f} steps/s"
     if not cell.passed:
         line += f"\n    {cell.failure}"
         if cell.trace_path:
-            trace = Trace.from_json(Path(cell.trace_path).read_text())
-            ops = "".join(f"\n      {i:>3} {json.dumps(op_to_json(op))}" for i, op in enumerate(trace.ops))
+            saved = json.loads(Path(cell.trace_path).read_text())
+            if saved.get("format") == WALK_FORMAT:  # an API-level walk's own operations
+                listed = list(saved["ops"])
+            else:
+                listed = [op_to_json(op) for op in Trace.from_json(json.dumps(saved)).ops]
+            ops = "".join(f"\n      {i:>3} {json.dumps(op)}" for i, op in enumerate(listed))
             line += f"\n    minimal trace ({cell.trace_len} ops, replay reproduces: {cell.reproduced}):{ops}"
             line += f"\n    saved: {cell.trace_path}  (kvcert replay {cell.trace_path})"
         if cell.shrink_note:

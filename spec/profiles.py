@@ -165,7 +165,12 @@ the earliest demoted one (H6, H9); a pending load's host copy is kept by the loa
 load makes room for its whole size in a low requester's scope (H7, H13); a backup short of host room host-evicts
 its whole size (H12). RECLAIM and RETRY stay the core's: the fork never reclaims a write-back duplicate (H2, a
 defect), and it injects no faults."""
-PROFILES: dict[str, Profile] = {p.name: p for p in (CORE, SGLANG, REFAWARE)}
+VLLM = Profile("vllm-0.32", frozenset())
+"""vLLM 0.32's v1 prefix cache, a block-hash table judged by the page-level core (SPEC.md §13). It pins none of the
+radix choices above (they are a tree's); its own choices (block-granular eviction from the free queue's head, a
+request's blocks freed tail first, the last prompt token always recomputed, one hash held by several blocks,
+a block outliving its parent's) are named in §13.3."""
+PROFILES: dict[str, Profile] = {p.name: p for p in (CORE, SGLANG, REFAWARE, VLLM)}
 
 
 def profile(name: str) -> Profile:

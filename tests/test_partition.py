@@ -5,19 +5,15 @@ then vLLM 0.32's `KVCacheManager` in its own environment (`.venv-vllm`), and vLL
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Optional
 
 import pytest
+from _vllm import run_vllm
 
 from kvcert.conformance import partition
 from kvcert.conformance.partition import Case, Image, Keys, Served
-
-ROOT = Path(__file__).resolve().parent.parent
-VLLM = ROOT / ".venv-vllm" / "bin"
 
 
 class _Keyed:
@@ -117,14 +113,7 @@ def test_a_target_that_cannot_load_here_is_refused_with_where_to_run_it() -> Non
 
 def _vllm(args: list[str], code: Optional[str] = None) -> tuple[int, str, str]:
     """(exit status, stdout and stderr, stdout)."""
-    if not (VLLM / "python").exists():
-        why = ".venv-vllm missing: run scripts/install_vllm.sh"
-        if os.environ.get("KVCERT_VLLM", "0") == "1":
-            pytest.fail(f"KVCERT_VLLM=1 but {why}", pytrace=False)
-        pytest.skip(why)
-    cmd = [str(VLLM / "python"), "-c", code, *args] if code else [str(VLLM / "kvcert"), "partition", *args]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONHASHSEED": "0"})
-    return done.returncode, done.stdout + done.stderr, done.stdout
+    return run_vllm(["python", "-c", code, *args] if code else ["kvcert", "partition", *args])
 
 
 def test_vllm_keeps_keys_apart_and_reuses_where_they_agree(tmp_path: Path) -> None:

@@ -25,14 +25,11 @@ hasher reads the identifier and the placeholder only).
 
 from __future__ import annotations
 
-import os
-import warnings
 from collections.abc import Sequence
 from typing import Any
 
+from kvcert.conformance.adapters import _vllm_env as _env
 from kvcert.conformance.partition import Keys, Served
-
-os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
 __all__ = ["VLLMProbe", "VLLMSchedulerProbe", "probe", "probe_scheduler"]
 
@@ -48,18 +45,7 @@ class VLLMProbe:
     page = BLOCK
 
     def __init__(self) -> None:
-        warnings.filterwarnings("ignore")
-        import torch
-        from vllm.utils.hashing import sha256
-        from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-        from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
-
-        init_none_hash(sha256)
-        self._hasher = get_request_block_hasher(BLOCK, sha256)
-        spec = FullAttentionSpec(BLOCK, num_kv_heads=1, head_size=64, dtype=torch.float32)
-        self._config = KVCacheConfig(
-            num_blocks=BLOCKS, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["layer.0"], spec)]
-        )
+        self._hasher = _env.block_hasher(BLOCK)
         self._lora_ids: dict[tuple[str, str], int] = {}
         self._n = 0
         self.fresh()
@@ -68,7 +54,11 @@ class VLLMProbe:
         from vllm.v1.core.kv_cache_manager import KVCacheManager
 
         self.mgr = KVCacheManager(
-            self._config, max_model_len=4096, scheduler_block_size=BLOCK, hash_block_size=BLOCK, enable_caching=True
+            _env.kv_cache_config(BLOCK, BLOCKS),
+            max_model_len=4096,
+            scheduler_block_size=BLOCK,
+            hash_block_size=BLOCK,
+            enable_caching=True,
         )
 
     def _request(self, tokens: Sequence[int], keys: Keys) -> Any:
@@ -120,40 +110,7 @@ class VLLMSchedulerProbe(VLLMProbe):
     kinds = frozenset({"lora", "salt"})
 
     def fresh(self) -> None:
-        from types import SimpleNamespace
-
-        from vllm.config import CacheConfig, SchedulerConfig, VllmConfig
-        from vllm.config.kv_events import KVEventsConfig
-        from vllm.v1.core.sched.scheduler import Scheduler
-        from vllm.v1.structured_output import StructuredOutputManager
-
-        os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
-        sched = SchedulerConfig(
-            max_model_len=4096, is_encoder_decoder=False, max_num_seqs=8, max_num_batched_tokens=BATCH
-        )
-        cache = CacheConfig(block_size=BLOCK, enable_prefix_caching=True)
-        cache.num_gpu_blocks = BLOCKS
-        vc = VllmConfig(
-            scheduler_config=sched,
-            cache_config=cache,
-            kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="null"),
-        )
-        model = SimpleNamespace(  # the stand-in ModelConfig: what the scheduler and its structured-output manager read
-            uses_mrope=False,
-            max_model_len=4096,
-            is_encoder_decoder=False,
-            runner_type="generate",
-            is_diffusion=False,
-            supports_multimodal_inputs=False,
-            return_sampling_mask=False,
-            multimodal_config=None,
-            skip_tokenizer_init=True,
-            is_multimodal_model=False,
-            hf_config=None,
-            tokenizer=None,
-        )
-        object.__setattr__(vc, "model_config", model)
-        self.sched = Scheduler(vc, self._config, StructuredOutputManager(vc), block_size=BLOCK)
+        self.sched = _env.scheduler(BLOCK, BLOCKS, max_model_len=4096, batch=BATCH)
 
     def serve(self, tokens: Sequence[int], keys: Keys) -> Served:
         from vllm.v1.outputs import ModelRunnerOutput

@@ -26,6 +26,8 @@ class CellResult:
     """"" for a device-only cell; else the host tier's write policy."""
     ops: dict[str, int] = field(default_factory=dict)
     """Steps per op kind (`RunStats.ops`): what the cell exercised, in the JSON certificate."""
+    tier: str = ""
+    """An API-level walk target's tier, as its cell names it (`WalkCell.tier`); "" for every other cell."""
     digest: str = ""
     """SHA-256 of every op the cell's examples executed, in order (`StepDigest`): equal digests, same run."""
     failures: list[dict[str, Any]] = field(default_factory=list)

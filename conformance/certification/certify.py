@@ -25,6 +25,7 @@ from kvcert.conformance.certification.certificate import CellResult, Certificate
 from kvcert.conformance.certification.cluster import map_ordered
 from kvcert.conformance.certification.known import replay_findings
 from kvcert.conformance.certification.scope import scope_gaps
+from kvcert.conformance.certification.walk import certify_walk
 from kvcert.conformance.generation.determinism import fixed_generation
 from kvcert.conformance.generation.fuzz import run_random
 from kvcert.conformance.generation.machine import CacheMachine
@@ -449,6 +450,8 @@ def certify(
     caps = capabilities_of(factory)
     if profile is not None:
         caps = replace(caps, profile=profiles.profile(profile).name)
+    if hasattr(factory, "walk"):  # an API-level target with its own operations (a block pool, an offload tier)
+        return certify_walk(target, factory, caps, examples=examples, steps=steps, seed=seed, out_dir=out_dir, on_cell=on_cell)
     configs, skipped = cells_for(
         caps, page_sizes, policies, bad_input, write_policies, device_cells, prefetch_policies, host_cells
     )

@@ -84,6 +84,8 @@ def cell_name(cell: CellResult) -> str:
 
 
 def tiers(cell: CellResult) -> str:
+    if cell.tier:
+        return cell.tier
     if not cell.write_policy:
         return "device"
     return ("device+host+storage" if "+" in cell.write_policy else "device+host") + f", {cell.write_policy}"

@@ -41,6 +41,7 @@ from kvcert.spec.ops import (
     Retract,
     Start,
 )
+from kvcert.spec.page_table import CachedPage, PageTable
 from kvcert.spec.profiles import RANK, profile
 from kvcert.spec.types import (
     AdmissionPlan,
@@ -458,6 +459,35 @@ class Checks:
             else:
                 out.append(Violation(inv, f"retraction backup {length} holds other KV than it was made from"))
         return out
+
+    def kv_pages(self, table: PageTable) -> list[Violation]:
+        """INV-KV-1 over a page table: every cached page's slots hold the KV of its last page of tokens, computed over
+        all of them under its keys."""
+        if not self.capabilities.kv_reads:
+            return []
+        ps = table.page_size
+        checks: list[tuple[CachedPage, tuple[bytes, ...]]] = []
+        for page in table.pages:
+            content = self.model.content(page.namespace, page.tokens)
+            if content is not None:
+                checks.append((page, tuple(content[len(page.tokens) - ps :])))
+        flat = _read_flat(self.backend.read_kv, [p.slots for p, _ in checks])  # type: ignore[attr-defined]
+        self.kv_entries_read += len(flat)
+        if flat == list(itertools.chain.from_iterable(want for _, want in checks)):
+            return []
+        out: list[Violation] = []
+        for (page, want), got in zip(checks, _split(flat, [p.slots for p, _ in checks])):
+            if tuple(got) != want:
+                bad = next((i for i, (g, w) in enumerate(zip(got, want)) if g != w), len(got))
+                out.append(
+                    Violation(
+                        "INV-KV-1",
+                        f"slot {page.slots[bad] if bad < len(page.slots) else '?'} of page {page.id} (tokens "
+                        f"{len(page.tokens) - ps}-{len(page.tokens) - 1} under {page.namespace!r}) holds other KV than "
+                        f"token {len(page.tokens) - ps + bad}'s",
+                    )
+                )
+        return out[:5]
 
 
 def same_state(a: Snapshot, b: Snapshot) -> bool:

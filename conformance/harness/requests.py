@@ -28,6 +28,7 @@ from kvcert.conformance.harness.scheduler import KVModel
 from kvcert.spec import contracts
 from kvcert.spec.invariants import Violation, check_snapshot
 from kvcert.spec.ops import AbortRequest, CloseSession, Op, Reprioritize, Step, Submit
+from kvcert.spec.page_table import PageTable, check_pages, holders_exact
 from kvcert.spec.profiles import profile
 from kvcert.spec.requests import RequestView, output_token
 from kvcert.spec.types import CacheConfig, Capabilities, Snapshot
@@ -234,7 +235,7 @@ class RequestHarness:
                 s.close_taken = s.close_taken or s.closed_at is not None
                 s.priority_taken = True
 
-    def _snapshot(self, index: int, op: Optional[Op]) -> tuple[Snapshot, tuple[RequestView, ...]]:
+    def _snapshot(self, index: int, op: Optional[Op]) -> tuple[Any, tuple[RequestView, ...]]:
         try:
             return self.backend.snapshot(), tuple(self.backend.requests())
         except Exception as err:
@@ -244,10 +245,20 @@ class RequestHarness:
 
     def _check(self, index: int, op: Optional[Op]) -> None:
         snap, views = self._snapshot(index, op)
-        violations = check_snapshot(snap, self.checks.load_host_lock)
-        if not violations:  # KV is judged on a sound tree
-            violations += self.checks.kv(snap)
-            violations += self._rows(views)
+        if isinstance(snap, PageTable):  # a block-hash engine: the page-level core (SPEC.md §13)
+            violations = check_pages(snap)
+            if not violations:
+                violations += self.checks.kv_pages(snap)
+                violations += self._rows(views)
+                violations += holders_exact(snap, views)
+        else:
+            violations = check_snapshot(snap, self.checks.load_host_lock)
+            if not violations:  # KV is judged on a sound tree
+                violations += self.checks.kv(snap)
+                violations += self._rows(views)
+        observe = getattr(self.backend, "observed", None)
+        if observe is not None:  # what the engine's own outputs and calls showed (its events, its pool's calls)
+            violations += observe(self.capabilities.profile)
         violations += self._turns(snap, views)
         violations += self._bookkeeping(snap)
         if self.ignore:
@@ -283,7 +294,7 @@ class RequestHarness:
                 )
         return out
 
-    def _turns(self, snap: Snapshot, views: tuple[RequestView, ...]) -> list[Violation]:
+    def _turns(self, snap: Any, views: tuple[RequestView, ...]) -> list[Violation]:
         """INV-RP-2/3/4 (a priority-aware engine): what finished turns, closes and priority changes left registered."""
         out: list[Violation] = []
         registered = {s.id: s for s in snap.sessions}
@@ -366,9 +377,9 @@ class RequestHarness:
             )
         ]
 
-    def _bookkeeping(self, snap: Snapshot) -> list[Violation]:
+    def _bookkeeping(self, snap: Any) -> list[Violation]:
         """INV-LIVE-2's first clause: every node an engine index names is in the tree."""
-        live = {n.id for n in snap.nodes}
+        live = {p.id for p in snap.pages} if isinstance(snap, PageTable) else {n.id for n in snap.nodes}
         out = []
         for name, (_, nodes, *_cap) in self.backend.bookkeeping().items():
             gone = sorted(set(nodes) - live)
@@ -426,9 +437,12 @@ class RequestHarness:
     def _idle(self, index: int) -> None:
         snap, _ = self._snapshot(index, Step())
         out = []
-        locked = [n.id for n in snap.nodes if n.id != snap.root and n.lock_ref]
+        if isinstance(snap, PageTable):
+            locked = [p.id for p in snap.pages if p.holders]
+        else:
+            locked = [n.id for n in snap.nodes if n.id != snap.root and n.lock_ref]
         left = {
-            "locked nodes": len(locked),
+            ("held pages" if isinstance(snap, PageTable) else "locked nodes"): len(locked),
             "slots held by requests": len(snap.lent_slots),
             "pending copies": len(snap.pending),
         }

@@ -1,0 +1,325 @@
+"""vLLM 0.32's `BlockPool` at its API: an API-level target judged by the page-level core (SPEC.md §13) and compared,
+call by call, with the `vllm-0.32` profile's model of a block pool (`kvcert.spec.block_table`).
+
+    .venv-vllm/bin/kvcert certify kvcert.conformance.adapters.vllm_block_pool:factory
+
+The walk composes the pool's calls as vLLM's `KVCacheManager` and its `FullAttentionManager` make them: a request is
+admitted with a prefix lookup (`get_cached_block` over its block hashes, at most `len − 1` tokens), `touch` of the
+blocks hit, `get_new_blocks` for the rest and `cache_full_blocks` for its full blocks; it grows by output tokens
+(`Request.append_output_token_ids`, new blocks, `cache_full_blocks`); it ends with `free_blocks` of its blocks in
+reverse. A KV connector's `evict_blocks` and `reset_prefix_cache` arrive between them. Requests are real `Request`s
+with the engine's sha256 block hasher; a namespace is a LoRA adapter. The harness writes each computed token's KV
+into the blocks it was given (`block_id × block_size + offset`) and reads every cached page and every request's
+blocks back after every call.
+
+Rules: the page-level core (INV-PAGE-1/2, INV-LOCK-1, INV-ACCT-1/2/3, INV-SLOT-1/2/4, INV-KV-1, INV-REQ-2); a lookup
+returns the longest run of the request's own hashes that is cached (INV-MATCH-1) and the blocks holding them
+(INV-MATCH-2); the KV event stream, applied to the cached hashes before a call, gives those after it (INV-EVENT-1);
+and under the profile, the blocks handed out, the free queue's order, the hash table and every reference count are
+the model's (INV-POOL-1).
+"""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from kvcert.conformance.adapters import _vllm_env as _env
+from kvcert.conformance.certification.walk import WalkCell, WalkFailure
+from kvcert.conformance.harness.scheduler import KVModel
+from kvcert.spec.block_table import BlockTableModel
+from kvcert.spec.invariants import Violation
+from kvcert.spec.page_table import PageTable, check_pages, holders_exact
+from kvcert.spec.requests import RequestView
+from kvcert.spec.types import Capabilities
+
+__all__ = ["BlockPoolTarget", "BlockPoolWalk", "factory"]
+
+BLOCKS = 17
+"""Blocks in a cell's pool: the null block and 16 more, so that three requests fill it and evict."""
+REQUESTS = 3
+NAMESPACES = (None, "lora-a")
+
+
+@dataclass
+class _Live:
+    request: Any
+    namespace: Optional[str]
+    blocks: list[Any] = field(default_factory=list)
+    cached: int = 0
+    """Blocks of it already cached (`num_cached_block`)."""
+
+
+class BlockPoolTarget:
+    """One fresh `BlockPool` and the requests the walk holds in it."""
+
+    def __init__(self, cell: WalkCell) -> None:
+        from vllm.v1.core.block_pool import BlockPool
+
+        self.ps = cell.page_size
+        self.pool = BlockPool(BLOCKS, enable_caching=True, hash_block_size=self.ps, enable_kv_cache_events=True)
+        self.hasher = _env.block_hasher(self.ps)
+        self.model = BlockTableModel(BLOCKS)
+        self.kv: list[bytes] = [b""] * (BLOCKS * self.ps)
+        self.contents: dict[bytes, tuple[Optional[str], tuple[int, ...]]] = {}
+        self.live: dict[int, _Live] = {}
+        self.loras: dict[str, Any] = {}
+        self.n = 0
+
+    def _request(self, namespace: Optional[str], tokens: Sequence[int]) -> Any:
+        from vllm.lora.request import LoRARequest
+        from vllm.sampling_params import SamplingParams
+        from vllm.v1.request import Request
+
+        self.n += 1
+        lora = None
+        if namespace is not None:
+            lora = self.loras.setdefault(namespace, LoRARequest(namespace, len(self.loras) + 1, f"/adapters/{namespace}"))
+        return Request(f"r{self.n}", list(tokens), SamplingParams(max_tokens=64), None, lora_request=lora,
+                       block_hasher=self.hasher)  # fmt: skip
+
+    def learn(self, live: _Live) -> None:
+        tokens = tuple(live.request.all_token_ids)
+        for i, h in enumerate(live.request.block_hashes):
+            self.contents.setdefault(bytes(h), (live.namespace, tokens[: (i + 1) * self.ps]))
+
+    def write(self, live: _Live, start: int, kv: KVModel) -> None:
+        """The model runner: KV for the request's tokens from `start` on, into its blocks."""
+        tokens = tuple(live.request.all_token_ids)
+        entries = kv.entries(live.namespace, tokens)
+        for pos in range(start, len(tokens)):
+            self.kv[live.blocks[pos // self.ps].block_id * self.ps + pos % self.ps] = entries[pos]
+
+    def table(self) -> PageTable:
+        return _env.pool_pages(self.pool, self.ps, (BLOCKS - 1) * self.ps, self.contents,
+                               [lv.blocks for lv in self.live.values()])  # fmt: skip
+
+
+class BlockPoolWalk:
+    """The walk: blind ops over three request slots; an op its state makes inapplicable is skipped."""
+
+    def cells(self, capabilities: Capabilities) -> list[WalkCell]:
+        return [WalkCell("lru", ps, tier="device (BlockPool)") for ps in capabilities.page_sizes]
+
+    def generate(self, rng: random.Random, cell: WalkCell, steps: int) -> list[dict[str, Any]]:
+        ps, out = cell.page_size, []
+        for _ in range(steps):
+            r, kind = rng.randrange(REQUESTS), rng.random()
+            if kind < 0.4:
+                base = rng.choice([[0] * 8 * ps, [1, 0] * 4 * ps, [2] * 8 * ps, [0, 1, 2] * 3 * ps])
+                length = rng.randint(1, 5 * ps + ps - 1)
+                tokens = [t if rng.random() > 0.05 else rng.randrange(3) for t in base[:length]]
+                out.append({"op": "admit", "r": r, "ns": rng.choice(NAMESPACES), "tokens": tokens})
+            elif kind < 0.6:
+                out.append({"op": "extend", "r": r, "tokens": [rng.randrange(3) for _ in range(rng.randint(1, 2 * ps))]})
+            elif kind < 0.9:
+                out.append({"op": "free", "r": r})
+            elif kind < 0.97:
+                out.append({"op": "uncache", "block": rng.randrange(1, BLOCKS)})
+            else:
+                out.append({"op": "reset"})
+        return out
+
+    def replay(
+        self, factory: Callable[[WalkCell], Any], cell: WalkCell, ops: Sequence[dict[str, Any]]
+    ) -> tuple[Optional[WalkFailure], Counter[str]]:
+        seen: Counter[str] = Counter()
+        t: BlockPoolTarget = factory(cell)
+        kv = KVModel(1)
+        for step, op in enumerate(ops):
+            before = _env.cached_hashes(t.pool)
+            try:
+                found = self._apply(t, op, kv, seen)
+            except Exception as err:  # out of vLLM's code: the engine core dies
+                return WalkFailure(step, op, [Violation("INV-ERR-3", f"vLLM raised {type(err).__name__}: {err}")]), seen
+            if found is None:
+                seen["skipped"] += 1
+                continue
+            seen[f"op:{op['op']}"] += 1
+            found += self._events(t, before)
+            found += self._state(t, kv)
+            if found:
+                return WalkFailure(step, op, found), seen
+        return None, seen
+
+    # ------------------------------------------------------------------ the calls, as vLLM's managers make them
+
+    def _apply(self, t: BlockPoolTarget, op: dict[str, Any], kv: KVModel, seen: Counter[str]) -> Optional[list[Violation]]:
+        pool, model, ps = t.pool, t.model, t.ps
+        kind = op["op"]
+        if kind == "admit":
+            if op["r"] in t.live or not op["tokens"]:
+                return None
+            live = _Live(t._request(op["ns"], op["tokens"]), op["ns"])
+            hashes = [bytes(h) for h in live.request.block_hashes]
+            hit: list[Any] = []
+            for h in live.request.block_hashes[: (len(op["tokens"]) - 1) // ps]:  # a hit leaves the last token
+                got = pool.get_cached_block(h, [0])
+                if got is None:
+                    break
+                hit.append(got[0])
+            need = -(-len(op["tokens"]) // ps) - len(hit)
+            if need + sum(b.ref_cnt == 0 for b in hit) > pool.get_num_free_blocks():
+                return None  # KVCacheManager.allocate_slots refuses it: the scheduler would not admit it
+            out = self._lookup(t, live, hashes, hit)
+            pool.touch(hit)
+            model.touch([b.block_id for b in hit])
+            new = pool.get_new_blocks(need)
+            want, evicted = model.take(need)
+            seen["hit"] += bool(hit)
+            seen["evicted"] += len(evicted)
+            live.blocks, live.cached = hit + new, len(hit)  # the hit blocks are cached already (num_cached_block)
+            t.write(live, len(hit) * ps, kv)
+            out += self._handed(new, want, "get_new_blocks")
+            self._cache(t, live)
+            t.live[op["r"]] = live
+            t.learn(live)
+            return out
+        if kind == "extend":
+            grown = t.live.get(op["r"])
+            if grown is None:
+                return None
+            live = grown
+            start = len(live.request.all_token_ids)
+            need = -(-(start + len(op["tokens"])) // ps) - len(live.blocks)
+            if need > pool.get_num_free_blocks():
+                return None
+            live.request.append_output_token_ids(list(op["tokens"]))
+            new = pool.get_new_blocks(need)
+            want, evicted = model.take(need)
+            seen["evicted"] += len(evicted)
+            live.blocks += new
+            t.write(live, start, kv)
+            self._cache(t, live)
+            t.learn(live)
+            return self._handed(new, want, "get_new_blocks")
+        if kind == "free":
+            if op["r"] not in t.live:
+                return None
+            live = t.live.pop(op["r"])
+            pool.free_blocks(reversed(live.blocks))  # FullAttentionManager.free: the tail first
+            model.free([b.block_id for b in reversed(live.blocks)])
+            return []
+        if kind == "uncache":
+            pool.evict_blocks({op["block"]})
+            seen["uncached"] += len(model.uncache([op["block"]]))
+            return []
+        if kind == "reset":
+            done = pool.reset_prefix_cache()
+            seen[f"reset:{done}"] += 1
+            if done != model.reset():
+                return [Violation("INV-POOL-1", f"reset_prefix_cache returned {done}; with {sum(map(bool, model.ref[1:]))} blocks held the model says {not done}")]  # fmt: skip
+            return []
+        raise ValueError(f"unknown op {kind!r}")
+
+    def _cache(self, t: BlockPoolTarget, live: _Live) -> None:
+        full = len(live.request.all_token_ids) // t.ps
+        t.pool.cache_full_blocks(live.request, live.blocks, live.cached, full, t.ps, 0)
+        hashes = [bytes(h) for h in live.request.block_hashes]
+        t.model.cache([b.block_id for b in live.blocks[live.cached : full]], hashes[live.cached : full])
+        live.cached = max(live.cached, full)
+
+    def _lookup(self, t: BlockPoolTarget, live: _Live, hashes: list[bytes], hit: list[Any]) -> list[Violation]:
+        """INV-MATCH-1/2: the hit is the longest run of the request's own hashes the pool holds, and its blocks hold
+        them (the model's first block for each, under the profile)."""
+        want: list[int] = []
+        for h in hashes[: (len(live.request.all_token_ids) - 1) // t.ps]:
+            b = t.model.lookup(h)
+            if b is None:
+                break
+            want.append(b)
+        out = []
+        if len(hit) != len(want):
+            out.append(Violation("INV-MATCH-1", f"a lookup hit {len(hit)} blocks; {len(want)} of the request's hashes are cached"))  # fmt: skip
+        wrong = [b.block_id for b, h in zip(hit, hashes) if t.model.hash[b.block_id] != h]
+        if wrong:
+            out.append(Violation("INV-MATCH-2", f"the lookup returned blocks {wrong}, which do not hold the hashes asked for"))  # fmt: skip
+        elif [b.block_id for b in hit] != want[: len(hit)]:
+            out.append(Violation("INV-POOL-1", f"the lookup returned blocks {[b.block_id for b in hit]}; the model's first cached blocks are {want}"))  # fmt: skip
+        return out
+
+    def _handed(self, got: Sequence[Any], want: Sequence[int], call: str) -> list[Violation]:
+        ids = [b.block_id for b in got]
+        if ids == list(want):
+            return []
+        return [Violation("INV-POOL-1", f"{call} handed out blocks {ids}; the free queue's head was {list(want)}")]
+
+    # ------------------------------------------------------------------ after every call
+
+    def _events(self, t: BlockPoolTarget, before: Counter[Any]) -> list[Violation]:
+        """INV-EVENT-1: the events the call published, applied to the cached hashes before it, give those after it."""
+        return _env.events_agree(before, t.pool.take_events(), _env.cached_hashes(t.pool))
+
+    def _state(self, t: BlockPoolTarget, kv: KVModel) -> list[Violation]:
+        table = t.table()
+        out = check_pages(table)
+        views = [
+            RequestView(live.request.request_id, None, live.namespace, tuple(live.request.all_token_ids),
+                        live.request.num_prompt_tokens, "running", 0, computed=len(live.request.all_token_ids),
+                        row=tuple(b.block_id * t.ps + i for b in live.blocks for i in range(t.ps)))
+            for live in t.live.values()
+        ]  # fmt: skip
+        out += holders_exact(table, views)
+        for page in table.pages:  # INV-KV-1
+            want = kv.content(page.namespace, page.tokens)
+            got = [t.kv[x] for x in page.slots]
+            if want is not None and got != list(want[-t.ps :]):
+                out.append(Violation("INV-KV-1", f"block {page.id} (tokens to {len(page.tokens)} under {page.namespace!r}) holds other KV"))  # fmt: skip
+        for v in views:  # INV-REQ-2
+            want = kv.content(v.namespace, v.tokens)
+            if want is not None and [t.kv[x] for x in v.row[: len(v.tokens)]] != list(want):
+                out.append(Violation("INV-REQ-2", f"request {v.id}'s blocks hold other KV than its own tokens'"))
+        pool, model = t.pool, t.model
+        from vllm.v1.core.kv_cache_utils import get_block_hash
+
+        queue = [b.block_id for b in pool.free_block_queue.get_all_free_blocks()]
+        if queue != model.queue:
+            out.append(Violation("INV-POOL-1", f"the free queue is {queue}; the model's is {model.queue}"))
+        refs = [b.ref_cnt for b in pool.blocks[1:]]
+        if refs != model.ref[1:]:
+            out.append(Violation("INV-POOL-1", f"reference counts {refs}; the model's {model.ref[1:]}"))
+        got_table: dict[bytes, list[int]] = {}
+        for key, entry in pool.cached_block_hash_to_block._cache.items():
+            blocks = list(entry.values()) if isinstance(entry, dict) else [entry]
+            got_table[bytes(get_block_hash(key))] = [b.block_id for b in blocks]
+        if got_table != model.table:
+            out.append(Violation("INV-POOL-1", f"the hash table holds {sorted(map(sorted, got_table.values()))}; the model's {sorted(map(sorted, model.table.values()))}"))  # fmt: skip
+        return out
+
+    def gaps(self, capabilities: Capabilities, exercised: Counter[str]) -> list[str]:
+        out = [
+            "the scheduler around the pool: judged through vLLM's own request path (vllm_requests:factory)",
+            "hybrid KV cache groups (sliding window, Mamba), partial-block hashes (hash_block_size < block_size) and "
+            "block masks: one full-attention group only",
+            "unpin_blocks and its reuse watchers (a connector's deferred frees): not sent",
+        ]
+        for what, key in (("prefix hits", "hit"), ("evictions", "evicted"), ("evict_blocks of a cached block", "uncached"),
+                          ("a reset that succeeds", "reset:True")):  # fmt: skip
+            if not exercised.get(key):
+                out.append(f"{what}: no step of this run exercised it")
+        return out
+
+
+def factory(cell: WalkCell) -> BlockPoolTarget:
+    return BlockPoolTarget(cell)
+
+
+factory.walk = BlockPoolWalk()  # type: ignore[attr-defined]
+factory.capabilities = Capabilities(  # type: ignore[attr-defined]
+    name=f"vllm {_env.VLLM_VERSION} BlockPool (API level)",
+    page_sizes=(1, 4),
+    policies=("lru",),
+    kv_reads=True,
+    profile="vllm-0.32",
+    kind="block-pool",
+    notes=(
+        f"vLLM {_env.VLLM_VERSION}'s BlockPool with prefix caching and KV events, {BLOCKS} blocks (block 0 null), "
+        "called as KVCacheManager and FullAttentionManager call it; real Requests with sha256 block hashes; a "
+        "namespace is a LoRA adapter",
+        "compared call by call with the vllm-0.32 profile's block pool (kvcert.spec.block_table): blocks handed out, "
+        "free-queue order, hash table, reference counts (INV-POOL-1)",
+    ),
+)

@@ -1,0 +1,31 @@
+"""Running a command in vLLM's own environment (`.venv-vllm`, scripts/install_vllm.sh) from the main suite."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+VLLM = ROOT / ".venv-vllm" / "bin"
+
+
+def run_vllm(cmd: list[str]) -> tuple[int, str, str]:
+    """`cmd` (its first word a program in `.venv-vllm/bin`) -> (exit status, stdout and stderr, stdout). Skips when the
+    environment is missing, and fails instead under KVCERT_VLLM=1 (CI)."""
+    if not (VLLM / "python").exists():
+        why = ".venv-vllm missing: run scripts/install_vllm.sh"
+        if os.environ.get("KVCERT_VLLM", "0") == "1":
+            pytest.fail(f"KVCERT_VLLM=1 but {why}", pytrace=False)
+        pytest.skip(why)
+    done = subprocess.run(
+        [str(VLLM / cmd[0]), *cmd[1:]],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONHASHSEED": "0"},
+    )
+    return done.returncode, done.stdout + done.stderr, done.stdout

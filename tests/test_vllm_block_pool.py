@@ -1,0 +1,43 @@
+"""vLLM 0.32's `BlockPool` at its API (`conformance.adapters.vllm_block_pool`): the unmodified pool is CERTIFIED on a
+run that reaches hits, evictions, a connector's evict_blocks and a reset, and each bug planted into the pool fails it
+under the rule it breaks — the page-level core, the event stream, or the `vllm-0.32` profile's pool."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from _vllm import run_vllm
+
+TARGET = "kvcert.conformance.adapters.vllm_block_pool:factory"
+PLANTS = {
+    "leak-on-free": {"INV-PAGE-2", "INV-POOL-1"},
+    "lora-unhashed": {"INV-KV-1", "INV-REQ-2"},
+    "evict-keeps-hash": {"INV-POOL-1", "INV-ERR-3"},
+    "hit-stays-queued": {"INV-ACCT-1"},
+    "cached-freed-to-head": {"INV-POOL-1"},
+    "lookup-newest-duplicate": {"INV-POOL-1"},
+    "eviction-unannounced": {"INV-EVENT-1"},
+}
+
+
+@pytest.fixture(scope="module")
+def runs() -> dict[str, dict[str, Any]]:
+    rc, out, stdout = run_vllm(["python", "tests/vllm_plants.py", TARGET, "100", "none", *PLANTS])
+    assert rc == 0, out[-3000:]
+    return {r["plant"]: r for r in map(json.loads, (ln for ln in stdout.splitlines() if ln.startswith("{")))}
+
+
+def test_the_unmodified_pool_is_certified_on_a_run_that_reaches_evictions(runs: dict[str, dict[str, Any]]) -> None:
+    clean = runs["none"]
+    assert clean["passed"] and clean["rules"] == [], clean
+    assert clean["reached"].get("evicted", 0) > 100, clean["reached"]
+    said = " ".join(clean["not_checked"])
+    assert "no step of this run exercised" not in said, said  # hits, evictions, evict_blocks and a reset all ran
+
+
+@pytest.mark.parametrize("plant", sorted(PLANTS))
+def test_a_bug_planted_in_the_pool_fails_under_the_rule_it_breaks(runs: dict[str, dict[str, Any]], plant: str) -> None:
+    got = runs[plant]
+    assert not got["passed"] and set(got["rules"]) & PLANTS[plant], got

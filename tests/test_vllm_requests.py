@@ -1,0 +1,71 @@
+"""vLLM 0.32 through its own v1 scheduler (`conformance.adapters.vllm_requests`), judged by the page-level core: the
+unmodified engine is CERTIFIED on a run that reaches evictions, preemptions and prefix hits, and each bug planted into
+vLLM's own code (tests/vllm_plants.py) fails it under the rule it breaks — on both the synchronous and the async
+scheduler. The order and event plants break only vLLM's own choices (INV-POOL-*, under its profile) or its event
+stream (INV-EVENT-1): held to the core alone, the order plants pass."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from _vllm import run_vllm
+
+PLANTS = {
+    "leak-on-free": {"INV-PAGE-2"},
+    "lora-unhashed": {"INV-KV-1", "INV-REQ-2"},
+    "evict-keeps-hash": {"INV-KV-1", "INV-RP-1"},
+    "hit-stays-queued": {"INV-ACCT-1"},
+    "hit-one-block-more": {"INV-REQ-2", "INV-PAGE-2"},
+    "preempt-keeps-blocks": {"INV-PAGE-2"},
+    "abort-keeps-blocks": {"INV-ACCT-3", "INV-PAGE-2"},
+    "free-head-first": {"INV-POOL-2"},
+    "cached-freed-to-head": {"INV-POOL-1"},
+    "lookup-newest-duplicate": {"INV-POOL-1"},
+    "eviction-unannounced": {"INV-EVENT-1"},
+}
+"""Each plant, and the rules any of which its certificate must name."""
+
+
+def _runs(factory: str) -> dict[str, dict[str, Any]]:
+    target = f"kvcert.conformance.adapters.vllm_requests:{factory}"
+    rc, out, stdout = run_vllm(["python", "tests/vllm_plants.py", target, "30", "none", *PLANTS])
+    assert rc == 0, out[-3000:]
+    return {r["plant"]: r for r in map(json.loads, (ln for ln in stdout.splitlines() if ln.startswith("{")))}
+
+
+@pytest.fixture(scope="module", params=["factory", "factory_async"])
+def runs(request: pytest.FixtureRequest) -> dict[str, dict[str, Any]]:
+    return _runs(request.param)
+
+
+def test_the_unmodified_engine_is_certified_on_a_run_that_reaches_the_races(runs: dict[str, dict[str, Any]]) -> None:
+    clean = runs["none"]
+    assert clean["passed"] and clean["rules"] == [], clean
+    reached = clean["reached"]
+    assert reached.get("evicted", 0) > 100 and reached.get("preempted", 0) > 0 and reached.get("hits", 0) > 50, reached
+    assert clean["kv_entries"] > 10_000
+    said = " ".join(clean["not_checked"])
+    assert "model config: a stand-in" in said and "model runner: played by the harness" in said
+
+
+@pytest.mark.parametrize("plant", sorted(PLANTS))
+def test_a_planted_bug_fails_under_the_rule_it_breaks(runs: dict[str, dict[str, Any]], plant: str) -> None:
+    got = runs[plant]
+    assert not got["passed"] and set(got["rules"]) & PLANTS[plant], got
+
+
+def test_held_to_the_core_alone_a_reordered_free_queue_passes() -> None:
+    """Freeing a request's head first is vLLM's profile's business, not the core's: `--profile core` passes it."""
+    code = (
+        "import sys, tempfile; from pathlib import Path; sys.path.insert(0, 'tests'); import vllm_plants as p; "
+        "from kvcert.conformance.certification.certify import certify\n"
+        "for name in ('free-head-first', 'cached-freed-to-head'):\n"
+        "    with tempfile.TemporaryDirectory() as out, p.planted(name):\n"
+        "        c = certify('kvcert.conformance.adapters.vllm_requests:factory', examples=30, out_dir=Path(out), profile='core')\n"
+        "    print(name, c.passed)"
+    )
+    rc, out, stdout = run_vllm(["python", "-c", code])
+    assert rc == 0, out[-3000:]
+    assert stdout.split() == ["free-head-first", "True", "cached-freed-to-head", "True"], stdout
