@@ -10,9 +10,13 @@ A factory is any callable `factory(config: CacheConfig) -> Backend` with a
 
 from __future__ import annotations
 
+import random
+from collections import Counter
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, Optional, Protocol, runtime_checkable
 
+from kvcert.spec.invariants import Violation
 from kvcert.spec.requests import RequestView
 from kvcert.spec.storage import StorageBackend
 from kvcert.spec.types import (
@@ -39,6 +43,9 @@ __all__ = [
     "RequestPathBackend",
     "RetractionBackend",
     "StorageTierBackend",
+    "Walk",
+    "WalkCell",
+    "WalkFailure",
     "capabilities_of",
     "close_backend",
 ]
@@ -266,3 +273,48 @@ def close_backend(backend: object) -> None:
     close = getattr(backend, "close", None)
     if callable(close):
         close()
+
+
+# --------------------------------------------------------------------------- walk targets
+
+
+@dataclass(frozen=True)
+class WalkCell:
+    """One cell of a walk target: a policy, a page size and the target's own parameters."""
+
+    policy: str
+    page_size: int = 1
+    params: tuple[tuple[str, Any], ...] = ()
+    tier: str = ""
+    """What the certificate's tiers column says for it (e.g. "host (CPU offload)")."""
+
+    def param(self, name: str, default: Any = None) -> Any:
+        return dict(self.params).get(name, default)
+
+    @property
+    def name(self) -> str:
+        extra = "".join(f"-{k}{v}" for k, v in self.params)
+        return f"ps{self.page_size}-{self.policy}{extra}"
+
+
+class WalkFailure(Exception):
+    """The first broken rule of a replay: at which operation, and what broke."""
+
+    def __init__(self, step: int, op: dict[str, Any], violations: list[Violation]) -> None:
+        super().__init__(f"step {step} {op}: " + "; ".join(map(str, violations)))
+        self.step, self.op, self.violations = step, op, violations
+
+
+class Walk(Protocol):
+    """An API-level target's own operations (`conformance.certification.walk`): its cells, a seeded generator of
+    JSON-able operations, a replay that checks every rule after every operation, and what it does not check."""
+
+    def cells(self, capabilities: Capabilities) -> list[WalkCell]: ...
+
+    def generate(self, rng: random.Random, cell: WalkCell, steps: int) -> list[dict[str, Any]]: ...
+
+    def replay(
+        self, factory: Callable[[WalkCell], Any], cell: WalkCell, ops: Sequence[dict[str, Any]]
+    ) -> tuple[Optional[WalkFailure], Counter[str]]: ...
+
+    def gaps(self, capabilities: Capabilities, exercised: Counter[str]) -> list[str]: ...

@@ -94,9 +94,7 @@ def print_certificate(cert: Certificate) -> None:
         table.add_row(
             str(c.page_size),
             c.policy,
-            ("device+host+storage, " if "+" in c.write_policy else "device+host, ") + c.write_policy
-            if c.write_policy
-            else "device",
+            reports.tiers(c),
             "[green]pass[/]" if c.passed else "[red]FAIL[/]",
             str(c.examples),
             str(c.steps),

@@ -21,7 +21,7 @@ from typing import Any, Optional
 
 from kvcert.conformance.backend import Model
 from kvcert.spec import pages
-from kvcert.spec.requests import RequestView
+from kvcert.spec.requests import RequestView, kv_namespace
 from kvcert.spec.types import CacheConfig, Capabilities, Snapshot
 
 __all__ = ["ReferenceEngine", "factory", "factory_gpu"]
@@ -82,8 +82,12 @@ class ReferenceEngine:
         tokens: Sequence[int],
         priority: int,
         output: int,
+        lora: Optional[tuple[str, str]] = None,
     ) -> None:
-        self.inbox.append(("submit", request, session, namespace, tuple(tokens), priority, output))
+        """A request under a LoRA adapter is keyed, and computed, under its namespace with the adapter folded in
+        (`kv_namespace`): the base model's pages and each adapter's never serve each other."""
+        ns = kv_namespace(namespace, lora)
+        self.inbox.append(("submit", request, session, ns, tuple(tokens), priority, output))
 
     def close_session(self, session: str) -> None:
         self.inbox.append(("close", session))
@@ -290,6 +294,7 @@ def _engine_over(make: Callable[[CacheConfig], Any], name: str) -> Callable[[Cac
         priority_parts=("high", "scope", "update"),
         profile="core",
         kind="request-path",
+        loras=True,
         notes=(
             "first-come first-served; a request is admitted when its whole final size fits after eviction in its "
             f"scope; prefill in chunks of {CHUNK_PAGES} pages, one decoded token a step; every copy lands each step",

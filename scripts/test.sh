@@ -30,6 +30,7 @@ scripts/layers.sh
 echo "== crosshair (spec contracts)"
 PYTHON="$V/python" scripts/crosshair.sh
 PYTHON="$V/python" scripts/crosshair.sh spec/storage.py
+PYTHON="$V/python" scripts/crosshair.sh spec/offload.py
 if [[ -n "${refaware_pid:-}" ]]; then
     echo "== .venv-refaware"
     wait "$refaware_pid" || { cat "$refaware_log"; exit 1; }

@@ -255,6 +255,13 @@ class Submit:
     priority: Any = 0
     output: Any = 1
     session: Any = None
+    lora: Any = None
+    """The LoRA adapter it runs under, (name, path), or None for the base model: the adapter's weights change every
+    token's KV (`kvcert.spec.requests.kv_namespace`). Left out of a trace's JSON when None."""
+
+
+OMITTED_WHEN_NONE = frozenset({"lora"})
+"""Op fields a trace's JSON (and a run's digest) leaves out when None: fields added after traces were recorded."""
 
 
 @dataclass(frozen=True)
@@ -329,7 +336,7 @@ request by the same position)."""
 
 
 def op_to_json(op: Op) -> dict[str, Any]:
-    body = asdict(op)
+    body = {k: v for k, v in asdict(op).items() if not (k in OMITTED_WHEN_NONE and v is None)}
     if "tokens" in body:
         body["tokens"] = list(body["tokens"])
     return {"op": type(op).__name__, **body}
@@ -344,6 +351,8 @@ def op_from_json(obj: dict[str, Any]) -> Op:
     args = {k: v for k, v in obj.items() if k in names}
     if "tokens" in args:
         args["tokens"] = tuple(args["tokens"])
+    if isinstance(args.get("lora"), list):
+        args["lora"] = tuple(args["lora"])
     op: Op = cls(**args)
     return op
 

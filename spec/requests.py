@@ -29,6 +29,19 @@ def output_token(namespace: Namespace, tokens: Tokens) -> int:
     return (sum(tokens) * 7 + len(tokens) * 3 + (len(namespace) if namespace else 0)) % OUTPUT_VOCAB
 
 
+LORA_MARK = "\x01lora\x01"
+"""Separates a namespace from the adapter folded into it (`kv_namespace`); no namespace the suite sends contains it."""
+
+
+def kv_namespace(namespace: Namespace, lora: Optional[tuple[str, str]]) -> Namespace:
+    """The namespace a request's KV is computed under: its own, with its LoRA adapter (name, path) folded in. An
+    adapter's weights change every token's KV, so the base model's pages and an adapter's never serve each other
+    (the suite's content function then gives them other bytes); None without an adapter."""
+    if lora is None:
+        return namespace
+    return f"{namespace!r}{LORA_MARK}{lora[0]}{LORA_MARK}{lora[1]}"
+
+
 @dataclass(frozen=True)
 class RequestView:
     """One request the engine knows, read off the engine's own request object."""
@@ -37,6 +50,7 @@ class RequestView:
     session: Optional[str]
     """The session (multi-turn conversation) it is a turn of; None for a one-shot request."""
     namespace: Namespace
+    """The namespace its KV is computed under (`kv_namespace`: its own, with its LoRA adapter folded in)."""
     tokens: Tokens
     """Its prompt, then what it has decoded so far."""
     prompt: int

@@ -62,6 +62,9 @@ KINDS: dict[str, str] = {
     "request-path": "driven through its engine's own scheduler code, with real request objects",
     "api": "driven through its cache API, by calls the suite composes in its scheduler's place",
     "native": "a cache written to kvcert's protocol",
+    "block-pool": "a block table driven through its own API by a walk of the calls its engine's managers make "
+    "(SPEC.md §13)",
+    "offload": "an offload tier driven through its own API by a walk of the calls its engine's connector makes",
 }
 """How a target drives its cache (`Capabilities.kind`); a certificate names it."""
 
@@ -555,6 +558,9 @@ class Capabilities:
     default overridden), each with what it changes; every report lists them under NOT CHECKED."""
     client: tuple[str, ...] = ()
     """A request-path target's client rules (CLIENT_RULES): traffic outside them is not sent."""
+    loras: bool = False
+    """True (a request-path target): requests may run under a LoRA adapter (`Submit.lora`), sent to `submit(...,
+    lora=(name, path))`; else none is sent."""
     kind: str = "api"
     """How the cache is driven (KINDS): "request-path" through its engine's own scheduler code with real
     request objects, "api" through the cache's API by calls the suite composes, "native" a cache written to

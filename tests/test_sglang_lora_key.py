@@ -24,6 +24,8 @@ from kvcert.conformance.harness.requests import ModelPlayer  # noqa: E402
 from kvcert.conformance.harness.scheduler import KVModel  # noqa: E402
 from kvcert.spec.types import CacheConfig  # noqa: E402
 
+A = ("adapter-a", "/adapters/a")
+B = ("adapter-b", "/adapters/b")
 ADAPTER = uuid.uuid5(uuid.NAMESPACE_URL, "adapter-a\0/adapters/a").hex
 OTHER = uuid.uuid5(uuid.NAMESPACE_URL, "adapter-b\0/adapters/b").hex
 PROMPT = list(range(10, 42))
@@ -38,9 +40,11 @@ def engine() -> Iterator[sglang_requests.SGLangRequestPath]:
     target.close()
 
 
-def _cached(engine: sglang_requests.SGLangRequestPath, rid: str, extra_key: Optional[str], lora: Optional[str]) -> int:
+def _cached(
+    engine: sglang_requests.SGLangRequestPath, rid: str, extra_key: Optional[str], lora: Optional[tuple[str, str]]
+) -> int:
     """Serve one request to its end; the prompt tokens SGLang found cached for it."""
-    engine.submit(rid, None, extra_key, PROMPT, 0, 2, lora_id=lora)
+    engine.submit(rid, None, extra_key, PROMPT, 0, 2, lora=lora)
     for _ in range(40):
         engine.step()
         if engine.req(rid) is not None and engine.req(rid).finished():
@@ -54,13 +58,14 @@ def test_a_base_model_request_keyed_with_an_adapters_id_shares_kv_with_that_adap
 ) -> None:
     assert _cached(engine, "base", ADAPTER, None) == 0
     assert engine.req("base").extra_key == ADAPTER
-    assert _cached(engine, "lora", None, ADAPTER) == len(PROMPT) - 1  # served the base model's KV
+    assert _cached(engine, "lora", None, A) == len(PROMPT) - 1  # served the base model's KV
     assert engine.req("lora").extra_key == ADAPTER
 
 
 def test_other_keys_stay_apart(engine: sglang_requests.SGLangRequestPath) -> None:
     """The control: another adapter, and no key at all, reuse nothing of the first request."""
-    assert _cached(engine, "a", None, ADAPTER) == 0
-    assert _cached(engine, "b", None, OTHER) == 0
+    assert _cached(engine, "a", None, A) == 0
+    assert _cached(engine, "b", None, B) == 0
+    assert engine.req("b").extra_key == OTHER
     assert _cached(engine, "c", None, None) == 0
-    assert _cached(engine, "d", None, ADAPTER) == len(PROMPT) - 1  # and the same adapter reuses (positive control)
+    assert _cached(engine, "d", None, A) == len(PROMPT) - 1  # and the same adapter reuses (positive control)

@@ -15,6 +15,7 @@ from _vllm import run_vllm
 PLANTS = {
     "leak-on-free": {"INV-PAGE-2"},
     "lora-unhashed": {"INV-KV-1", "INV-REQ-2"},
+    "salt-unhashed": {"INV-KV-1", "INV-REQ-2"},
     "evict-keeps-hash": {"INV-KV-1", "INV-RP-1"},
     "hit-stays-queued": {"INV-ACCT-1"},
     "hit-one-block-more": {"INV-REQ-2", "INV-PAGE-2"},

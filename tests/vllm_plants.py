@@ -43,6 +43,15 @@ def planted(name: str) -> Iterator[None]:
     elif name == "lora-unhashed":  # blocks hashed without their LoRA
         with mock.patch.object(ku, "_gen_lora_extra_hash_keys", lambda request: []):
             yield
+    elif name == "salt-unhashed":  # blocks hashed without their cache salt
+        real_keys = ku.generate_block_hash_extra_keys
+
+        def keys(request: Any, *a: Any, **k: Any) -> Any:
+            with mock.patch.object(request, "cache_salt", None):
+                return real_keys(request, *a, **k)
+
+        with mock.patch.object(ku, "generate_block_hash_extra_keys", keys):
+            yield
     elif name == "evict-keeps-hash":  # a block taken from the free queue stays in the hash map
         with mock.patch.object(bp.BlockPool, "_maybe_evict_cached_block", lambda self, block: False):
             yield

@@ -138,13 +138,14 @@ _stub_http_modules()
 from kvcert.conformance.adapters.sglang_hicache_backend import SGLangHiCacheBackend, host_ratio_for  # noqa: E402
 from kvcert.conformance.adapters.sglang_radix import SGLangRadixBackend  # noqa: E402
 from kvcert.conformance.adapters.sglang_session import SGLangSessionBackend  # noqa: E402
-from kvcert.spec.requests import RequestView  # noqa: E402
+from kvcert.spec.requests import RequestView, kv_namespace  # noqa: E402
 from kvcert.spec.types import POLICIES, CacheConfig, Capabilities, Snapshot  # noqa: E402
 
 with _env.quiet_imports():
     import zmq
     from sglang.srt import runtime_context as _rc
     from sglang.srt.layers.dp_attention import get_dp_tp_group
+    from sglang.srt.lora.lora_registry import LoRARef
     from sglang.srt.managers import scheduler as _sched
     from sglang.srt.managers.io_struct import (
         AbortReq,
@@ -280,15 +281,17 @@ class _ModelWorker:
             at = 0
             for req, pre, ext in zip(batch.reqs, batch.prefix_lens, batch.extend_lens, strict=True):
                 tokens = _tokens(req)[:pre] + fed[at : at + ext]
-                write_pool(pool, slots[at : at + ext], model.kv(req.extra_key, tokens, pre, ext), layers)
-                nexts.append(model.next_token(req.extra_key, tokens))
+                ns = self.owner.content_of(req)
+                write_pool(pool, slots[at : at + ext], model.kv(ns, tokens, pre, ext), layers)
+                nexts.append(model.next_token(ns, tokens))
                 at += ext
         elif batch.forward_mode.is_decode():
             for i, req in enumerate(batch.reqs):
                 seq = int(batch.seq_lens[i])
                 tokens = _tokens(req)[: seq - 1] + [fed[i]]
-                write_pool(pool, [slots[i]], model.kv(req.extra_key, tokens, seq - 1, 1), layers)
-                nexts.append(model.next_token(req.extra_key, tokens))
+                ns = self.owner.content_of(req)
+                write_pool(pool, [slots[i]], model.kv(ns, tokens, seq - 1, 1), layers)
+                nexts.append(model.next_token(ns, tokens))
         else:
             raise RuntimeError(f"unexpected forward mode {batch.forward_mode!r}")
         self.owner._forwards += 1
@@ -347,6 +350,9 @@ class SGLangRequestPath:
         self._step = 0
         self._forwards = 0
         self._submitted: dict[str, _Submitted] = {}
+        self._content: dict[Optional[str], Optional[str]] = {}
+        """SGLang's key of a request's KV -> the namespace its content is computed under (the first request's)."""
+        self._loras_sent = False
         self._noop_closes: list[str] = []
         """Sessions closed on a factory without SGLang sessions: nothing reaches SGLang."""
         self._inbox, self._rpc = _Socket(), _Socket()
@@ -646,13 +652,14 @@ class SGLangRequestPath:
         tokens: Sequence[int],
         priority: int,
         output: int,
-        lora_id: Optional[str] = None,
+        lora: Optional[tuple[str, str]] = None,
     ) -> None:
         """What the tokenizer sends for a generate request (`TokenizerManager._create_tokenized_object`):
         normalized and verified sampling params, `max_new_tokens=output`, `ignore_eos` off as clients leave it (the
-        model never samples the EOS id, so the request still ends at `max_new_tokens`). `lora_id`: the adapter id
-        the tokenizer resolves a request's `lora_path` to under `--enable-lora` (`lora_registry.acquire`); this
-        scheduler has no LoRA manager, and the scripted model computes no LoRA."""
+        model never samples the EOS id, so the request still ends at `max_new_tokens`). `lora`: the adapter (name,
+        path) it runs under; the tokenized request carries the id SGLang's tokenizer resolves it to for an adapter
+        loaded at launch (`--lora-paths`: `LoRARef.deterministic_id(name, path)`). This scheduler has no LoRA manager;
+        the model the harness plays computes each request's KV under its own adapter (`kv_namespace`)."""
         if request in self._submitted:
             raise ValueError(f"request id {request!r} was submitted before")
         sampling = SamplingParams(max_new_tokens=output, ignore_eos=False)
@@ -674,12 +681,22 @@ class SGLangRequestPath:
             priority=priority,
             extra_key=namespace,
             session_id=session if self.kind == "sessions" else None,
-            lora_id=lora_id,
+            lora_id=LoRARef.deterministic_id(*lora) if lora is not None else None,
         )
-        self._submitted[request] = _Submitted(request, session, namespace, tuple(int(t) for t in tokens), priority)
+        content = kv_namespace(namespace, lora)
+        self._submitted[request] = _Submitted(request, session, content, tuple(int(t) for t in tokens), priority)
+        # the key SGLang files the request's KV under (Req.__init__: extra_key + lora_id) -> its content's namespace
+        self._content.setdefault((namespace or "") + message.lora_id if lora is not None else namespace, content)
+        self._loras_sent = self._loras_sent or lora is not None
         if self.kind == "sessions" and session is not None:
             self.backend._priority[session] = priority  # SessionView.priority: SGLang keeps no session priority
         self._send(message)
+
+    def content_of(self, req: Any) -> Optional[str]:
+        """The namespace the model computes `req`'s KV under: the client's, with its adapter folded in
+        (`kv_namespace`), as sent; SGLang's own key for a request the adapter did not send."""
+        record = self._submitted.get(req.rid)
+        return record.namespace if record is not None else req.extra_key
 
     def req(self, request: str) -> Any:
         """SGLang's own `Req` for a submitted request (None before the scheduler made one): what it recorded."""
@@ -784,7 +801,7 @@ class SGLangRequestPath:
         base = dict(
             id=record.rid,
             session=record.session,
-            namespace=req.extra_key,
+            namespace=record.namespace,
             tokens=tokens,
             prompt=prompt,
             priority=priority,
@@ -821,6 +838,8 @@ class SGLangRequestPath:
             for node in nodes:  # pretty_print's preorder: a parent before its children
                 depth[node.id] = 0 if node.parent is None else depth[node.parent] + 1
             nodes = tuple(sorted(nodes, key=lambda n: (depth[n.id], n.id)))
+        if self._loras_sent:  # a LoRA request's nodes are filed under SGLang's key: name them by their content
+            nodes = tuple(replace(n, namespace=self._content.get(n.namespace, n.namespace)) for n in nodes)
         return replace(base, nodes=nodes, lent_slots=tuple(sorted(lent)))
 
     def bookkeeping(self) -> dict[str, tuple[Any, ...]]:
@@ -958,6 +977,13 @@ _HOST_DEVIATIONS = (
 )
 
 
+_LORA_DEVIATION = (
+    "LoRA: a request under an adapter carries the id SGLang's tokenizer resolves it to (--lora-paths: "
+    "LoRARef.deterministic_id) to a scheduler started without --enable-lora: no LoRA manager loads an adapter, and "
+    "what --enable-lora adds to admission (at most max_loras_per_batch adapters a batch) is not run",
+)
+
+
 def _make(kind: str, core: str = "python") -> Any:
     def factory(config: CacheConfig) -> SGLangRequestPath:
         return SGLangRequestPath(config, kind=kind, core=core)
@@ -1028,8 +1054,9 @@ def _make(kind: str, core: str = "python") -> Any:
         priority_parts=(),
         profile="sglang-0.5.23",
         notes=notes,
-        deviations=_DEVIATIONS + extra,
+        deviations=_DEVIATIONS + extra + _LORA_DEVIATION,
         kind="request-path",
+        loras=True,
     )
     factory.__doc__ = f"{name}: SGLang's own scheduler request path."
     return factory
@@ -1056,8 +1083,13 @@ def _with_engine_ids(base: Any, name: str) -> Any:
     factory.capabilities = dataclasses.replace(  # type: ignore[attr-defined]
         base.capabilities,
         client=("distinct-ids",),
+        loras=False,
+        deviations=tuple(d for d in base.capabilities.deviations if d not in _LORA_DEVIATION),
         notes=base.capabilities.notes
-        + ("clients leave request ids to SGLang: no id starts with another (CLIENT_RULES distinct-ids)",),
+        + (
+            "clients leave request ids to SGLang: no id starts with another (CLIENT_RULES distinct-ids)",
+            "clients send no LoRA requests, so the walk goes on past SG-LORA too (factory sends them)",
+        ),
     )
     factory.__doc__ = f"{base.__doc__} Clients leave request ids to the engine."
     return factory

@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from kvcert.conformance.adapters import _vllm_env as _env
-from kvcert.conformance.certification.walk import WalkCell, WalkFailure
-from kvcert.conformance.harness.scheduler import KVModel
+from kvcert.conformance.backend import WalkCell, WalkFailure
+from kvcert.spec import storage as l3
 from kvcert.spec.block_table import BlockTableModel
 from kvcert.spec.invariants import Violation
 from kvcert.spec.page_table import PageTable, check_pages, holders_exact
@@ -42,6 +42,22 @@ BLOCKS = 17
 """Blocks in a cell's pool: the null block and 16 more, so that three requests fill it and evict."""
 REQUESTS = 3
 NAMESPACES = (None, "lora-a")
+
+
+class _KV:
+    """The model's KV (SPEC.md §9.12's content function, one layer): what each token's slot must hold."""
+
+    def __init__(self) -> None:
+        self._memo: dict[tuple[Optional[str], tuple[int, ...]], tuple[bytes, ...]] = {}
+
+    def entries(self, namespace: Optional[str], tokens: tuple[int, ...]) -> tuple[bytes, ...]:
+        key = (namespace, tokens)
+        if key not in self._memo:
+            self._memo[key] = l3.token_entries(namespace, tokens, 1)
+        return self._memo[key]
+
+    def content(self, namespace: Optional[str], tokens: tuple[int, ...]) -> Optional[tuple[bytes, ...]]:
+        return self.entries(namespace, tokens) if tokens else None
 
 
 @dataclass
@@ -86,7 +102,7 @@ class BlockPoolTarget:
         for i, h in enumerate(live.request.block_hashes):
             self.contents.setdefault(bytes(h), (live.namespace, tokens[: (i + 1) * self.ps]))
 
-    def write(self, live: _Live, start: int, kv: KVModel) -> None:
+    def write(self, live: _Live, start: int, kv: _KV) -> None:
         """The model runner: KV for the request's tokens from `start` on, into its blocks."""
         tokens = tuple(live.request.all_token_ids)
         entries = kv.entries(live.namespace, tokens)
@@ -128,7 +144,7 @@ class BlockPoolWalk:
     ) -> tuple[Optional[WalkFailure], Counter[str]]:
         seen: Counter[str] = Counter()
         t: BlockPoolTarget = factory(cell)
-        kv = KVModel(1)
+        kv = _KV()
         for step, op in enumerate(ops):
             before = _env.cached_hashes(t.pool)
             try:
@@ -147,7 +163,7 @@ class BlockPoolWalk:
 
     # ------------------------------------------------------------------ the calls, as vLLM's managers make them
 
-    def _apply(self, t: BlockPoolTarget, op: dict[str, Any], kv: KVModel, seen: Counter[str]) -> Optional[list[Violation]]:
+    def _apply(self, t: BlockPoolTarget, op: dict[str, Any], kv: _KV, seen: Counter[str]) -> Optional[list[Violation]]:
         pool, model, ps = t.pool, t.model, t.ps
         kind = op["op"]
         if kind == "admit":
@@ -253,7 +269,7 @@ class BlockPoolWalk:
         """INV-EVENT-1: the events the call published, applied to the cached hashes before it, give those after it."""
         return _env.events_agree(before, t.pool.take_events(), _env.cached_hashes(t.pool))
 
-    def _state(self, t: BlockPoolTarget, kv: KVModel) -> list[Violation]:
+    def _state(self, t: BlockPoolTarget, kv: _KV) -> list[Violation]:
         table = t.table()
         out = check_pages(table)
         views = [

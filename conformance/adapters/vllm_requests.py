@@ -22,7 +22,9 @@ its hash map is a cached page (its tokens are those the hash was made from, lear
 `block_hashes`), its holders the block's `ref_cnt`; the free queue's blocks without a hash are free, those with
 one evictable; the blocks a request holds outside the map (`req_to_blocks`) are lent.
 
-A namespace is a LoRA adapter (`LoRARequest(name, id, path)`): KV computed under one adapter is not another's.
+A namespace is a cache salt (`cache_salt`), a LoRA adapter a `LoRARequest(name, id, path)`; the model computes a
+request's KV under its namespace with its adapter folded in (`kv_namespace`), so a page served across either shows
+as other bytes.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from typing import Any, Optional
 from kvcert.conformance.adapters import _vllm_env as _env
 from kvcert.spec.invariants import Violation
 from kvcert.spec.page_table import PageTable
-from kvcert.spec.requests import RequestView
+from kvcert.spec.requests import RequestView, kv_namespace
 from kvcert.spec.types import CacheConfig, Capabilities
 
 __all__ = ["VLLMRequestPath", "factory", "factory_async"]
@@ -147,7 +149,7 @@ class VLLMRequestPath:
         """Requests vLLM ended since the last step or abort: reported once more by `requests()`."""
         self.hashes: dict[bytes, tuple[Optional[str], tuple[int, ...]]] = {}
         """Block hash -> the keys and tokens the engine's hasher made it from (learnt from the requests)."""
-        self.loras: dict[str, Any] = {}
+        self.loras: dict[tuple[str, str], Any] = {}
         self.clock = 0
         self.batch_queue: deque[tuple[Any, Any]] = deque()
         """With async scheduling: steps scheduled and run whose output is not yet processed, newest first."""
@@ -160,14 +162,15 @@ class VLLMRequestPath:
     def attach_model(self, model: Any) -> None:
         self.model = model
 
-    def _lora(self, namespace: Optional[str]) -> Any:
+    def _lora(self, lora: Optional[tuple[str, str]]) -> Any:
+        """The `LoRARequest` for an adapter (name, path): one integer id per adapter, in the order first seen."""
         from vllm.lora.request import LoRARequest
 
-        if namespace is None:
+        if lora is None:
             return None
-        if namespace not in self.loras:
-            self.loras[namespace] = LoRARequest(namespace, len(self.loras) + 1, f"/adapters/{namespace}")
-        return self.loras[namespace]
+        if lora not in self.loras:
+            self.loras[lora] = LoRARequest(lora[0], len(self.loras) + 1, lora[1])
+        return self.loras[lora]
 
     def submit(
         self,
@@ -177,10 +180,12 @@ class VLLMRequestPath:
         tokens: Sequence[int],
         priority: int,
         output: int,
+        lora: Optional[tuple[str, str]] = None,
     ) -> None:
-        """`EngineCore.add_request`: the `Request` with the engine's block hasher, to `Scheduler.add_request`. vLLM
-        serves a lower priority value first; kvcert's priorities are the other way round, so the value is negated
-        (fcfs, vLLM's default policy, reads it not at all)."""
+        """`EngineCore.add_request`: the `Request` with the engine's block hasher, to `Scheduler.add_request`. A
+        namespace is the request's `cache_salt`, an adapter its `LoRARequest`. vLLM serves a lower priority value
+        first; kvcert's priorities are the other way round, so the value is negated (fcfs, vLLM's default policy,
+        reads it not at all)."""
         from vllm.sampling_params import SamplingParams
         from vllm.v1.request import Request
 
@@ -190,11 +195,12 @@ class VLLMRequestPath:
             SamplingParams(max_tokens=output, ignore_eos=True),
             None,
             arrival_time=float(self.clock),
-            lora_request=self._lora(namespace),
+            lora_request=self._lora(lora),
+            cache_salt=namespace,
             priority=-priority,
             block_hasher=self.hasher,
         )
-        self.sent[request] = _Submitted(req, session, namespace, priority)
+        self.sent[request] = _Submitted(req, session, kv_namespace(namespace, lora), priority)
         self._learn(req)
         self.scheduler.add_request(req)
 
@@ -341,8 +347,8 @@ _NOTES = (
     "model runner's forward, update_from_output); aborts are EngineCore.abort_requests",
     f"fcfs (vLLM's default policy), chunked prefill with a budget of max(8, 4 pages) tokens a step, max_num_seqs "
     f"{MAX_NUM_SEQS}, max_model_len = the cell's device capacity, whole-prompt admission (scheduler_reserve_full_isl)",
-    "a namespace is a LoRA adapter (LoRARequest(name, id, /adapters/name), max_loras 2); sessions are the client's "
-    "conversations only (vLLM has none to close or reprioritize)",
+    "a namespace is a cache salt (cache_salt), an adapter a LoRARequest (name, id, path; max_loras 2); sessions are "
+    "the client's conversations only (vLLM has none to close or reprioritize)",
     "judged by the page-level core (SPEC.md §13): the BlockPool's hash map as pages, ref_cnt as holders, the free "
     "queue as free and evictable blocks; the radix-shape rules do not apply",
     "the KV events the scheduler publishes are checked against its pool (INV-EVENT-1); the pool's calls are watched "
@@ -382,6 +388,7 @@ def _make(async_scheduling: bool) -> Any:
         ),
         deviations=_DEVIATIONS,
         kind="request-path",
+        loras=True,
     )
     factory.__doc__ = f"vLLM {_env.VLLM_VERSION}'s own v1 request path ({what})."
     return factory

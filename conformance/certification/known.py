@@ -39,6 +39,7 @@ from kvcert.spec.ops import (
     Restore,
     Retract,
     StorageFault,
+    Submit,
     Trace,
     UpdateRef,
 )
@@ -176,6 +177,8 @@ def _needs(op: Op, caps: Capabilities) -> str:
             else "a call on the cache's API, and the target is driven through its engine's request path"
         )
     parts = caps.priority_parts if caps.priority_refs else ()
+    if isinstance(op, Submit) and op.lora is not None and not caps.loras:
+        return "LoRA adapters not declared"
     if (
         isinstance(op, (Prefetch, Fetch, CheckPrefetch, AbortPrefetch, Publish, StorageFault))
         and not caps.prefetch_policies

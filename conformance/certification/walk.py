@@ -15,13 +15,12 @@ import json
 import random
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Optional, Protocol
+from typing import Any, Optional
 
+from kvcert.conformance.backend import Walk, WalkCell, WalkFailure
 from kvcert.conformance.certification.certificate import CellResult, Certificate
-from kvcert.spec.invariants import Violation
 from kvcert.spec.types import Capabilities
 
 __all__ = ["WALK_FORMAT", "Walk", "WalkCell", "WalkFailure", "certify_walk", "replay_walk_trace", "shrink_ops"]
@@ -30,45 +29,6 @@ WALK_FORMAT = "kvcert-walk/1"
 """The `format` of a saved walk trace (a radix trace is `kvcert-trace/1`)."""
 SHRINK_REPLAYS = 400
 """At most this many replays shrink one failure."""
-
-
-@dataclass(frozen=True)
-class WalkCell:
-    """One cell of a walk target: a policy, a page size and the target's own parameters."""
-
-    policy: str
-    page_size: int = 1
-    params: tuple[tuple[str, Any], ...] = ()
-    tier: str = ""
-    """What the certificate's tiers column says for it (e.g. "host (CPU offload)")."""
-
-    def param(self, name: str, default: Any = None) -> Any:
-        return dict(self.params).get(name, default)
-
-    @property
-    def name(self) -> str:
-        extra = "".join(f"-{k}{v}" for k, v in self.params)
-        return f"ps{self.page_size}-{self.policy}{extra}"
-
-
-class WalkFailure(Exception):
-    """The first broken rule of a replay: at which operation, and what broke."""
-
-    def __init__(self, step: int, op: dict[str, Any], violations: list[Violation]) -> None:
-        super().__init__(f"step {step} {op}: " + "; ".join(map(str, violations)))
-        self.step, self.op, self.violations = step, op, violations
-
-
-class Walk(Protocol):
-    def cells(self, capabilities: Capabilities) -> list[WalkCell]: ...
-
-    def generate(self, rng: random.Random, cell: WalkCell, steps: int) -> list[dict[str, Any]]: ...
-
-    def replay(
-        self, factory: Callable[[WalkCell], Any], cell: WalkCell, ops: Sequence[dict[str, Any]]
-    ) -> tuple[Optional[WalkFailure], Counter[str]]: ...
-
-    def gaps(self, capabilities: Capabilities, exercised: Counter[str]) -> list[str]: ...
 
 
 def _rules(failure: Optional[WalkFailure]) -> set[str]:
@@ -136,7 +96,8 @@ def _run_cell(
 ) -> CellResult:
     start = time.perf_counter()
     rng = random.Random(f"{seed}/{cell.name}")
-    result = CellResult(cell.page_size, cell.policy, True, 0, 0, 0.0, tier=cell.tier)
+    params = ", ".join(f"{k}={v}" for k, v in cell.params)
+    result = CellResult(cell.page_size, cell.policy, True, 0, 0, 0.0, tier=f"{cell.tier}, {params}" if params else cell.tier)
     seen: Counter[str] = Counter()
     digest = hashlib.sha256()
     for _ in range(examples):

@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from dataclasses import fields, is_dataclass
 from typing import Any
 
-from kvcert.spec.ops import Op, op_to_json
+from kvcert.spec.ops import OMITTED_WHEN_NONE, Op, op_to_json
 
 __all__ = ["StepDigest", "fixed_generation"]
 
@@ -98,6 +98,8 @@ def step_bytes(op: Op) -> bytes:
     body: dict[str, Any] = {"op": type(op).__name__}
     for name in names:
         value = getattr(op, name)
+        if value is None and name in OMITTED_WHEN_NONE:
+            continue
         if is_dataclass(value):
             return _ENCODE(op_to_json(op)).encode()
         body[name] = value

@@ -26,6 +26,8 @@ __all__ = ["RequestMachine", "request_cells", "request_scope_gaps", "run_request
 IN_FLIGHT = 3
 """Requests the generator keeps in flight at most: each holds KV of its own, and the device is small."""
 SESSIONS = ("s0", "s1", "s2")
+LORAS: tuple[Optional[tuple[str, str]], ...] = (None, ("adapter-a", "/adapters/a"))
+"""A fresh conversation's adapter, for a target that declares LoRA (`Capabilities.loras`): the base model or one."""
 
 
 class RequestMachine:
@@ -60,6 +62,7 @@ class RequestMachine:
         self.failed = False
         self.requests = 0
         self.seen: list[tuple[Optional[str], tuple[int, ...]]] = []
+        self.seen_loras: list[Optional[tuple[str, str]]] = []
         self.namespaces = NAMESPACES if self.capabilities.namespaces else (None,)
         self.counted: set[str] = set()
         self.priority: dict[str, int] = {}
@@ -93,6 +96,8 @@ class RequestMachine:
             stats.ops["kv:entries"] += self.h.checks.kv_entries_read - read
         if getattr(op, "namespace", None) is not None:
             stats.ops["namespace:named"] += 1
+        if getattr(op, "lora", None) is not None:
+            stats.ops["lora:sent"] += 1
         for r in self.h.finished:
             if r not in self.counted:
                 self.counted.add(r)
@@ -121,24 +126,27 @@ class RequestMachine:
         if session is not None and self.keeps("idle-changes") and session in self.priority:
             priority = self.priority[session]  # its clients change a class with a priority change, between turns
         said = self.h.conversation
+        lora: Optional[tuple[str, str]] = None
         if session is not None and session in said and data.integer(0, 3, "a new conversation unless 0"):
-            ns, prompt = said[session]
+            (ns, lora), prompt = said[session]
             prompt += tokens_of(data.codes(1, 2, "new pages"), ps, data.integer(0, ps - 1, "partial page"))
         else:
             ns = data.choice(self.namespaces, "namespace")
+            if self.capabilities.loras:
+                lora = data.choice(LORAS, "LoRA adapter")
             if self.seen and data.boolean("shares a prefix"):
-                ns, base = data.choice(self.seen, "earlier prompt")
+                (ns, lora), base = self._earlier(data)
                 prompt = base[: data.integer(0, len(base), "cut")]
             else:
                 prompt = ()
             prompt += tokens_of(data.codes(1, MAX_PAGES, "pages"), ps, data.integer(0, ps - 1, "partial page"))
         if len(prompt) + output > self._room():
             prompt = prompt[-(self._room() - output) :]  # too long a conversation: the client starts afresh
-        if session is not None and not self.h.continues(session, ns, prompt) and not self.h.moves():
+        if session is not None and not self.h.continues(session, (ns, lora), prompt) and not self.h.moves():
             # A turn that does not continue the conversation moves the session (SPEC.md §11.1): to an engine that
             # does not declare moves, the client ends the old conversation first, as the API machine does.
             self.do(CloseSession(session))
-        self.seen.append((ns, prompt))
+        self._saw(ns, lora, prompt)
         self.requests += 1
         rid = f"r{self.requests}"
         flying = self.h.in_flight()
@@ -148,7 +156,7 @@ class RequestMachine:
             rid = f"{data.choice(flying, 'an id in flight')}.{self.requests}"  # ids are opaque: one may extend another
         if session is not None:
             self.priority[session] = priority
-        self.do(Submit(rid, ns, prompt, priority, output, session))
+        self.do(Submit(rid, ns, prompt, priority, output, session, lora))
 
     @precondition(lambda self: not self.keeps("sessions-only") and len(self.h.in_flight()) < IN_FLIGHT)
     @rule(data=draws())
@@ -160,10 +168,20 @@ class RequestMachine:
             ns = data.choice(self.namespaces, "namespace")
             prompt = tokens_of(data.codes(1, 1, "pages"), ps, 0)
             output = data.integer(self._room() * 2 // 3, self._room() - len(prompt), "long output tokens")
-            self.seen.append((ns, prompt))
+            self._saw(ns, None, prompt)
             self.requests += 1
             rid = f"r{self.requests:06d}" if self.keeps("distinct-ids") else f"r{self.requests}"
             self.do(Submit(rid, ns, prompt, data.integer(0, 2, "priority"), output, None))
+
+    def _saw(self, ns: Optional[str], lora: Optional[tuple[str, str]], prompt: tuple[int, ...]) -> None:
+        self.seen.append((ns, prompt))
+        self.seen_loras.append(lora)
+
+    def _earlier(self, data: Draws) -> tuple[tuple[Optional[str], Optional[tuple[str, str]]], tuple[int, ...]]:
+        """An earlier prompt, with the (namespace, adapter) it was sent under."""
+        i = data.choice(range(len(self.seen)), "earlier prompt")  # the draw `choice(self.seen, ...)` would make
+        ns, prompt = self.seen[i]
+        return (ns, self.seen_loras[i]), prompt
 
     @rule()
     def step(self) -> None:
@@ -248,6 +266,8 @@ def request_scope_gaps(capabilities: Capabilities, cells: Sequence[Any]) -> list
         ("finished turns (requests the engine finished and released)", True, ops["event:finished"] > 0),
         ("aborted requests", True, ops["AbortRequest"] > 0),
         ("namespaces (INV-NS-*)", capabilities.namespaces, ops["namespace:named"] > 0),
+        ("LoRA adapters (a request's adapter changes its KV: pages kept apart from the base model's)",
+         capabilities.loras, ops["lora:sent"] > 0),
         ("sessions closed by the client (INV-RP-3)", capabilities.priority_refs, ops["CloseSession"] > 0),
         ("priority changes (INV-RP-4)", capabilities.priority_refs and "update" in capabilities.priority_parts,
          ops["Reprioritize"] > 0),

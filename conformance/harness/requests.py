@@ -30,7 +30,7 @@ from kvcert.spec.invariants import Violation, check_snapshot
 from kvcert.spec.ops import AbortRequest, CloseSession, Op, Reprioritize, Step, Submit
 from kvcert.spec.page_table import PageTable, check_pages, holders_exact
 from kvcert.spec.profiles import profile
-from kvcert.spec.requests import RequestView, output_token
+from kvcert.spec.requests import RequestView, kv_namespace, output_token
 from kvcert.spec.types import CacheConfig, Capabilities, Snapshot
 
 __all__ = ["ModelPlayer", "RequestHarness", "tree_prefix_len", "turn_tokens"]
@@ -107,18 +107,20 @@ class RequestHarness:
     aborted: set[str] = field(default_factory=set)
     """The requests the client aborted."""
     conversation: dict[str, tuple[Any, tuple[int, ...]]] = field(default_factory=dict)
-    """Per open session: its namespace and its conversation so far (its last finished turn, prompt and output)."""
+    """Per open session: its (namespace, LoRA adapter) and its conversation so far (its last finished turn, prompt and
+    output)."""
 
     def moves(self) -> bool:
         """Whether the target moves a session registered again anywhere (`PRIORITY_PARTS["move"]`)."""
         return self.capabilities.priority_refs and "move" in self.capabilities.priority_parts
 
-    def continues(self, session: str, namespace: Any, tokens: Sequence[Any]) -> bool:
-        """Whether a turn of `session` with this prompt continues its conversation (or the session has none open)."""
+    def continues(self, session: str, key: Any, tokens: Sequence[Any]) -> bool:
+        """Whether a turn of `session` under `key` ((namespace, LoRA adapter)) with this prompt continues its
+        conversation (or the session has none open)."""
         if session not in self.conversation:
             return True
-        ns, said = self.conversation[session]
-        return namespace == ns and tuple(tokens[: len(said)]) == said
+        said_key, said = self.conversation[session]
+        return key == said_key and tuple(tokens[: len(said)]) == said
 
     def __post_init__(self) -> None:
         try:
@@ -163,7 +165,7 @@ class RequestHarness:
             # No client does this (SPEC.md §12.1): only shrinking makes such a trace, and it is not kept.
             raise TraceInvalid(f"{op.request}: a request id sent twice, or a second turn of a session in flight")
         if isinstance(op, Submit) and op.session is not None and not self.moves():
-            if not self.continues(op.session, op.namespace, op.tokens):
+            if not self.continues(op.session, (op.namespace, op.lora), op.tokens):
                 # A turn elsewhere moves its session; the client of an engine without moves closes it first.
                 raise TraceInvalid(f"{op.request}: a turn of {op.session} that does not continue its conversation")
         broken = self._outside_client_rules(op)
@@ -189,6 +191,8 @@ class RequestHarness:
         rules = self.capabilities.client
         if "no-aborts" in rules and isinstance(op, AbortRequest):
             return "no-aborts"
+        if isinstance(op, Submit) and op.lora is not None and not self.capabilities.loras:
+            return "no LoRA adapters (Capabilities.loras)"
         if "sessions-only" in rules and isinstance(op, Submit) and op.session is None:
             return "sessions-only"
         if "idle-changes" in rules and isinstance(op, (CloseSession, Reprioritize)):
@@ -202,7 +206,9 @@ class RequestHarness:
 
     def _send(self, op: Op) -> None:
         b = self.backend
-        if isinstance(op, Submit):
+        if isinstance(op, Submit) and op.lora is not None:
+            b.submit(op.request, op.session, op.namespace, op.tokens, op.priority, op.output, lora=op.lora)
+        elif isinstance(op, Submit):
             b.submit(op.request, op.session, op.namespace, op.tokens, op.priority, op.output)
         elif isinstance(op, Step):
             b.step()
@@ -315,8 +321,9 @@ class RequestHarness:
                 self.finished[v.id] = v
                 st = self.sessions.get(sent.op.session) if sent.op.session is not None else None
                 if st is not None and st.closed_at is None:  # a closed session's next turn starts afresh
-                    turn = turn_tokens(sent.op.namespace, sent.op.tokens, _int(sent.op.output))
-                    self.conversation[sent.op.session] = (sent.op.namespace, turn)
+                    ns = kv_namespace(sent.op.namespace, sent.op.lora)
+                    turn = turn_tokens(ns, sent.op.tokens, _int(sent.op.output))
+                    self.conversation[sent.op.session] = ((sent.op.namespace, sent.op.lora), turn)
                 st = self.sessions.get(sent.op.session) if sent.op.session is not None else None
                 if st is not None and st.closed_at is None:
                     st.priority = st.turn  # the turn registered its session at its priority
