@@ -202,7 +202,7 @@ def holders_exact(t: PageTable, requests: Sequence[RequestView]) -> list[Violati
     rows: Counter[int] = Counter()
     for v in requests:
         if v.state == "running":
-            rows.update({x for x in v.row[: v.computed]})
+            rows.update({x for x in v.row[: v.computed]} | set(v.held))
     out = []
     for p in t.pages:
         readers = rows[p.slots[0]] if p.slots else 0

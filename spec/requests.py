@@ -66,3 +66,6 @@ class RequestView:
     own: tuple[int, ...] = ()
     """Device slots it holds itself, outside the tree (its uncached KV and any spare slots of a last page):
     the snapshot's `lent_slots`."""
+    held: tuple[int, ...] = ()
+    """Device slots it holds in further KV cache groups (a hybrid model's sliding window): pages it holds, counted
+    among their holders (INV-PAGE-2), though its row is its first group's."""

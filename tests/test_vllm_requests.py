@@ -1,11 +1,13 @@
 """vLLM 0.32 through its own v1 scheduler (`conformance.adapters.vllm_requests`), judged by the page-level core: the
 unmodified engine is CERTIFIED on a run that reaches evictions, preemptions and prefix hits, and each bug planted into
 vLLM's own code (tests/vllm_plants.py) fails it under the rule it breaks — on both the synchronous and the async
-scheduler. The order and event plants break only vLLM's own choices (INV-POOL-*, under its profile) or its event
+scheduler, and on a hybrid model's KV cache (full attention beside a sliding window), where bugs in the
+sliding-window manager are planted too. The order and event plants break only vLLM's own choices (INV-POOL-*, under its profile) or its event
 stream (INV-EVENT-1): held to the core alone, the order plants pass."""
 
 from __future__ import annotations
 
+import functools
 import json
 from typing import Any
 
@@ -29,20 +31,26 @@ PLANTS = {
 """Each plant, and the rules any of which its certificate must name."""
 
 
+WINDOW_PLANTS = {
+    "swa-frees-window": {"INV-REQ-2", "INV-KV-1"},
+    "swa-hit-short": {"INV-REQ-2"},
+}
+"""Bugs in vLLM's sliding-window manager: planted into the hybrid cell only (the others build no such manager)."""
+FACTORIES = {"factory": PLANTS, "factory_async": PLANTS, "factory_hybrid": {**PLANTS, **WINDOW_PLANTS}}
+
+
+@functools.cache
 def _runs(factory: str) -> dict[str, dict[str, Any]]:
+    """Each plant of `factory`'s set (and the unmodified engine, "none"), certified once per test process."""
     target = f"kvcert.conformance.adapters.vllm_requests:{factory}"
-    rc, out, stdout = run_vllm(["python", "tests/vllm_plants.py", target, "30", "none", *PLANTS])
+    rc, out, stdout = run_vllm(["python", "tests/vllm_plants.py", target, "30", "none", *FACTORIES[factory]])
     assert rc == 0, out[-3000:]
     return {r["plant"]: r for r in map(json.loads, (ln for ln in stdout.splitlines() if ln.startswith("{")))}
 
 
-@pytest.fixture(scope="module", params=["factory", "factory_async"])
-def runs(request: pytest.FixtureRequest) -> dict[str, dict[str, Any]]:
-    return _runs(request.param)
-
-
-def test_the_unmodified_engine_is_certified_on_a_run_that_reaches_the_races(runs: dict[str, dict[str, Any]]) -> None:
-    clean = runs["none"]
+@pytest.mark.parametrize("factory", sorted(FACTORIES))
+def test_the_unmodified_engine_is_certified_on_a_run_that_reaches_the_races(factory: str) -> None:
+    clean = _runs(factory)["none"]
     assert clean["passed"] and clean["rules"] == [], clean
     reached = clean["reached"]
     assert reached.get("evicted", 0) > 100 and reached.get("preempted", 0) > 0 and reached.get("hits", 0) > 50, reached
@@ -51,11 +59,10 @@ def test_the_unmodified_engine_is_certified_on_a_run_that_reaches_the_races(runs
     assert "model config: a stand-in" in said and "model runner: played by the harness" in said
 
 
-@pytest.mark.parametrize("plant", sorted(PLANTS))
-def test_a_planted_bug_fails_under_the_rule_it_breaks(runs: dict[str, dict[str, Any]], plant: str) -> None:
-    got = runs[plant]
-    assert not got["passed"] and set(got["rules"]) & PLANTS[plant], got
-
+@pytest.mark.parametrize(("factory", "plant"), [(f, p) for f, plants in sorted(FACTORIES.items()) for p in sorted(plants)])
+def test_a_planted_bug_fails_under_the_rule_it_breaks(factory: str, plant: str) -> None:
+    got = _runs(factory)[plant]
+    assert not got["passed"] and set(got["rules"]) & FACTORIES[factory][plant], got
 
 def test_held_to_the_core_alone_a_reordered_free_queue_passes() -> None:
     """Freeing a request's head first is vLLM's profile's business, not the core's: `--profile core` passes it."""

@@ -122,6 +122,22 @@ def planted(name: str) -> Iterator[None]:
     elif name == "eviction-unannounced":  # a block evicted for reuse publishes no BlockRemoved event
         with mock.patch.object(bp.BlockPool, "_emit_block_removed_events", lambda self, hashes: None):
             yield
+    elif name == "swa-frees-window":  # the sliding window's blocks freed one block too early
+        real_skipped = st.SlidingWindowManager.get_num_skipped_tokens
+
+        def skipped(self: Any, num_computed_tokens: int) -> int:
+            return int(real_skipped(self, num_computed_tokens)) + self.block_size
+
+        with mock.patch.object(st.SlidingWindowManager, "get_num_skipped_tokens", skipped):
+            yield
+    elif name == "swa-hit-short":  # a sliding-window hit that needs one block fewer than the window spans
+        real_need = st.SlidingWindowManager._contiguous_blocks_for_hit.__func__
+
+        def need(cls: Any, window_size: int, block_size: int, use_eagle: bool) -> int:
+            return max(1, int(real_need(cls, window_size, block_size, use_eagle)) - 1)
+
+        with mock.patch.object(st.SlidingWindowManager, "_contiguous_blocks_for_hit", classmethod(need)):
+            yield
     else:
         raise SystemExit(f"unknown plant {name!r}")
 

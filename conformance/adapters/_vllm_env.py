@@ -30,6 +30,7 @@ __all__ = [
     "block_hasher",
     "cached_hashes",
     "events_agree",
+    "group_namespace",
     "kv_cache_config",
     "pool_pages",
     "scheduler",
@@ -58,13 +59,23 @@ def block_hasher(block: int) -> Any:
     return get_request_block_hasher(block, sha256)
 
 
-def kv_cache_config(block: int, blocks: int) -> Any:
-    """One full-attention group of `blocks` blocks of `block` tokens (block 0 is vLLM's null block)."""
+def kv_cache_config(block: int, blocks: int, window: int = 0) -> Any:
+    """One full-attention group of `blocks` blocks of `block` tokens (block 0 is vLLM's null block); with `window`,
+    a hybrid model's: a sliding-window group of that many tokens beside it, both drawing on the one pool."""
     import torch
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
 
-    spec = FullAttentionSpec(block, num_kv_heads=1, head_size=64, dtype=torch.float32)
-    return KVCacheConfig(num_blocks=blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["layer.0"], spec)])
+    groups = [KVCacheGroupSpec(["layer.0"], FullAttentionSpec(block, num_kv_heads=1, head_size=64, dtype=torch.float32))]
+    if window:
+        swa = SlidingWindowSpec(block, num_kv_heads=1, head_size=64, dtype=torch.float32, sliding_window=window)
+        groups.append(KVCacheGroupSpec(["layer.1"], swa))
+    return KVCacheConfig(num_blocks=blocks, kv_cache_tensors=[], kv_cache_groups=groups)
+
+
+def group_namespace(namespace: Optional[str], group: int) -> Optional[str]:
+    """The namespace KV cache group `group`'s KV is computed under: the request's for group 0, the group folded in
+    for the others (their layers are other layers, so their bytes differ)."""
+    return namespace if group == 0 else f"{namespace!r}\x01group\x01{group}"
 
 
 def scheduler(
@@ -76,6 +87,7 @@ def scheduler(
     max_num_seqs: int = 8,
     async_scheduling: bool = False,
     max_loras: int = 0,
+    window: int = 0,
 ) -> Any:
     """vLLM's `Scheduler` (`AsyncScheduler` with `async_scheduling`) with prefix caching and KV events on, chunked
     prefill with a budget of `batch` tokens a step, and with `max_loras` a LoRA config that admits that many
@@ -119,7 +131,7 @@ def scheduler(
     if max_loras:  # set after construction: VllmConfig checks a LoRA config against the (absent) model config
         object.__setattr__(vc, "lora_config", LoRAConfig(max_loras=max_loras))
     cls = AsyncScheduler if async_scheduling else Scheduler
-    return cls(vc, kv_cache_config(block, blocks), StructuredOutputManager(vc), block_size=block)
+    return cls(vc, kv_cache_config(block, blocks, window), StructuredOutputManager(vc), block_size=block)
 
 
 def pool_pages(
@@ -133,7 +145,7 @@ def pool_pages(
     page (its keys and tokens those its hash was made from, `contents`; its holders its `ref_cnt`), the free queue's
     blocks without a hash are free and those with one evictable, and the blocks the requests hold (`held`, one list
     per request) outside the map are lent, each once. Block 0, the null block, is outside the capacity."""
-    from vllm.v1.core.kv_cache_utils import get_block_hash
+    from vllm.v1.core.kv_cache_utils import get_block_hash, get_group_id
 
     queue = pool.free_block_queue.get_all_free_blocks()
     queued = {b.block_id for b in queue}
@@ -148,6 +160,7 @@ def pool_pages(
     pages = []
     for b in mapped:
         ns, tokens = contents.get(bytes(get_block_hash(b.block_hash)), (None, ()))
+        ns = group_namespace(ns, get_group_id(b.block_hash))
         pages.append(CachedPage(b.block_id, ns, tokens, tuple(slots(b.block_id)), b.ref_cnt))
     # A block outside the map held by two requests is one owner's slots: vLLM shares a block only through the map,
     # unless a connector's evict_blocks took a shared block's hash (INV-POOL-1 compares its reference count).
@@ -259,12 +272,15 @@ class PoolObserver:
         return call
 
     def _get_cached_block(self, real: Any) -> Any:
+        from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
+
         def call(block_hash: Any, kv_cache_group_ids: Any) -> Any:
             got = real(block_hash, kv_cache_group_ids)
-            want = self.model.lookup(bytes(block_hash))
-            if (got[0].block_id if got else None) != want:
-                self.found.append(Violation("INV-POOL-1", f"a lookup found block {got[0].block_id if got else None}; "
-                                            f"the first block cached under that hash is {want}"))  # fmt: skip
+            want = [self.model.lookup(bytes(make_block_hash_with_group_id(block_hash, g))) for g in kv_cache_group_ids]
+            found = [b.block_id for b in got] if got else None
+            if found != (None if None in want else want):
+                self.found.append(Violation("INV-POOL-1", f"a lookup found blocks {found}; the first blocks cached "
+                                            f"under that hash, per group, are {want}"))  # fmt: skip
             return got
 
         return call
@@ -278,10 +294,24 @@ class PoolObserver:
         return call
 
     def _cache_full_blocks(self, real: Any) -> Any:
-        def call(request: Any, blocks: Any, num_cached_blocks: int, num_full_blocks: int, *args: Any, **kw: Any) -> Any:
-            hashes = [bytes(h) for h in request.block_hashes[num_cached_blocks:num_full_blocks]]
-            self.model.cache([b.block_id for b in blocks[num_cached_blocks:num_full_blocks]], hashes)
-            return real(request, blocks, num_cached_blocks, num_full_blocks, *args, **kw)
+        from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
+
+        def call(
+            request: Any,
+            blocks: Any,
+            num_cached_blocks: int,
+            num_full_blocks: int,
+            block_size: int,
+            kv_cache_group_id: int,
+            block_mask: Optional[list[bool]] = None,
+        ) -> Any:
+            new = blocks[num_cached_blocks:num_full_blocks]
+            mask = block_mask if block_mask is not None else [True] * len(new)
+            hashes = request.block_hashes[num_cached_blocks:num_full_blocks]
+            taken = [(b.block_id, bytes(make_block_hash_with_group_id(h, kv_cache_group_id)))
+                     for b, h, keep in zip(new, hashes, mask) if keep and not b.is_null]  # fmt: skip
+            self.model.cache([b for b, _ in taken], [h for _, h in taken])
+            return real(request, blocks, num_cached_blocks, num_full_blocks, block_size, kv_cache_group_id, block_mask)
 
         return call
 
@@ -326,8 +356,6 @@ class PoolObserver:
 
     def take(self) -> list[Violation]:
         """What broke since the last call, then the pool's state against the model's."""
-        from vllm.v1.core.kv_cache_utils import get_block_hash
-
         out, self.found = self.found, []
         queue = [b.block_id for b in self.pool.free_block_queue.get_all_free_blocks()]
         if queue != self.model.queue:
@@ -338,7 +366,7 @@ class PoolObserver:
         table: dict[bytes, list[int]] = {}
         for key, entry in self.pool.cached_block_hash_to_block._cache.items():
             blocks = list(entry.values()) if isinstance(entry, dict) else [entry]
-            table[bytes(get_block_hash(key))] = [b.block_id for b in blocks]
+            table[bytes(key)] = [b.block_id for b in blocks]
         if table != self.model.table:
             out.append(Violation("INV-POOL-1", "the hash table holds blocks "
                                  f"{sorted(map(sorted, table.values()))}; the model's {sorted(map(sorted, self.model.table.values()))}"))  # fmt: skip

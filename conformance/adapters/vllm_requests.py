@@ -40,12 +40,17 @@ from kvcert.spec.page_table import PageTable
 from kvcert.spec.requests import RequestView, kv_namespace
 from kvcert.spec.types import CacheConfig, Capabilities
 
-__all__ = ["VLLMRequestPath", "factory", "factory_async"]
+__all__ = ["VLLMRequestPath", "factory", "factory_async", "factory_hybrid"]
 
 BATCH_QUEUE = 2
 """`EngineCore.batch_queue_size` with async scheduling (one batch in flight beside the one being processed)."""
 MAX_NUM_SEQS = 8
 """vLLM's `max_num_seqs`: at most this many requests run at once."""
+
+
+def window(page_size: int) -> int:
+    """A hybrid cell's sliding window, in tokens: a hit needs its last two blocks (`cdiv(window - 1, block)`)."""
+    return 2 * page_size + 1
 
 
 def _batch(page_size: int) -> int:
@@ -70,7 +75,8 @@ class _RunnerState:
 
     namespace: Optional[str]
     tokens: list[int]
-    blocks: list[int] = field(default_factory=list)
+    blocks: list[list[int]] = field(default_factory=list)
+    """Its block table, one per KV cache group."""
 
 
 class _Runner:
@@ -89,16 +95,18 @@ class _Runner:
         computed: dict[str, int] = {}
         for new in out.scheduled_new_reqs:
             sent = self.owner.sent[new.req_id]
-            self.states[new.req_id] = _RunnerState(sent.namespace, list(new.prompt_token_ids), list(new.block_ids[0]))
+            tables = [list(ids) for ids in new.block_ids]
+            self.states[new.req_id] = _RunnerState(sent.namespace, list(new.prompt_token_ids), tables)
             computed[new.req_id] = new.num_computed_tokens
         cached = out.scheduled_cached_reqs
         for i, rid in enumerate(cached.req_ids):
             st = self.states[rid]
             got = cached.new_block_ids[i]
             if rid in cached.resumed_req_ids:
-                st.blocks = list(got[0]) if got is not None else []
+                st.blocks = [list(ids) for ids in got] if got is not None else [[] for _ in st.blocks]
             elif got is not None:
-                st.blocks += list(got[0])
+                for table, ids in zip(st.blocks, got):
+                    table += list(ids)
             computed[rid] = cached.num_computed_tokens[i]
         ids = [r.req_id for r in out.scheduled_new_reqs] + list(cached.req_ids)
         sampled: list[list[int]] = []
@@ -107,10 +115,12 @@ class _Runner:
             if start + n > len(st.tokens):
                 raise RuntimeError(f"vLLM scheduled tokens {start}..{start + n - 1} of {rid}, which has {len(st.tokens)}")
             if n and model is not None:
-                for pos, entry in zip(range(start, start + n), model.kv(st.namespace, st.tokens, start, n)):
-                    if pos // ps >= len(st.blocks):
-                        raise RuntimeError(f"{rid}: token {pos} has no block (its table holds {len(st.blocks)})")
-                    self.owner.kv[st.blocks[pos // ps] * ps + pos % ps] = entry
+                for group, table in enumerate(st.blocks):
+                    ns = _env.group_namespace(st.namespace, group)
+                    for pos, entry in zip(range(start, start + n), model.kv(ns, st.tokens, start, n)):
+                        if pos // ps >= len(table):
+                            raise RuntimeError(f"{rid}: token {pos} has no block in group {group} (its table holds {len(table)})")
+                        self.owner.kv[table[pos // ps] * ps + pos % ps] = entry
             if n and start + n == len(st.tokens) and model is not None:
                 token = model.next_token(st.namespace, st.tokens)
                 st.tokens.append(token)
@@ -123,9 +133,13 @@ class _Runner:
 class VLLMRequestPath:
     """vLLM 0.32's v1 scheduler and KV cache manager, stepped as its engine core steps them."""
 
-    def __init__(self, config: CacheConfig, async_scheduling: bool = False) -> None:
+    def __init__(self, config: CacheConfig, async_scheduling: bool = False, hybrid: bool = False) -> None:
         self.config, self.ps = config, config.page_size
-        self.blocks = config.capacity // self.ps + 1  # block 0 is vLLM's null block, outside the capacity
+        self.window = window(self.ps) if hybrid else 0
+        # block 0 is vLLM's null block, outside the capacity; a hybrid model's two groups draw on one pool, half as
+        # large again (the sliding window's blocks beyond its window go back as the request runs)
+        pages = config.capacity // self.ps
+        self.blocks = (pages * 3 // 2 if hybrid else pages) + 1
         self.scheduler = _env.scheduler(
             self.ps,
             self.blocks,
@@ -134,6 +148,7 @@ class VLLMRequestPath:
             max_num_seqs=MAX_NUM_SEQS,
             async_scheduling=async_scheduling,
             max_loras=2,
+            window=self.window,
         )
         self.async_scheduling = async_scheduling
         pool = self.scheduler.kv_cache_manager.block_pool
@@ -277,11 +292,14 @@ class VLLMRequestPath:
                 state = "waiting"
             row: tuple[int, ...] = ()
             own: tuple[int, ...] = ()
+            held: tuple[int, ...] = ()
             if state == "running":
                 blocks = self._held(rid)
                 slots = [b.block_id * self.ps + i for b in blocks for i in range(self.ps)]
                 row = tuple(slots[: req.num_computed_tokens])
-                own = tuple(x for b in blocks if b.block_hash is None for x in self._slots(b.block_id))
+                others = [b for m in self._managers()[1:] for b in m.req_to_blocks.get(rid, ()) if not b.is_null]
+                held = tuple(x for b in others for x in self._slots(b.block_id))
+                own = tuple(x for b in blocks + others if b.block_hash is None for x in self._slots(b.block_id))
             out.append(
                 RequestView(
                     id=rid,
@@ -294,12 +312,17 @@ class VLLMRequestPath:
                     computed=req.num_computed_tokens if state == "running" else 0,
                     row=row,
                     own=own,
+                    held=held,
                 )
             )
         return tuple(out)
 
+    def _managers(self) -> tuple[Any, ...]:
+        """One manager per KV cache group: full attention first, then a hybrid model's sliding window."""
+        return tuple(self.scheduler.kv_cache_manager.coordinator.single_type_managers)
+
     def _manager(self) -> Any:
-        return self.scheduler.kv_cache_manager.coordinator.single_type_managers[0]
+        return self._managers()[0]
 
     def _held(self, rid: str) -> list[Any]:
         return [b for b in self._manager().req_to_blocks.get(rid, ()) if not b.is_null]
@@ -309,8 +332,8 @@ class VLLMRequestPath:
 
     def snapshot(self) -> PageTable:
         pool = self.scheduler.kv_cache_manager.block_pool
-        held = [self._held(rid) for rid in self._manager().req_to_blocks]
-        return _env.pool_pages(pool, self.ps, self.config.capacity, self.hashes, held)
+        held = [m.req_to_blocks[rid] for m in self._managers() for rid in m.req_to_blocks]
+        return _env.pool_pages(pool, self.ps, (self.blocks - 1) * self.ps, self.hashes, held)
 
     def observed(self, profile: str) -> list[Violation]:
         """What the engine's own outputs and calls showed since the last read: its KV events against its pool
@@ -321,7 +344,31 @@ class VLLMRequestPath:
         out = _env.events_agree(self.announced, published + list(pool.kv_event_queue), _env.cached_hashes(pool))
         self.announced = _env.apply_events(self.announced, published)
         pinned = self.observer.take()
-        return out + (pinned if profile == "vllm-0.32" else [])
+        return out + self._window_reads() + (pinned if profile == "vllm-0.32" else [])
+
+    def _window_reads(self) -> list[Violation]:
+        """INV-REQ-2 for a sliding-window group: the blocks a running request still reads (its last `window - 1`
+        tokens, what the next token attends to) are real blocks holding its own tokens' KV for that group's layers.
+        A block freed, or replaced by the null block, while still in the window shows as other bytes."""
+        if not self.window or self.model is None:
+            return []
+        out = []
+        swa = self._managers()[1]
+        for rid, sub in self.sent.items():
+            req = sub.request
+            if sub.end or rid not in swa.req_to_blocks or req.status.name != "RUNNING":
+                continue
+            c, table = req.num_computed_tokens, swa.req_to_blocks[rid]
+            tokens = tuple(req.all_token_ids)
+            want = self.model.kv(_env.group_namespace(sub.namespace, 1), tokens, 0, c)
+            for pos in range(max(0, c - self.window + 1), c):
+                block = table[pos // self.ps] if pos // self.ps < len(table) else None
+                if block is None or block.is_null or self.kv[block.block_id * self.ps + pos % self.ps] != want[pos]:
+                    where = "no block" if block is None else "the null block" if block.is_null else f"block {block.block_id}"
+                    out.append(Violation("INV-REQ-2", f"request {rid}: token {pos}, in its sliding window, is read "
+                                         f"from {where} in the sliding-window group, which holds other KV"))  # fmt: skip
+                    break
+        return out[:3]
 
     def read_kv(self, slots: Sequence[int]) -> list[bytes]:
         return [self.kv[x] for x in slots]
@@ -329,13 +376,14 @@ class VLLMRequestPath:
     def bookkeeping(self) -> dict[str, tuple[int, tuple[int, ...]]]:
         """vLLM's per-request indexes: each must be back to empty once every request has ended."""
         s = self.scheduler
-        m = self._manager()
-        return {
+        out: dict[str, tuple[int, tuple[int, ...]]] = {
             "Scheduler.requests": (len(s.requests), ()),
             "Scheduler.running": (len(s.running), ()),
-            "SingleTypeKVCacheManager.req_to_blocks": (len(m.req_to_blocks), ()),
-            "SingleTypeKVCacheManager.num_cached_block": (len(m.num_cached_block), ()),
         }
+        for g, m in enumerate(self._managers()):
+            out[f"{type(m).__name__}[{g}].req_to_blocks"] = (len(m.req_to_blocks), ())
+            out[f"{type(m).__name__}[{g}].num_cached_block"] = (len(m.num_cached_block), ())
+        return out
 
     def close(self) -> None:
         self.scheduler.shutdown()
@@ -364,12 +412,16 @@ _DEVIATIONS = (
 )
 
 
-def _make(async_scheduling: bool) -> Any:
+def _make(async_scheduling: bool, hybrid: bool = False) -> Any:
     def factory(config: CacheConfig) -> VLLMRequestPath:
-        return VLLMRequestPath(config, async_scheduling=async_scheduling)
+        return VLLMRequestPath(config, async_scheduling=async_scheduling, hybrid=hybrid)
 
     what = "AsyncScheduler, outputs a step late" if async_scheduling else "Scheduler"
-    factory.__name__ = factory.__qualname__ = "factory_async" if async_scheduling else "factory"
+    if hybrid:
+        what += ", hybrid full attention + sliding window"
+    factory.__name__ = factory.__qualname__ = (
+        "factory_hybrid" if hybrid else "factory_async" if async_scheduling else "factory"
+    )
     factory.capabilities = Capabilities(  # type: ignore[attr-defined]
         name=f"vllm {_env.VLLM_VERSION} request path, v1 {what}",
         page_sizes=(1, 4),
@@ -385,6 +437,16 @@ def _make(async_scheduling: bool) -> Any:
             )
             if async_scheduling
             else ()
+        )
+        + (
+            (
+                "hybrid (a cell of its own): a full-attention group and a sliding-window group of 2 pages + 1 tokens "
+                "on one pool of 1.5 times the cell's device pages (HybridKVCacheCoordinator, SlidingWindowManager); each "
+                "group's KV is its own layers' (group_namespace), and a running request's last window is read back "
+                "from its sliding-window blocks after every op",
+            )
+            if hybrid
+            else ()
         ),
         deviations=_DEVIATIONS,
         kind="request-path",
@@ -398,3 +460,5 @@ factory = _make(False)
 """`kvcert certify kvcert.conformance.adapters.vllm_requests:factory`: vLLM's v1 Scheduler."""
 factory_async = _make(True)
 """`...:factory_async`: vLLM's AsyncScheduler, outputs landing a step late."""
+factory_hybrid = _make(False, hybrid=True)
+"""`...:factory_hybrid`: vLLM's Scheduler over a hybrid model's KV cache (full attention + sliding window)."""
