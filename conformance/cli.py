@@ -609,7 +609,7 @@ def partition_cmd(
         console.print(f"[red]{escape(str(e))}[/]")
         console.print("(a vLLM probe runs in .venv-vllm: scripts/install_vllm.sh, then .venv-vllm/bin/kvcert partition)")
         raise typer.Exit(2) from e
-    report = partition.run(target, probe, partition.cases(cases, seed, probe.page))
+    report = partition.run(target, probe, partition.cases(cases, seed, probe.page, probe))
     verdict = "[green]PASSED[/]" if report.passed else "[red]FAILED[/]"
     console.print(
         f"{verdict} {target}: {report.cases} cases ({report.reused} reused KV, {report.isolated} with keys that "

@@ -30,10 +30,11 @@ import importlib
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import Optional, Protocol
+from typing import Any, Optional, Protocol
 
 __all__ = [
     "DIRECTED",
+    "spelled",
     "KINDS",
     "Case",
     "Failure",
@@ -203,11 +204,27 @@ def _mutate(rng: random.Random, keys: Keys, page: int, length: int) -> Keys:
     return replace(keys, images=keys.images[:i] + (new,) + keys.images[i + 1 :])
 
 
-def cases(count: int, seed: int, page: int) -> list[Case]:
-    """The directed cases, then `count` generated ones: two prompts sharing a prefix, under the same keys (a third
-    of them) or keys one change apart."""
+def spelled(probe: Any) -> list[Case]:
+    """Directed cases from the engine's own names for a LoRA adapter (`probe.spellings(lora)`, where the probe
+    offers it): a request whose salt is that name, after one under the adapter, and the other way round. An engine
+    that keys both by one string shares them."""
+    spell = getattr(probe, "spellings", None)
+    if spell is None:
+        return []
+    p = tuple(range(1000, 1000 + PAGE_PROMPT * probe.page + 3))
+    lora = ("adapter-a", "/adapters/a")
+    out = []
+    for name in spell(lora):
+        out.append(Case(f"a salt that spells the adapter's engine id {name!r}", p, Keys(lora=lora), p, Keys(salt=name)))
+        out.append(Case(f"the adapter after a salt that spells its engine id {name!r}", p, Keys(salt=name), p, Keys(lora=lora)))
+    return out
+
+
+def cases(count: int, seed: int, page: int, probe: Any = None) -> list[Case]:
+    """The directed cases (with `probe`, those its engine's own key names make: `spelled`), then `count` generated
+    ones: two prompts sharing a prefix, under the same keys (a third of them) or keys one change apart."""
     rng = random.Random(seed)
-    out = list(DIRECTED(page))
+    out = list(DIRECTED(page)) + spelled(probe)
     for k in range(count):
         length = rng.randrange(2, 7) * page + rng.randrange(0, page)
         a = tuple(rng.randrange(1, 50_000) for _ in range(length))

@@ -172,3 +172,31 @@ def test_the_cases_catch_a_vllm_that_mixes_its_keys(plant: str, probe: str, case
     assert rc == 0, out[-2000:]
     failed = json.loads(stdout.strip().splitlines()[-1])
     assert case in failed, failed
+
+
+class _Joined(_Keyed):
+    """Keys a page by one string, the salt followed by the adapter's engine id (as SGLang joins extra_key and
+    lora_id); `tagged` keeps the two apart instead."""
+
+    def __init__(self, tagged: bool = False) -> None:
+        super().__init__()
+        self.tagged = tagged
+
+    def spellings(self, lora: tuple[str, str]) -> tuple[str, ...]:
+        return (f"id-{lora[0]}@{lora[1]}",)
+
+    def serve(self, tokens: Sequence[int], keys: Keys) -> Served:
+        joined = (keys.salt or "") + (self.spellings(keys.lora)[0] if keys.lora else "")
+        key = (keys.salt, keys.lora) if self.tagged else joined
+        return super().serve(tokens, Keys(salt=key or None, images=keys.images))  # type: ignore[arg-type]
+
+
+def test_an_engine_that_joins_its_keys_into_one_string_fails_the_spelled_cases() -> None:
+    """The directed cases a probe's own key names make (`spelled`): a salt equal to the adapter's engine id."""
+    joined = _Joined()
+    report = partition.run("joined", joined, partition.cases(100, 0, joined.page, joined))
+    spelled = {c.name for c in partition.spelled(joined)}
+    assert len(spelled) == 2 and {f.case for f in report.failures} == spelled
+    tagged = _Joined(tagged=True)
+    assert partition.run("tagged", tagged, partition.cases(100, 0, tagged.page, tagged)).passed
+    assert partition.spelled(_Keyed()) == []

@@ -653,13 +653,16 @@ class SGLangRequestPath:
         priority: int,
         output: int,
         lora: Optional[tuple[str, str]] = None,
+        cache_salt: Optional[str] = None,
     ) -> None:
         """What the tokenizer sends for a generate request (`TokenizerManager._create_tokenized_object`):
         normalized and verified sampling params, `max_new_tokens=output`, `ignore_eos` off as clients leave it (the
         model never samples the EOS id, so the request still ends at `max_new_tokens`). `lora`: the adapter (name,
         path) it runs under; the tokenized request carries the id SGLang's tokenizer resolves it to for an adapter
         loaded at launch (`--lora-paths`: `LoRARef.deterministic_id(name, path)`). This scheduler has no LoRA manager;
-        the model the harness plays computes each request's KV under its own adapter (`kv_namespace`)."""
+        the model the harness plays computes each request's KV under its own adapter (`kv_namespace`). `cache_salt`:
+        the generate request's own `cache_salt` (SGLang keys the radix tree by it beside `extra_key`); the suite's
+        request ops do not send one, the key-partitioning probe (`sglang_partition`) does."""
         if request in self._submitted:
             raise ValueError(f"request id {request!r} was submitted before")
         sampling = SamplingParams(max_new_tokens=output, ignore_eos=False)
@@ -682,6 +685,7 @@ class SGLangRequestPath:
             extra_key=namespace,
             session_id=session if self.kind == "sessions" else None,
             lora_id=LoRARef.deterministic_id(*lora) if lora is not None else None,
+            cache_salt=cache_salt,
         )
         content = kv_namespace(namespace, lora)
         self._submitted[request] = _Submitted(request, session, content, tuple(int(t) for t in tokens), priority)
