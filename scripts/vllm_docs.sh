@@ -9,7 +9,8 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 OUT="${1:-$ROOT/docs/runs/$(date -u +%Y-%m-%d)-vllm}"
 K="$ROOT/.venv-vllm/bin/kvcert"
 mkdir -p "$OUT"
-for target in vllm_requests:factory vllm_requests:factory_async vllm_requests:factory_hybrid vllm_block_pool:factory \
+for target in vllm_requests:factory vllm_requests:factory_async vllm_requests:factory_hybrid vllm_requests:factory_priority \
+        vllm_block_pool:factory \
         vllm_offload:factory; do
     name="${target/:/-}"
     echo "== $target"

@@ -5,7 +5,8 @@ chooses where the core leaves it open, so that a pool driven through its API can
 which block a request gets (the free queue's head), which cached block goes when one is needed (the head again:
 least recently freed), where a freed block goes (a cached one to the tail, an uncached one to the head, in the
 order the caller gives), which of several blocks holding one hash a lookup returns (the first cached), and that a
-hit takes its block off the queue. Hashes are opaque here: the engine computes them.
+hit takes its block off the queue. Hashes are opaque here: the engine computes them. `preemption_victims` pins
+which running requests its scheduler preempts for room.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Optional
 
-__all__ = ["BlockTableModel"]
+__all__ = ["BlockTableModel", "preemption_victims"]
 
 
 @dataclass
@@ -101,3 +102,16 @@ class BlockTableModel:
         held.remove(b)
         if not held:
             del self.table[h]
+
+
+def preemption_victims(policy: str, running: Sequence[tuple[str, int, float]], count: int) -> list[str]:
+    """The requests vLLM's scheduler preempts, `count` of them, from `running` ((id, priority value, arrival time),
+    in its running order) when the next request's blocks do not fit: under "fcfs" the last running, one after
+    another; under "priority" the least important (the largest priority value, then the latest arrival) each time.
+
+    post: len(__return__) == min(count, len(running))
+    """
+    if policy == "priority":
+        ranked = sorted(running, key=lambda r: (r[1], r[2]), reverse=True)
+        return [r[0] for r in ranked[:count]]
+    return [r[0] for r in reversed(running)][:count]

@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parent.parent
 VLLM = ROOT / ".venv-vllm" / "bin"
 
 
-def run_vllm(cmd: list[str]) -> tuple[int, str, str]:
+def run_vllm(cmd: list[str], hash_seed: str = "0") -> tuple[int, str, str]:
     """`cmd` (its first word a program in `.venv-vllm/bin`) -> (exit status, stdout and stderr, stdout). Skips when the
     environment is missing, and fails instead under KVCERT_VLLM=1 (CI)."""
     if not (VLLM / "python").exists():
@@ -26,6 +26,6 @@ def run_vllm(cmd: list[str]) -> tuple[int, str, str]:
         text=True,
         timeout=600,
         cwd=ROOT,
-        env={**os.environ, "PYTHONHASHSEED": "0"},
+        env={**os.environ, "PYTHONHASHSEED": hash_seed},
     )
     return done.returncode, done.stdout + done.stderr, done.stdout

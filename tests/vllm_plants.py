@@ -138,6 +138,19 @@ def planted(name: str) -> Iterator[None]:
 
         with mock.patch.object(st.SlidingWindowManager, "_contiguous_blocks_for_hit", classmethod(need)):
             yield
+    elif name == "preempt-other-policy":
+        # preemption picks its victim by the other policy than the scheduler's (its waiting queue stays its own)
+        from vllm.v1.core.sched.request_queue import SchedulingPolicy
+
+        real_init = sc.Scheduler.__init__
+
+        def init(self: Any, *a: Any, **k: Any) -> None:
+            real_init(self, *a, **k)
+            swap = {SchedulingPolicy.PRIORITY: SchedulingPolicy.FCFS, SchedulingPolicy.FCFS: SchedulingPolicy.PRIORITY}
+            self.policy = swap[self.policy]
+
+        with mock.patch.object(sc.Scheduler, "__init__", init):
+            yield
     else:
         raise SystemExit(f"unknown plant {name!r}")
 

@@ -88,6 +88,7 @@ def scheduler(
     async_scheduling: bool = False,
     max_loras: int = 0,
     window: int = 0,
+    policy: str = "fcfs",
 ) -> Any:
     """vLLM's `Scheduler` (`AsyncScheduler` with `async_scheduling`) with prefix caching and KV events on, chunked
     prefill with a budget of `batch` tokens a step, and with `max_loras` a LoRA config that admits that many
@@ -106,6 +107,7 @@ def scheduler(
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=batch,
         async_scheduling=async_scheduling,
+        policy=policy,
     )
     cache = CacheConfig(block_size=block, enable_prefix_caching=True)
     cache.num_gpu_blocks = blocks

