@@ -19,12 +19,27 @@ from typing import Any, Optional
 
 from kvcert.conformance.adapters import sglang_requests
 from kvcert.conformance.partition import Keys, Served
+from kvcert.spec import storage as l3
+from kvcert.spec.requests import output_token
 from kvcert.spec.types import CacheConfig
 
 __all__ = ["SGLangProbe", "probe", "probe_extra_key"]
 
 PAGE = 4
 CAPACITY = 512
+
+
+class _Model:
+    """The model the engine's forward runs (`conformance.backend.Model`): the spec's KV entries and output tokens."""
+
+    def __init__(self, layers: int) -> None:
+        self.layers = layers
+
+    def kv(self, namespace: Optional[str], tokens: Sequence[int], start: int, count: int) -> list[bytes]:
+        return list(l3.token_entries(namespace, tuple(tokens), self.layers)[start : start + count])
+
+    def next_token(self, namespace: Optional[str], tokens: Sequence[int]) -> int:
+        return output_token(namespace, tuple(tokens))
 
 
 class SGLangProbe:
@@ -39,14 +54,11 @@ class SGLangProbe:
         self.n = 0
 
     def fresh(self) -> None:
-        from kvcert.conformance.harness.requests import ModelPlayer
-        from kvcert.conformance.harness.scheduler import KVModel
-
         if self.engine is not None:
             self.engine.close()
         config = CacheConfig(page_size=PAGE, capacity=CAPACITY)
         self.engine = sglang_requests.factory(config)
-        self.engine.attach_model(ModelPlayer(KVModel(config.kv_layers)))
+        self.engine.attach_model(_Model(config.kv_layers))
 
     def spellings(self, lora: tuple[str, str]) -> tuple[str, ...]:
         """What SGLang calls an adapter in its keys: the id its tokenizer resolves for one loaded at launch."""
