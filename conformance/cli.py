@@ -23,7 +23,7 @@ from kvcert.conformance.certification.certificate import CellResult, Certificate
 from kvcert.conformance.certification.certify import CorpusError, _tier, certify, judged_as, load_factory
 from kvcert.conformance.certification.cluster import RayUnavailable
 from kvcert.conformance.certification.diff import NODE_FIELDS, snapshot_rows
-from kvcert.conformance.certification.walk import WALK_FORMAT
+from kvcert.conformance.certification.walk import WALK_FORMAT, replay_walk_trace
 from kvcert.conformance.generation.request_machine import run_requests
 from kvcert.conformance.harness.driver import ConformanceFailure, Harness, Outcome, run_trace
 from kvcert.conformance.harness.running import lent
@@ -371,6 +371,19 @@ def _describe(outcome: Outcome) -> str:
     return repr(outcome)
 
 
+def _replay_walk(path: Path, target: str) -> None:
+    """Replay a saved walk trace (a block pool's, an offload tier's) on a fresh target."""
+    failure = replay_walk_trace(path, load_factory(target))
+    console.print(f"replaying {path} on {target}")
+    if failure is None:
+        console.print("PASS: the trace satisfies the target's rules")
+        return
+    console.print(f"FAIL step {failure.step}: {failure.op}")
+    for v in failure.violations:
+        console.print(f"  {escape(str(v))}")
+    raise typer.Exit(1)
+
+
 @app.command("replay")
 def replay_cmd(
     trace_file: Path = typer.Argument(..., exists=True, readable=True),
@@ -389,6 +402,10 @@ def replay_cmd(
     ),
 ) -> None:
     """Re-run a saved trace step by step; exit 1 if it still breaks the spec."""
+    saved = json.loads(trace_file.read_text())
+    if isinstance(saved, dict) and saved.get("format") == WALK_FORMAT:  # a walk target's own operations
+        _replay_walk(trace_file, target or saved["target"])
+        return
     trace = Trace.from_json(trace_file.read_text())
     name = target or trace.target
     if diff_at is not None and (diff_at < 0 or versus_plain):

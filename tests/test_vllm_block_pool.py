@@ -41,3 +41,26 @@ def test_the_unmodified_pool_is_certified_on_a_run_that_reaches_evictions(runs: 
 def test_a_bug_planted_in_the_pool_fails_under_the_rule_it_breaks(runs: dict[str, dict[str, Any]], plant: str) -> None:
     got = runs[plant]
     assert not got["passed"] and set(got["rules"]) & PLANTS[plant], got
+
+
+def test_a_saved_walk_trace_replays_with_its_failure_and_passes_on_the_real_pool(tmp_path: Any) -> None:
+    """A failing walk is shrunk and saved; `kvcert replay` plays it: it fails with the bug planted and passes on the
+    pool as shipped."""
+    code = (
+        "import json, sys; from pathlib import Path; sys.path.insert(0, 'tests'); import vllm_plants as p\n"
+        "from kvcert.conformance.certification.certify import certify, load_factory\n"
+        "from kvcert.conformance.certification.walk import replay_walk_trace\n"
+        f"out = Path({str(tmp_path)!r})\n"
+        "with p.planted('cached-freed-to-head'):\n"
+        f"    c = certify({TARGET!r}, examples=100, out_dir=out)\n"
+        "    path = Path(c.cells[0].trace_path)\n"
+        f"    planted = replay_walk_trace(path, load_factory({TARGET!r}))\n"
+        f"shipped = replay_walk_trace(path, load_factory({TARGET!r}))\n"
+        "print(json.dumps([str(path), c.cells[0].trace_len, [v.inv for v in planted.violations], shipped is None]))"
+    )
+    rc, out, stdout = run_vllm(["python", "-c", code])
+    assert rc == 0, out[-3000:]
+    path, length, rules, shipped_passes = json.loads(stdout.strip().splitlines()[-1])
+    assert "INV-POOL-1" in rules and shipped_passes and 0 < length <= 20, (rules, length)
+    rc, out, _ = run_vllm(["kvcert", "replay", path])
+    assert rc == 0 and "PASS" in out, out[-2000:]
