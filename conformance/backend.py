@@ -48,6 +48,7 @@ __all__ = [
     "WalkFailure",
     "capabilities_of",
     "close_backend",
+    "unexercised",
 ]
 
 
@@ -318,3 +319,9 @@ class Walk(Protocol):
     ) -> tuple[Optional[WalkFailure], Counter[str]]: ...
 
     def gaps(self, capabilities: Capabilities, exercised: Counter[str]) -> list[str]: ...
+
+
+def unexercised(exercised: Counter[str], parts: Sequence[tuple[str, str]]) -> list[str]:
+    """A walk's NOT CHECKED lines for what it declares and this run never reached: one per (what, count key) whose
+    count in `exercised` is zero."""
+    return [f"{what}: no step of this run exercised it" for what, key in parts if not exercised.get(key)]

@@ -18,11 +18,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvcert.spec.invariants import Violation, _paged
+from kvcert.spec.invariants import Violation, _all_distinct, _all_within, _paged
 from kvcert.spec.requests import RequestView
 from kvcert.spec.types import Namespace, Snapshot, Tokens
 
-__all__ = ["CachedPage", "PageTable", "check_pages", "holders_exact", "page_paths", "pages_of"]
+__all__ = ["CachedPage", "PageTable", "check_pages", "holders_exact", "pages_of"]
 
 
 @dataclass(frozen=True)
@@ -64,9 +64,6 @@ class PageTable:
     """How the engine indexes its pages: "radix" or "block-hash"."""
     sessions: tuple[Any, ...] = ()
     pending: tuple[Any, ...] = ()
-    evict_order: tuple[int, ...] = ()
-    """The engine's eviction order over its evictable pages (`CachedPage.id`s, first to go first), where it keeps
-    one (vLLM's free-block queue); () where the order is a policy over metadata."""
     _cache: dict[str, Any] = field(default_factory=dict, compare=False, repr=False, hash=False)
 
     def derived(self, name: str, build: Callable[[PageTable], Any]) -> Any:
@@ -103,11 +100,6 @@ def pages_of(s: Snapshot) -> PageTable:
         sessions=s.sessions,
         pending=s.pending,
     )
-
-
-def page_paths(t: PageTable) -> dict[int, tuple[Namespace, Tokens]]:
-    """Page id -> (keys, tokens through the page): what the page's KV must be."""
-    return {p.id: (p.namespace, p.tokens) for p in t.pages}
 
 
 # --------------------------------------------------------------------------- the core rules over pages
@@ -158,6 +150,8 @@ def pool_closes(t: PageTable) -> list[str]:
 
 def slots_unique(t: PageTable) -> list[str]:
     """INV-SLOT-1: no slot is owned twice (two pages, a page and the free list, a page and a request's own)."""
+    if _all_distinct(t.free_slots, _cached_slots(t), t.lent_slots):
+        return []  # the common case, in one pass
     owners: Counter[int] = Counter(t.free_slots)
     owners.update(_cached_slots(t))
     owners.update(t.lent_slots)
@@ -166,6 +160,8 @@ def slots_unique(t: PageTable) -> list[str]:
 
 def slots_in_range(t: PageTable) -> list[str]:
     """INV-SLOT-2: every slot lies in [0, slot_limit)."""
+    if _all_within(t.slot_limit, t.free_slots, _cached_slots(t), t.lent_slots):
+        return []
     every = set(t.free_slots) | set(_cached_slots(t)) | set(t.lent_slots)
     return [f"slot {x} outside [0, {t.slot_limit})" for x in sorted(every) if not 0 <= x < t.slot_limit]
 

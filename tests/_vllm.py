@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -29,3 +31,10 @@ def run_vllm(cmd: list[str], hash_seed: str = "0") -> tuple[int, str, str]:
         env={**os.environ, "PYTHONHASHSEED": hash_seed},
     )
     return done.returncode, done.stdout + done.stderr, done.stdout
+
+
+def plant_runs(cmd: list[str]) -> dict[str, dict[str, Any]]:
+    """Run a plants script in `.venv-vllm` (`cmd`: its path and arguments) -> its JSON lines, one per plant, by plant."""
+    rc, out, stdout = run_vllm(["python", *cmd])
+    assert rc == 0, out[-3000:]
+    return {r["plant"]: r for r in map(json.loads, (ln for ln in stdout.splitlines() if ln.startswith("{")))}

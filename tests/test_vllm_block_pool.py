@@ -8,7 +8,7 @@ import json
 from typing import Any
 
 import pytest
-from _vllm import run_vllm
+from _vllm import plant_runs, run_vllm
 
 TARGET = "kvcert.conformance.adapters.vllm_block_pool:factory"
 PLANTS = {
@@ -24,9 +24,7 @@ PLANTS = {
 
 @pytest.fixture(scope="module")
 def runs() -> dict[str, dict[str, Any]]:
-    rc, out, stdout = run_vllm(["python", "tests/vllm_plants.py", TARGET, "100", "none", *PLANTS])
-    assert rc == 0, out[-3000:]
-    return {r["plant"]: r for r in map(json.loads, (ln for ln in stdout.splitlines() if ln.startswith("{")))}
+    return plant_runs(["tests/vllm_plants.py", TARGET, "100", "none", *PLANTS])
 
 
 def test_the_unmodified_pool_is_certified_on_a_run_that_reaches_evictions(runs: dict[str, dict[str, Any]]) -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _vllm import run_vllm
+from _vllm import plant_runs, run_vllm
 
 from kvcert.spec import offload as off
 from kvcert.spec.offload import HIT, HIT_PENDING, MISS, OffloadModel, StoreOutcome
@@ -221,9 +221,7 @@ PLANTS: dict[str, tuple[set[str], str]] = {
 
 @pytest.fixture(scope="module")
 def runs() -> dict[str, dict[str, Any]]:
-    rc, out, stdout = run_vllm(["python", "tests/vllm_offload_plants.py", str(EXAMPLES), "none", *PLANTS])
-    assert rc == 0, out[-3000:]
-    return {r["plant"]: r for r in map(json.loads, (ln for ln in stdout.splitlines() if ln.startswith("{")))}
+    return plant_runs(["tests/vllm_offload_plants.py", str(EXAMPLES), "none", *PLANTS])
 
 
 def test_the_unmodified_manager_is_certified_on_a_run_that_reaches_the_races(runs: dict[str, dict[str, Any]]) -> None:

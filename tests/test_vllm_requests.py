@@ -12,7 +12,7 @@ import json
 from typing import Any
 
 import pytest
-from _vllm import run_vllm
+from _vllm import plant_runs, run_vllm
 
 PLANTS = {
     "leak-on-free": {"INV-PAGE-2"},
@@ -53,9 +53,7 @@ def _runs(factory: str) -> dict[str, dict[str, Any]]:
     """Each plant of `factory`'s set (and the unmodified engine, "none"), certified once per test process."""
     target = f"kvcert.conformance.adapters.vllm_requests:{factory}"
     examples = "80" if factory == "factory_priority" else "30"  # a priority cell preempts rarely in its first 30
-    rc, out, stdout = run_vllm(["python", "tests/vllm_plants.py", target, examples, "none", *FACTORIES[factory]])
-    assert rc == 0, out[-3000:]
-    return {r["plant"]: r for r in map(json.loads, (ln for ln in stdout.splitlines() if ln.startswith("{")))}
+    return plant_runs(["tests/vllm_plants.py", target, examples, "none", *FACTORIES[factory]])
 
 
 @pytest.mark.parametrize("factory", sorted(FACTORIES))

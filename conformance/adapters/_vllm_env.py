@@ -32,6 +32,7 @@ __all__ = [
     "events_agree",
     "group_namespace",
     "kv_cache_config",
+    "mapped_blocks",
     "pool_pages",
     "scheduler",
 ]
@@ -136,6 +137,14 @@ def scheduler(
     return cls(vc, kv_cache_config(block, blocks, window), StructuredOutputManager(vc), block_size=block)
 
 
+def mapped_blocks(pool: Any) -> list[tuple[bytes, Any]]:
+    """Every (hash with group id, block) in a `BlockPool`'s hash map: one hash may map to several blocks."""
+    out: list[tuple[bytes, Any]] = []
+    for key, entry in pool.cached_block_hash_to_block._cache.items():
+        out += [(bytes(key), b) for b in (entry.values() if isinstance(entry, dict) else (entry,))]
+    return out
+
+
 def pool_pages(
     pool: Any,
     page_size: int,
@@ -151,9 +160,7 @@ def pool_pages(
 
     queue = pool.free_block_queue.get_all_free_blocks()
     queued = {b.block_id for b in queue}
-    mapped: list[Any] = []
-    for entry in pool.cached_block_hash_to_block._cache.values():
-        mapped += list(entry.values()) if isinstance(entry, dict) else [entry]
+    mapped = [b for _, b in mapped_blocks(pool)]
     in_map = {b.block_id for b in mapped}
 
     def slots(block: int) -> range:
@@ -177,7 +184,6 @@ def pool_pages(
         lent_slots=tuple(lent),
         evictable_size=page_size * len(in_map & queued),
         protected_size=page_size * len(in_map - queued),
-        evict_order=tuple(b.block_id for b in queue if b.block_id in in_map),
     )
 
 
@@ -230,10 +236,7 @@ def cached_hashes(pool: Any) -> Counter[Any]:
     """A pool's cached hashes as its events name them (`maybe_convert_block_hash`), one count per block."""
     from vllm.v1.core.kv_cache_utils import get_block_hash, maybe_convert_block_hash
 
-    out: Counter[Any] = Counter()
-    for key, entry in pool.cached_block_hash_to_block._cache.items():
-        out[maybe_convert_block_hash(get_block_hash(key))] += len(entry) if isinstance(entry, dict) else 1
-    return out
+    return Counter(maybe_convert_block_hash(get_block_hash(key)) for key, _ in mapped_blocks(pool))
 
 
 def events_agree(before: Counter[Any], events: Sequence[Any], now: Counter[Any]) -> list[Violation]:
@@ -255,6 +258,8 @@ class PoolObserver:
     def __init__(self, pool: Any, managers: Sequence[Any]) -> None:
         self.pool, self.model = pool, BlockTableModel(len(pool.blocks))
         self.found: list[Violation] = []
+        self.counts: Counter[str] = Counter()
+        """What the calls reached: "evicted" (cached blocks taken for reuse), "uncached" (hashes evict_blocks took)."""
         self.freeing: Optional[list[int]] = None
         for name in ("get_new_blocks", "get_cached_block", "touch", "cache_full_blocks", "free_blocks",
                      "evict_blocks", "reset_prefix_cache"):  # fmt: skip
@@ -265,7 +270,8 @@ class PoolObserver:
     def _get_new_blocks(self, real: Any) -> Any:
         def call(num_blocks: int) -> Any:
             got = real(num_blocks)
-            want, _ = self.model.take(num_blocks)
+            want, evicted = self.model.take(num_blocks)
+            self.counts["evicted"] += len(evicted)
             if [b.block_id for b in got] != want:
                 self.found.append(Violation("INV-POOL-1", f"get_new_blocks({num_blocks}) handed out "
                                             f"{[b.block_id for b in got]}; the free queue's head was {want}"))  # fmt: skip
@@ -342,7 +348,7 @@ class PoolObserver:
 
     def _evict_blocks(self, real: Any) -> Any:
         def call(block_ids: Any) -> Any:
-            self.model.uncache(sorted(block_ids))
+            self.counts["uncached"] += len(self.model.uncache(sorted(block_ids)))
             return real(block_ids)
 
         return call
@@ -350,8 +356,10 @@ class PoolObserver:
     def _reset_prefix_cache(self, real: Any) -> Any:
         def call() -> Any:
             done = real()
+            held = sum(map(bool, self.model.ref[1:]))
             if done != self.model.reset():
-                self.found.append(Violation("INV-POOL-1", f"reset_prefix_cache returned {done}"))
+                self.found.append(Violation("INV-POOL-1", f"reset_prefix_cache returned {done}; with {held} blocks "
+                                            f"held the model says {not done}"))  # fmt: skip
             return done
 
         return call
@@ -366,9 +374,8 @@ class PoolObserver:
         if refs != self.model.ref[1:]:
             out.append(Violation("INV-POOL-1", f"reference counts {refs}; the model's {self.model.ref[1:]}"))
         table: dict[bytes, list[int]] = {}
-        for key, entry in self.pool.cached_block_hash_to_block._cache.items():
-            blocks = list(entry.values()) if isinstance(entry, dict) else [entry]
-            table[bytes(key)] = [b.block_id for b in blocks]
+        for key, block in mapped_blocks(self.pool):
+            table.setdefault(key, []).append(block.block_id)
         if table != self.model.table:
             out.append(Violation("INV-POOL-1", "the hash table holds blocks "
                                  f"{sorted(map(sorted, table.values()))}; the model's {sorted(map(sorted, self.model.table.values()))}"))  # fmt: skip

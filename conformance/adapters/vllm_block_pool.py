@@ -28,9 +28,8 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from kvcert.conformance.adapters import _vllm_env as _env
-from kvcert.conformance.backend import WalkCell, WalkFailure
+from kvcert.conformance.backend import WalkCell, WalkFailure, unexercised
 from kvcert.spec import storage as l3
-from kvcert.spec.block_table import BlockTableModel
 from kvcert.spec.invariants import Violation
 from kvcert.spec.page_table import PageTable, check_pages, holders_exact
 from kvcert.spec.requests import RequestView
@@ -78,7 +77,9 @@ class BlockPoolTarget:
         self.ps = cell.page_size
         self.pool = BlockPool(BLOCKS, enable_caching=True, hash_block_size=self.ps, enable_kv_cache_events=True)
         self.hasher = _env.block_hasher(self.ps)
-        self.model = BlockTableModel(BLOCKS)
+        self.observer = _env.PoolObserver(self.pool, ())
+        """Compares every call the walk makes on the pool with the profile's pool (INV-POOL-1), as on the request
+        path."""
         self.kv: list[bytes] = [b""] * (BLOCKS * self.ps)
         self.contents: dict[bytes, tuple[Optional[str], tuple[int, ...]]] = {}
         self.live: dict[int, _Live] = {}
@@ -150,7 +151,8 @@ class BlockPoolWalk:
             try:
                 found = self._apply(t, op, kv, seen)
             except Exception as err:  # out of vLLM's code: the engine core dies
-                return WalkFailure(step, op, [Violation("INV-ERR-3", f"vLLM raised {type(err).__name__}: {err}")]), seen
+                crash = [Violation("INV-ERR-3", f"vLLM raised {type(err).__name__}: {err}")]
+                return WalkFailure(step, op, crash), seen + t.observer.counts
             if found is None:
                 seen["skipped"] += 1
                 continue
@@ -158,19 +160,20 @@ class BlockPoolWalk:
             found += self._events(t, before)
             found += self._state(t, kv)
             if found:
-                return WalkFailure(step, op, found), seen
-        return None, seen
+                return WalkFailure(step, op, found), seen + t.observer.counts
+        return None, seen + t.observer.counts
 
     # ------------------------------------------------------------------ the calls, as vLLM's managers make them
 
     def _apply(self, t: BlockPoolTarget, op: dict[str, Any], kv: _KV, seen: Counter[str]) -> Optional[list[Violation]]:
-        pool, model, ps = t.pool, t.model, t.ps
+        """One op, as the managers call the pool (each call also goes to the profile's pool through `t.observer`);
+        None when its state makes the op inapplicable."""
+        pool, ps = t.pool, t.ps
         kind = op["op"]
         if kind == "admit":
             if op["r"] in t.live or not op["tokens"]:
                 return None
             live = _Live(t._request(op["ns"], op["tokens"]), op["ns"])
-            hashes = [bytes(h) for h in live.request.block_hashes]
             hit: list[Any] = []
             for h in live.request.block_hashes[: (len(op["tokens"]) - 1) // ps]:  # a hit leaves the last token
                 got = pool.get_cached_block(h, [0])
@@ -180,16 +183,12 @@ class BlockPoolWalk:
             need = -(-len(op["tokens"]) // ps) - len(hit)
             if need + sum(b.ref_cnt == 0 for b in hit) > pool.get_num_free_blocks():
                 return None  # KVCacheManager.allocate_slots refuses it: the scheduler would not admit it
-            out = self._lookup(t, live, hashes, hit)
+            out = self._lookup(t, live, hit)
             pool.touch(hit)
-            model.touch([b.block_id for b in hit])
             new = pool.get_new_blocks(need)
-            want, evicted = model.take(need)
             seen["hit"] += bool(hit)
-            seen["evicted"] += len(evicted)
             live.blocks, live.cached = hit + new, len(hit)  # the hit blocks are cached already (num_cached_block)
             t.write(live, len(hit) * ps, kv)
-            out += self._handed(new, want, "get_new_blocks")
             self._cache(t, live)
             t.live[op["r"]] = live
             t.learn(live)
@@ -204,64 +203,47 @@ class BlockPoolWalk:
             if need > pool.get_num_free_blocks():
                 return None
             live.request.append_output_token_ids(list(op["tokens"]))
-            new = pool.get_new_blocks(need)
-            want, evicted = model.take(need)
-            seen["evicted"] += len(evicted)
-            live.blocks += new
+            live.blocks += pool.get_new_blocks(need)
             t.write(live, start, kv)
             self._cache(t, live)
             t.learn(live)
-            return self._handed(new, want, "get_new_blocks")
+            return []
         if kind == "free":
             if op["r"] not in t.live:
                 return None
-            live = t.live.pop(op["r"])
-            pool.free_blocks(reversed(live.blocks))  # FullAttentionManager.free: the tail first
-            model.free([b.block_id for b in reversed(live.blocks)])
+            pool.free_blocks(reversed(t.live.pop(op["r"]).blocks))  # FullAttentionManager.free: the tail first
             return []
         if kind == "uncache":
             pool.evict_blocks({op["block"]})
-            seen["uncached"] += len(model.uncache([op["block"]]))
             return []
         if kind == "reset":
-            done = pool.reset_prefix_cache()
-            seen[f"reset:{done}"] += 1
-            if done != model.reset():
-                return [Violation("INV-POOL-1", f"reset_prefix_cache returned {done}; with {sum(map(bool, model.ref[1:]))} blocks held the model says {not done}")]  # fmt: skip
+            seen[f"reset:{pool.reset_prefix_cache()}"] += 1
             return []
         raise ValueError(f"unknown op {kind!r}")
 
     def _cache(self, t: BlockPoolTarget, live: _Live) -> None:
         full = len(live.request.all_token_ids) // t.ps
         t.pool.cache_full_blocks(live.request, live.blocks, live.cached, full, t.ps, 0)
-        hashes = [bytes(h) for h in live.request.block_hashes]
-        t.model.cache([b.block_id for b in live.blocks[live.cached : full]], hashes[live.cached : full])
         live.cached = max(live.cached, full)
 
-    def _lookup(self, t: BlockPoolTarget, live: _Live, hashes: list[bytes], hit: list[Any]) -> list[Violation]:
+    def _lookup(self, t: BlockPoolTarget, live: _Live, hit: list[Any]) -> list[Violation]:
         """INV-MATCH-1/2: the hit is the longest run of the request's own hashes the pool holds, and its blocks hold
-        them (the model's first block for each, under the profile)."""
-        want: list[int] = []
-        for h in hashes[: (len(live.request.all_token_ids) - 1) // t.ps]:
-            b = t.model.lookup(h)
-            if b is None:
+        them. (That each is the first block cached under its hash, the profile's choice, the observer checks.)"""
+        from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
+
+        keys = [bytes(make_block_hash_with_group_id(h, 0)) for h in live.request.block_hashes]
+        cached = 0
+        for key in keys[: (len(live.request.all_token_ids) - 1) // t.ps]:
+            if t.observer.model.lookup(key) is None:
                 break
-            want.append(b)
+            cached += 1
         out = []
-        if len(hit) != len(want):
-            out.append(Violation("INV-MATCH-1", f"a lookup hit {len(hit)} blocks; {len(want)} of the request's hashes are cached"))  # fmt: skip
-        wrong = [b.block_id for b, h in zip(hit, hashes) if t.model.hash[b.block_id] != h]
+        if len(hit) != cached:
+            out.append(Violation("INV-MATCH-1", f"a lookup hit {len(hit)} blocks; {cached} of the request's hashes are cached"))  # fmt: skip
+        wrong = [b.block_id for b, key in zip(hit, keys) if t.observer.model.hash[b.block_id] != key]
         if wrong:
             out.append(Violation("INV-MATCH-2", f"the lookup returned blocks {wrong}, which do not hold the hashes asked for"))  # fmt: skip
-        elif [b.block_id for b in hit] != want[: len(hit)]:
-            out.append(Violation("INV-POOL-1", f"the lookup returned blocks {[b.block_id for b in hit]}; the model's first cached blocks are {want}"))  # fmt: skip
         return out
-
-    def _handed(self, got: Sequence[Any], want: Sequence[int], call: str) -> list[Violation]:
-        ids = [b.block_id for b in got]
-        if ids == list(want):
-            return []
-        return [Violation("INV-POOL-1", f"{call} handed out blocks {ids}; the free queue's head was {list(want)}")]
 
     # ------------------------------------------------------------------ after every call
 
@@ -288,21 +270,7 @@ class BlockPoolWalk:
             want = kv.content(v.namespace, v.tokens)
             if want is not None and [t.kv[x] for x in v.row[: len(v.tokens)]] != list(want):
                 out.append(Violation("INV-REQ-2", f"request {v.id}'s blocks hold other KV than its own tokens'"))
-        pool, model = t.pool, t.model
-        from vllm.v1.core.kv_cache_utils import get_block_hash
-
-        queue = [b.block_id for b in pool.free_block_queue.get_all_free_blocks()]
-        if queue != model.queue:
-            out.append(Violation("INV-POOL-1", f"the free queue is {queue}; the model's is {model.queue}"))
-        refs = [b.ref_cnt for b in pool.blocks[1:]]
-        if refs != model.ref[1:]:
-            out.append(Violation("INV-POOL-1", f"reference counts {refs}; the model's {model.ref[1:]}"))
-        got_table: dict[bytes, list[int]] = {}
-        for key, entry in pool.cached_block_hash_to_block._cache.items():
-            blocks = list(entry.values()) if isinstance(entry, dict) else [entry]
-            got_table[bytes(get_block_hash(key))] = [b.block_id for b in blocks]
-        if got_table != model.table:
-            out.append(Violation("INV-POOL-1", f"the hash table holds {sorted(map(sorted, got_table.values()))}; the model's {sorted(map(sorted, model.table.values()))}"))  # fmt: skip
+        out += t.observer.take()  # the profile's pool: free queue, hash table, reference counts (INV-POOL-1)
         return out
 
     def gaps(self, capabilities: Capabilities, exercised: Counter[str]) -> list[str]:
@@ -312,11 +280,9 @@ class BlockPoolWalk:
             "block masks: one full-attention group only",
             "unpin_blocks and its reuse watchers (a connector's deferred frees): not sent",
         ]
-        for what, key in (("prefix hits", "hit"), ("evictions", "evicted"), ("evict_blocks of a cached block", "uncached"),
-                          ("a reset that succeeds", "reset:True")):  # fmt: skip
-            if not exercised.get(key):
-                out.append(f"{what}: no step of this run exercised it")
-        return out
+        return out + unexercised(exercised, (("prefix hits", "hit"), ("evictions", "evicted"),
+                                             ("evict_blocks of a cached block", "uncached"),
+                                             ("a reset that succeeds", "reset:True")))  # fmt: skip
 
 
 def factory(cell: WalkCell) -> BlockPoolTarget:

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from kvcert.conformance.adapters import _vllm_env as _env
-from kvcert.conformance.backend import WalkCell, WalkFailure
+from kvcert.conformance.backend import WalkCell, WalkFailure, unexercised
 from kvcert.spec import offload as off
 from kvcert.spec.invariants import Violation
 from kvcert.spec.types import Capabilities
@@ -389,20 +389,21 @@ class OffloadWalk:
         if "arc" in capabilities.policies:
             out.append("ARC's victim order (T1/T2, ghost lists, target_t1_size): policy arc is held to the core rules "
                        "only, not INV-OFF-LRU-1")  # fmt: skip
-        for what, key in (
-            ("evictions", "evicted"),
-            ("an eviction with loads in flight", "evict:while-loading"),
-            ("a failed store", "store:failed"),
-            ("a lookup while a store is in flight (HIT_PENDING)", "lookup:HIT_PENDING"),
-            ("a lookup of a key whose store failed", "lookup:after-failed-store"),
-            ("a prepare_store that cannot fit (None)", "store:none"),
-            ("a reset with copies in flight", "reset:in-flight"),
-            ("a key the store threshold held back", "threshold:held"),
-            ("a removed event", "events:removed"),
-            ("KV read back from a chunk", "kv:reads"),
-        ):
-            if not exercised.get(key):
-                out.append(f"{what}: no step of this run exercised it")
+        out += unexercised(
+            exercised,
+            (
+                ("evictions", "evicted"),
+                ("an eviction with loads in flight", "evict:while-loading"),
+                ("a failed store", "store:failed"),
+                ("a lookup while a store is in flight (HIT_PENDING)", "lookup:HIT_PENDING"),
+                ("a lookup of a key whose store failed", "lookup:after-failed-store"),
+                ("a prepare_store that cannot fit (None)", "store:none"),
+                ("a reset with copies in flight", "reset:in-flight"),
+                ("a key the store threshold held back", "threshold:held"),
+                ("a removed event", "events:removed"),
+                ("KV read back from a chunk", "kv:reads"),
+            ),
+        )
         return out
 
 

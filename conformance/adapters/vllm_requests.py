@@ -68,6 +68,8 @@ class _Submitted:
     priority: int
     end: str = ""
     """"finished" or "aborted" once vLLM has ended it."""
+    learned: int = 0
+    """Its block hashes already recorded (`VLLMRequestPath.hashes`)."""
 
 
 @dataclass
@@ -223,7 +225,7 @@ class VLLMRequestPath:
             block_hasher=self.hasher,
         )
         self.sent[request] = _Submitted(req, session, kv_namespace(namespace, lora), priority)
-        self._learn(req)
+        self._learn(self.sent[request])
         self.scheduler.add_request(req)
 
     def close_session(self, session: str) -> None:
@@ -280,18 +282,22 @@ class VLLMRequestPath:
         for rid, sub in self.sent.items():
             if sub.end:
                 continue
-            self._learn(sub.request)
+            self._learn(sub)
             status = sub.request.status
             if RequestStatus.is_finished(status):
                 sub.end = "aborted" if status == RequestStatus.FINISHED_ABORTED else "finished"
                 self.ended.append(rid)
 
-    def _learn(self, req: Any) -> None:
-        """Record what each of the request's block hashes was made from: its keys and its tokens to the block's end."""
-        tokens = tuple(req.all_token_ids)
-        ns = self.sent[req.request_id].namespace if req.request_id in self.sent else None
-        for i, h in enumerate(req.block_hashes):
-            self.hashes.setdefault(bytes(h), (ns, tokens[: (i + 1) * self.ps]))
+    def _learn(self, sub: _Submitted) -> None:
+        """Record what each of the request's new block hashes was made from: its keys and its tokens to the block's
+        end (a hash, once made, never changes: each is read once)."""
+        hashes = sub.request.block_hashes
+        if len(hashes) == sub.learned:
+            return
+        tokens = tuple(sub.request.all_token_ids)
+        for i in range(sub.learned, len(hashes)):
+            self.hashes.setdefault(bytes(hashes[i]), (sub.namespace, tokens[: (i + 1) * self.ps]))
+        sub.learned = len(hashes)
 
     # ------------------------------------------------------------------ what the suite reads
 

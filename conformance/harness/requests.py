@@ -206,10 +206,9 @@ class RequestHarness:
 
     def _send(self, op: Op) -> None:
         b = self.backend
-        if isinstance(op, Submit) and op.lora is not None:
-            b.submit(op.request, op.session, op.namespace, op.tokens, op.priority, op.output, lora=op.lora)
-        elif isinstance(op, Submit):
-            b.submit(op.request, op.session, op.namespace, op.tokens, op.priority, op.output)
+        if isinstance(op, Submit):  # `lora` only when it is set: a target without adapters takes no such argument
+            adapter = {"lora": op.lora} if op.lora is not None else {}
+            b.submit(op.request, op.session, op.namespace, op.tokens, op.priority, op.output, **adapter)
         elif isinstance(op, Step):
             b.step()
         elif isinstance(op, CloseSession):
