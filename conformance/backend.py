@@ -37,6 +37,7 @@ __all__ = [
     "HostTierBackend",
     "InsertOut",
     "KVBackend",
+    "LinkerPathBackend",
     "MatchOut",
     "Model",
     "PriorityBackend",
@@ -257,6 +258,19 @@ class RequestPathBackend(Protocol):
 
     def read_host_kv(self, host_slots: Sequence[int]) -> list[bytes]:
         """The entries host slots hold now."""
+
+
+@runtime_checkable
+class LinkerPathBackend(RequestPathBackend, Protocol):
+    """A request-path engine whose cache is linked straight to the harness's external store (SPEC.md §14;
+    `Capabilities.linker_faults`). The store is `kvcert.conformance.linker.LinkerStore`: it moves the bytes and
+    judges every call the engine makes to it; the adapter reports those judgements through `observed`."""
+
+    def linker_fault(self, kind: str) -> None:
+        """The store fails as `kind` (`kvcert.spec.linker.FAULTS`) says, now or at the call it applies to."""
+
+    def failed_loads(self) -> set[str]:
+        """Requests whose load the store failed: the engine may fail them (INV-LINK-4)."""
 
 
 Factory = Callable[[CacheConfig], Backend]

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Install the pinned SGLang set (requirements/sglang.txt) into the current Python
+# Install the pinned SGLang set (requirements/sglang.txt) and the S3 pins its `seaweedfs` L3
+# backend is certified with (requirements/s3.txt: boto3, moto's S3 server) into the current Python
 # environment with pip --no-deps, so nothing can pull in or replace torch.
 # Idempotent: pins already satisfied are skipped by pip. Needs torch installed first
 # (the CPU build, torch==2.13.0); this script never installs, upgrades or removes it.
@@ -10,11 +11,14 @@ set -euo pipefail
 PYTHON="${PYTHON:-python}"
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 REQS="$ROOT/requirements/sglang.txt"
+S3_REQS="$ROOT/requirements/s3.txt"
 
-if grep -Eiq '^[[:space:]]*torch([[:space:]]*[=<>!~;]|[[:space:]]*$)' "$REQS"; then
-    echo "refusing: $REQS names torch; torch is installed separately and never touched here" >&2
-    exit 2
-fi
+for reqs in "$REQS" "$S3_REQS"; do
+    if grep -Eiq '^[[:space:]]*torch([[:space:]]*[=<>!~;]|[[:space:]]*$)' "$reqs"; then
+        echo "refusing: $reqs names torch; torch is installed separately and never touched here" >&2
+        exit 2
+    fi
+done
 
 torch_before="$("$PYTHON" -c 'import torch; print(torch.__version__)' 2>/dev/null)" || {
     echo "torch is not importable with $PYTHON; install torch==2.13.0 (CPU) first" >&2
@@ -22,6 +26,7 @@ torch_before="$("$PYTHON" -c 'import torch; print(torch.__version__)' 2>/dev/nul
 }
 
 "$PYTHON" -m pip install --no-deps --disable-pip-version-check -r "$REQS"
+"$PYTHON" -m pip install --no-deps --disable-pip-version-check -r "$S3_REQS"
 
 torch_after="$("$PYTHON" -c 'import torch; print(torch.__version__)')"
 if [[ "$torch_before" != "$torch_after" ]]; then
@@ -31,3 +36,4 @@ fi
 
 # The adapter's own import path, shims included, must now work (needs kvcert installed: pip install -e .).
 "$PYTHON" -W ignore -c 'from kvcert.conformance.adapters._sglang_env import import_sglang; print("sglang", import_sglang().version, "ok with torch", __import__("torch").__version__)'
+"$PYTHON" -W ignore -c 'import boto3, moto.server; print("boto3", boto3.__version__, "moto", moto.__version__, "ok")'

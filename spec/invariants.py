@@ -369,6 +369,9 @@ def copies_pinned(s: Snapshot, load_host_lock: bool = True) -> list[str]:
             n = nodes.get(nid)
             if n is None:
                 out.append(f"{copy.kind} copy {copy.id} moves node {nid}, which left the tree")
+            elif copy.kind == "offload":  # device to a linker's store (SPEC.md §14): the source stays locked
+                if n.slots is None or n.lock_ref <= 0:
+                    out.append(f"offload {copy.id}: node {nid} lock_ref {n.lock_ref}, on device {n.slots is not None}")
             elif copy.kind == "store":
                 if n.host_slots is None or n.host_lock_ref <= 0:
                     out.append(

@@ -291,6 +291,14 @@ class AbortRequest:
     request: Any
 
 
+@dataclass(frozen=True)
+class LinkerFault:
+    """The external store behind a direct linker fails as `kind` says (`kvcert.spec.linker.FAULTS`, SPEC.md §14): an
+    event of the world the engine runs in, not a client's request; a request-path target with a linker takes it."""
+
+    kind: Any
+
+
 Op = Union[
     Insert,
     Match,
@@ -324,10 +332,11 @@ Op = Union[
     CloseSession,
     Reprioritize,
     AbortRequest,
+    LinkerFault,
 ]
 OP_TYPES: dict[str, type] = {t.__name__: t for t in get_args(Op)}
 """Op name -> class, for JSON traces: derived from `Op`, so a new op cannot be left out."""
-REQUEST_OPS = (Submit, Step, CloseSession, Reprioritize, AbortRequest)
+REQUEST_OPS = (Submit, Step, CloseSession, Reprioritize, AbortRequest, LinkerFault)
 """What clients send an engine (SPEC.md §12): the ops of a request-path target's traces, and only of those."""
 HANDLE_PRODUCERS = (Insert, Match, Restore, Start)
 """Ops whose result names a node a later op may use: a restore returns the resumed request's last node, a

@@ -133,6 +133,11 @@ class Profile:
     this profile where it pins a choice, so the model makes the engine's choice and the engine must match. SGLang
     0.5.23's wherever the profile says nothing else."""
 
+    aborts_failed_loads: bool = False
+    """A direct linker's failed load (SPEC.md §14, INV-LINK-4): the core lets the engine abort the request or
+    recompute it; True pins the abort (SGLang 0.5.23: FINISH_ABORT, 503), so one that finishes normally was served
+    over the slots the store did not fill."""
+
     def pinned(self, choice: Choice) -> bool:
         return choice.id in self.pins
 
@@ -144,7 +149,7 @@ class Profile:
 
 
 CORE = Profile("core", frozenset())
-SGLANG = Profile("sglang-0.5.23", frozenset(c.id for c in CHOICES))
+SGLANG = Profile("sglang-0.5.23", frozenset(c.id for c in CHOICES), aborts_failed_loads=True)
 REFAWARE = Profile(
     "refaware-0.5.10",
     frozenset({RANK.id, BATCH.id, DEMOTE.id, LOAD_LOCK.id, LOAD_ROOM.id, ROOM.id}),

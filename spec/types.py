@@ -332,7 +332,8 @@ class PendingCopy:
 
     id: int
     kind: str
-    """"write" (device to host), "load" (host to device) or "store" (host to storage)."""
+    """"write" (device to host), "load" (host to device), "store" (host to storage) or "offload" (device to a
+    direct linker's store, SPEC.md §14)."""
     nodes: tuple[int, ...]
     finished: bool = False
     """The copy engine has finished; the cache has not yet consumed the ack."""
@@ -561,6 +562,9 @@ class Capabilities:
     loras: bool = False
     """True (a request-path target): requests may run under a LoRA adapter (`Submit.lora`), sent to `submit(...,
     lora=(name, path))`; else none is sent."""
+    linker_faults: tuple[str, ...] = ()
+    """A request-path target whose cache is linked to the harness's external store (SPEC.md §14): the faults of
+    that store (`kvcert.spec.linker.FAULTS`) the trace may cue (`LinkerFault`, sent to `linker_fault(kind)`)."""
     kind: str = "api"
     """How the cache is driven (KINDS): "request-path" through its engine's own scheduler code with real
     request objects, "api" through the cache's API by calls the suite composes, "native" a cache written to

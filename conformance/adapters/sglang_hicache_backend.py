@@ -5,6 +5,7 @@
     kvcert certify kvcert.conformance.adapters.sglang_hicache_backend:factory_rust        # Rust core
     kvcert certify kvcert.conformance.adapters.sglang_hicache_backend:factory_page_first  # page_first_direct
     kvcert certify kvcert.conformance.adapters.sglang_hicache_backend:factory_storage     # + L3 storage (§10)
+    kvcert certify kvcert.conformance.adapters.sglang_hicache_backend:factory_storage_seaweedfs  # L3 on S3 (moto)
 
 A translation layer over the deterministic CPU driver in `sglang_hicache.py`
 (copies deferred until `complete`). Each factory fixes the tree core (``tree_core_backend``
@@ -54,10 +55,14 @@ Mapping (SPEC.md §9):
   ``prefetch`` is the scheduler's ``_prefetch_kvcache`` (only from a backed-up anchor or the root).
   Inserts write the spec's synthetic KV into the request's device slots, so stored and fetched
   bytes are checked (INV-STORE-1). Calibration: docs/calibration/hicache.md D7-D15.
+* SGLang's own L3 backends: ``store="file"`` (HiCacheFile in a temporary directory) and ``store="seaweedfs"``
+  (SeaweedFSStore over a real S3 server, moto's on loopback, ``sglang_s3_store.py``) run unpatched; the harness's
+  store views their files or objects (publish, corrupt, drop, INV-STORE-1), docs/storage.md.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import types
 from collections.abc import Sequence
@@ -78,6 +83,12 @@ from kvcert.conformance.adapters.sglang_hicache import (
     _Segment,
 )
 from kvcert.conformance.adapters.sglang_hicache_storage import CLOCK, sglang_page_keys
+from kvcert.conformance.adapters.sglang_s3_store import (
+    SGLangS3Store,
+    attach_seaweedfs,
+    new_prefix,
+    shared_server,
+)
 from kvcert.spec import pages
 from kvcert.spec.storage import StorageBackend
 from kvcert.spec.types import (
@@ -99,8 +110,9 @@ from kvcert.spec.types import (
     UnknownRetraction,
 )
 
-STORES = ("bridge", "file")
-"""The L3 store a storage target runs on: the checksumming bridge to the harness's store, or SGLang's `file`."""
+STORES = ("bridge", "file", "seaweedfs")
+"""The L3 store a storage target runs on: the checksumming bridge to the harness's store, or SGLang's own `file` or
+`seaweedfs` backend (S3 through boto3, against moto's server on loopback: `sglang_s3_store.py`)."""
 
 __all__ = [
     "SGLangHiCacheBackend",
@@ -110,6 +122,10 @@ __all__ = [
     "factory_rust_page_first",
     "factory_rust_storage",
     "factory_storage",
+    "factory_storage_file",
+    "factory_storage_seaweedfs",
+    "factory_storage_seaweedfs_drops",
+    "factory_page_first_storage_seaweedfs",
     "host_ratio_for",
     "make_factory",
 ]
@@ -131,8 +147,16 @@ class SGLangHiCacheBackend:
     """One UnifiedRadixCache (+ HiCache when host_capacity > 0); node handles are SGLang NodeIds."""
 
     def __init__(
-        self, config: CacheConfig, core: str = "python", layout: str = "layer_first", store: str = "bridge"
+        self,
+        config: CacheConfig,
+        core: str = "python",
+        layout: str = "layer_first",
+        store: str = "bridge",
+        endpoint: Optional[str] = None,
+        prefix: Optional[str] = None,
     ) -> None:
+        """`endpoint`, `prefix`: the `seaweedfs` store's S3 server (default: the process's own moto server on
+        loopback) and object prefix (default: one of its own, cleared at close; a given one is left as it is)."""
         if store not in STORES:
             raise ValueError(f"store must be one of {STORES}")
         if config.capacity % config.page_size:
@@ -151,11 +175,17 @@ class SGLangHiCacheBackend:
                 "prefetch_policy": config.prefetch_policy,
                 "prefetch_timeout": (float(config.prefetch_timeout_base), float(config.prefetch_timeout_per_page)),
                 "model_id": config.model_id,
-                "file_backend": store == "file",
+                "file_backend": store != "bridge",
             }
         self.store = store
         self.files: Optional[SGLangFileStore] = None
         """The `file` store's view of HiCacheFile's directory, once the harness attached its store."""
+        self.objects: Optional[SGLangS3Store] = None
+        """The `seaweedfs` store's view of SeaweedFSStore's bucket, once the harness attached its store."""
+        self.s3_backend: Any = None
+        """SGLang's SeaweedFSStore (the `seaweedfs` store), its objects under `s3_prefix`."""
+        self.s3_prefix = prefix or ""
+        self._own_prefix = prefix is None
         self.h = SGLangHiCache(
             HiCacheConfig(
                 page_size=ps,
@@ -170,6 +200,10 @@ class SGLangHiCacheBackend:
             )
         )
         assert self.h.is_rust == (core == "rust"), f"asked for the {core} tree core, SGLang built another"
+        if store == "seaweedfs" and self.storage:
+            if self._own_prefix:
+                self.s3_prefix = new_prefix()
+            self.s3_backend = attach_seaweedfs(self.h.cc, endpoint or shared_server().endpoint, self.s3_prefix)
         if self.host:
             self.h.cache.load_back_threshold = config.load_back_threshold
             pool = self.h.host_pool.anchor_entry.host_pool
@@ -379,10 +413,23 @@ class SGLangHiCacheBackend:
             self.h.l3.bridge.store = storage
             return
         if not hasattr(storage, "inner"):
-            raise ValueError("SGLang's file backend takes the harness's FaultyStorage: it views the engine's files")
-        self.files = SGLangFileStore(self.h.cc.storage_backend, self.page_size, self.config.model_id, sglang_page_keys)
-        storage.inner = self.files  # type: ignore[attr-defined]
-        self.h.l3.learners.append(self.files.learn)
+            raise ValueError("SGLang's own backend takes the harness's FaultyStorage: it views the engine's pages")
+        view: SGLangFileStore | SGLangS3Store
+        if self.s3_backend is not None:
+            view = self.objects = SGLangS3Store(
+                self.s3_backend,
+                self.page_size,
+                self.config.kv_layers,
+                self.config.model_id,
+                self.layout,
+                sglang_page_keys,
+            )
+        else:
+            view = self.files = SGLangFileStore(
+                self.h.cc.storage_backend, self.page_size, self.config.model_id, sglang_page_keys
+            )
+        storage.inner = view  # type: ignore[attr-defined]
+        self.h.l3.learners.append(view.learn)
 
     def prefetch(self, node: int, namespace: Optional[str], tokens: Sequence[int]) -> int:
         """The scheduler's `_prefetch_kvcache` for a request whose match ended at `node`.
@@ -515,6 +562,12 @@ class SGLangHiCacheBackend:
 
     def close(self) -> None:
         self.h.close()
+        if self.s3_backend is not None and self._own_prefix:
+            backend, self.s3_backend = self.s3_backend, None
+            # SGLang's own clear: every object under this backend's prefix (moto keeps them process-wide). A server
+            # a test stopped has nothing left to clear.
+            with contextlib.suppress(Exception):
+                backend.clear()
 
 
 def _meta(node: dict[str, Any]) -> Optional[tuple[int, int, int, int]]:
@@ -528,20 +581,29 @@ def _meta(node: dict[str, Any]) -> Optional[tuple[int, int, int, int]]:
 
 
 def make_factory(
-    core: str = "python", layout: str = "layer_first", storage: bool = False, store: str = "bridge"
+    core: str = "python",
+    layout: str = "layer_first",
+    storage: bool = False,
+    store: str = "bridge",
+    endpoint: Optional[str] = None,
+    faults: Optional[tuple[str, ...]] = None,
 ) -> Any:
     """A kvcert factory for one tree core ("python" | "rust") and host layout ("layer_first" | "page_first_direct").
 
     `storage`: also declare the L3 tier (every prefetch stop policy): storage cells run SGLang's
-    storage path stepped by the harness, over a bridge to its store (`sglang_hicache_storage.py`), or with
-    `store="file"` over SGLang's own `file` backend (`sglang_file_store.py`).
+    storage path stepped by the harness, over a bridge to its store (`sglang_hicache_storage.py`), with
+    `store="file"` over SGLang's own `file` backend (`sglang_file_store.py`), or with `store="seaweedfs"` over
+    SGLang's own `seaweedfs` backend talking S3 to `endpoint` (default: a moto server kvcert starts on loopback
+    and stops at exit; `sglang_s3_store.py`). `faults`: the storage faults an engine-owned store declares (default
+    corrupt and drop, every one the harness can apply to its pages).
     """
     if core not in CORES or layout not in LAYOUTS or store not in STORES:
         raise ValueError(f"core must be one of {CORES}, layout one of {LAYOUTS}, store one of {STORES}")
     file = storage and store == "file"
+    s3 = storage and store == "seaweedfs"
 
     def factory(config: CacheConfig) -> SGLangHiCacheBackend:
-        return SGLangHiCacheBackend(config, core=core, layout=layout, store=store)
+        return SGLangHiCacheBackend(config, core=core, layout=layout, store=store, endpoint=endpoint)
 
     factory.__name__ = factory.__qualname__ = (
         "factory"
@@ -552,7 +614,7 @@ def make_factory(
             ("rust", "page_first_direct"): "_rust_page_first",
         }[core, layout]
         + ("_storage" if storage else "")
-        + ("_file" if file else "")
+        + (f"_{store}" if file or s3 else "")
     )
     factory.__doc__ = f"SGLang UnifiedRadixCache + HiCache, {core} tree core, {layout} host layout."
     snapshot_note = (
@@ -603,10 +665,10 @@ def make_factory(
                 "L3: a checksumming bridge to the harness's store replaces SGLang's own `file` backend (which serves "
                 "a corrupt page as KV: F-L3-1); `...:factory_storage_file` certifies that backend",
             )
-            if storage and not file
+            if storage and not (file or s3)
             else ()
         ),
-        storage_faults=("corrupt", "drop") if file else Capabilities.storage_faults,
+        storage_faults=(faults or ("corrupt", "drop")) if file or s3 else Capabilities.storage_faults,
     )
     if file:
         caps: Capabilities = factory.capabilities  # type: ignore[attr-defined]
@@ -618,6 +680,40 @@ def make_factory(
                 "L3: SGLang's own `file` backend (HiCacheFile) in a temporary directory: SGLang writes and reads its "
                 "page files itself; the harness publishes a peer's pages, damages pages and reads what was stored "
                 "through those files (sglang_file_store.py)",
+            ),
+        )
+    if s3:
+        caps = factory.capabilities  # type: ignore[attr-defined]
+        factory.capabilities = dataclasses.replace(  # type: ignore[attr-defined]
+            caps,
+            name=caps.name + " + L3 seaweedfs backend (S3, moto server)",
+            notes=caps.notes
+            + (
+                "L3: SGLang's own `seaweedfs` backend (SeaweedFSStore, zero-copy batch_get_v1/batch_set_v1) with its "
+                "own boto3 client, against a real S3 server: moto's, on 127.0.0.1, started and stopped by kvcert "
+                "(or the endpoint given); each backend's objects under a prefix of its own, cleared at close; the "
+                "harness publishes a peer's pages, damages pages and reads what was stored through the bucket "
+                "(sglang_s3_store.py)",
+            )
+            + (
+                (
+                    "L3 seaweedfs: `corrupt` not declared, so the walk goes on past a corrupt object served as KV "
+                    "(F-L3-1's class), which `...:factory_storage_seaweedfs` declares",
+                )
+                if faults is not None and "corrupt" not in faults
+                else ()
+            ),
+            deviations=caps.deviations
+            + (
+                "L3 seaweedfs: SGLang's init builds its `file` backend (the driver's config names no other); the "
+                "adapter swaps in `seaweedfs` from SGLang's StorageBackendFactory and selects the zero-copy page "
+                "functions as attach_storage_backend does for that name",
+                "L3 seaweedfs: its 16-worker thread pool runs each task inline, in submission order (pages of a batch "
+                "are read and written one after another): races between a batch's pages are not seen",
+                "L3 seaweedfs: moto's S3 server stands in for SeaweedFS's S3 gateway: the S3 API SGLang calls is "
+                "checked, SeaweedFS's own storage (filer, volumes, replication, its consistency) is not",
+                "L3 seaweedfs: failed and refused S3 requests (a stopped server, AccessDenied) and truncated objects "
+                "are checked by tests/test_sglang_seaweedfs.py, not by the harness's call faults",
             ),
         )
     return factory
@@ -637,3 +733,15 @@ factory_rust_storage = make_factory("rust", "layer_first", storage=True)
 """`...:factory_rust_storage`: Rust core, layer_first, with the L3 storage tier."""
 factory_storage_file = make_factory("python", "layer_first", storage=True, store="file")
 """`...:factory_storage_file`: Python core, layer_first, with the L3 tier on SGLang's own `file` backend."""
+factory_storage_seaweedfs = make_factory("python", "layer_first", storage=True, store="seaweedfs")
+"""`...:factory_storage_seaweedfs`: Python core, layer_first, the L3 tier on SGLang's own `seaweedfs` backend (S3)."""
+factory_page_first_storage_seaweedfs = make_factory("python", "page_first_direct", storage=True, store="seaweedfs")
+"""`...:factory_page_first_storage_seaweedfs`: as above with the page_first_direct host layout."""
+factory_storage_seaweedfs_drops = make_factory(
+    "python", "layer_first", storage=True, store="seaweedfs", faults=("drop",)
+)
+"""`...:factory_storage_seaweedfs_drops`: `factory_storage_seaweedfs` whose pages are dropped, never corrupted, so the walk
+goes on past a corrupt object served as KV (F-L3-1's class); its certificate lists `corrupt` as not checked."""
+factory_storage_seaweedfs_drops.__name__ = factory_storage_seaweedfs_drops.__qualname__ = (
+    "factory_storage_seaweedfs_drops"
+)

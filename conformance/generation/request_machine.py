@@ -18,7 +18,7 @@ from kvcert.conformance.generation.draws import MAX_PAGES, Draws, draws, tokens_
 from kvcert.conformance.generation.machine import NAMESPACES, RunStats
 from kvcert.conformance.generation.runner import precondition, rule
 from kvcert.conformance.harness.requests import RequestHarness
-from kvcert.spec.ops import AbortRequest, CloseSession, Op, Reprioritize, Step, Submit
+from kvcert.spec.ops import AbortRequest, CloseSession, LinkerFault, Op, Reprioritize, Step, Submit
 from kvcert.spec.types import CLIENT_RULES, CacheConfig, Capabilities
 
 __all__ = ["RequestMachine", "request_cells", "request_scope_gaps", "run_requests"]
@@ -173,6 +173,20 @@ class RequestMachine:
             rid = f"r{self.requests:06d}" if self.keeps("distinct-ids") else f"r{self.requests}"
             self.do(Submit(rid, ns, prompt, data.integer(0, 2, "priority"), output, None))
 
+    @precondition(lambda self: bool(self.capabilities.linker_faults) and len(self.h.in_flight()) < IN_FLIGHT)
+    @rule(data=draws())
+    def flood(self, data: Draws) -> None:
+        """A long fresh prompt arrives (an engine with a direct linker): the device evicts what it cached, which
+        the linker offloaded, so the next prompt sharing a prefix with an earlier one loads it back (SPEC.md §14)."""
+        ps, output = self.config.page_size, data.integer(1, 2, "output tokens")
+        ns = data.choice(self.namespaces, "namespace")
+        pages = max(1, (self._room() - output) // ps)
+        prompt = tokens_of(data.codes(pages, pages, "pages"), ps, 0)
+        self._saw(ns, None, prompt)
+        self.requests += 1
+        rid = f"r{self.requests:06d}" if self.keeps("distinct-ids") else f"r{self.requests}"
+        self.do(Submit(rid, ns, prompt, data.integer(0, 2, "priority"), output, None))
+
     def _saw(self, ns: Optional[str], lora: Optional[tuple[str, str]], prompt: tuple[int, ...]) -> None:
         self.seen.append((ns, prompt))
         self.seen_loras.append(lora)
@@ -221,11 +235,25 @@ class RequestMachine:
         else:
             self.do(AbortRequest(data.choice(self.h.in_flight(), "request")))
 
+    @precondition(lambda self: bool(self.capabilities.linker_faults))
+    @rule(data=draws())
+    def linker_fault(self, data: Draws) -> None:
+        """The store behind the engine's direct linker fails now or at its next call of a kind (SPEC.md §14): one
+        draw in three (most loads and offloads go through, so hits reach the engine)."""
+        if data.integer(0, 2, "fault unless >0"):
+            self.do(Step())
+        else:
+            self.do(LinkerFault(data.choice(list(self.capabilities.linker_faults), "linker fault")))
+
     def teardown(self) -> None:
         try:
             if not self.failed:
                 self.h.quiesce()
         finally:
+            reached = getattr(self.h.backend, "reached", None)  # what the engine's calls reached in a linker's store
+            if reached is not None:
+                for what, n in reached().items():
+                    type(self).stats.ops[f"linker:{what}"] += n
             self.h.close()
 
 
@@ -268,6 +296,14 @@ def request_scope_gaps(capabilities: Capabilities, cells: Sequence[Any]) -> list
         ("namespaces (INV-NS-*)", capabilities.namespaces, ops["namespace:named"] > 0),
         ("LoRA adapters (a request's adapter changes its KV: pages kept apart from the base model's)",
          capabilities.loras, ops["lora:sent"] > 0),
+        ("linker faults (SPEC.md §14: failed, refused and held loads and offloads, pages lost)",
+         bool(capabilities.linker_faults), ops["LinkerFault"] > 0),
+        ("linker loads that landed (a store hit loaded back into private slots, INV-LINK-1/2/3)",
+         bool(capabilities.linker_faults), ops["linker:load batch landed"] > 0),
+        ("linker load batches that failed (INV-LINK-4: the request aborted, never served)",
+         bool(capabilities.linker_faults), ops["linker:load batch failed"] > 0),
+        ("linker offloads that failed (INV-LINK-6: the node not marked stored)",
+         bool(capabilities.linker_faults), ops["linker:offload failed"] > 0),
         ("sessions closed by the client (INV-RP-3)", capabilities.priority_refs, ops["CloseSession"] > 0),
         ("priority changes (INV-RP-4)", capabilities.priority_refs and "update" in capabilities.priority_parts,
          ops["Reprioritize"] > 0),

@@ -27,7 +27,7 @@ from kvcert.conformance.harness.running import TraceInvalid
 from kvcert.conformance.harness.scheduler import KVModel
 from kvcert.spec import contracts
 from kvcert.spec.invariants import Violation, check_snapshot
-from kvcert.spec.ops import AbortRequest, CloseSession, Op, Reprioritize, Step, Submit
+from kvcert.spec.ops import AbortRequest, CloseSession, LinkerFault, Op, Reprioritize, Step, Submit
 from kvcert.spec.page_table import PageTable, check_pages, holders_exact
 from kvcert.spec.profiles import profile
 from kvcert.spec.requests import RequestView, kv_namespace, output_token
@@ -191,6 +191,8 @@ class RequestHarness:
         rules = self.capabilities.client
         if "no-aborts" in rules and isinstance(op, AbortRequest):
             return "no-aborts"
+        if isinstance(op, LinkerFault) and op.kind not in self.capabilities.linker_faults:
+            return f"no linker fault {op.kind!r} (Capabilities.linker_faults)"
         if isinstance(op, Submit) and op.lora is not None and not self.capabilities.loras:
             return "no LoRA adapters (Capabilities.loras)"
         if "sessions-only" in rules and isinstance(op, Submit) and op.session is None:
@@ -217,6 +219,8 @@ class RequestHarness:
             b.reprioritize(op.session, op.priority)
         elif isinstance(op, AbortRequest):
             b.abort(op.request)
+        elif isinstance(op, LinkerFault):
+            b.linker_fault(op.kind)
         else:
             raise TypeError(f"{type(op).__name__} is not a request-path op (SPEC.md §12)")
 
@@ -276,8 +280,9 @@ class RequestHarness:
         if not self.capabilities.kv_reads:
             return []
         checks = []
+        failed = self._failed_loads()  # condemned (SGLang aborts them after the forward) or recomputing: INV-LINK-4
         for v in views:
-            if v.state != "running" or not v.computed:
+            if v.state != "running" or not v.computed or v.id in failed:
                 continue
             want = self.model.content(v.namespace, tuple(v.tokens))
             if want is not None:
@@ -308,7 +313,7 @@ class RequestHarness:
             if sent is None or sent.done or v.state not in ("finished", "aborted"):
                 continue
             sent.done = True
-            if v.state == "aborted" and v.id not in self.aborted:
+            if v.state == "aborted" and v.id not in self.aborted and v.id not in self._failed_loads():
                 out.append(
                     Violation(
                         "INV-RP-5",
@@ -316,6 +321,9 @@ class RequestHarness:
                         f"{sorted(self.aborted) or 'nothing'}",
                     )
                 )
+            if v.state == "finished" and v.id in self._failed_loads() and profile(self.capabilities.profile).aborts_failed_loads:
+                out.append(Violation("INV-LINK-4", f"request {v.id} finished normally after its load failed: its "
+                                     "output was computed over slots the store did not fill"))  # fmt: skip
             if v.state == "finished":
                 self.finished[v.id] = v
                 st = self.sessions.get(sent.op.session) if sent.op.session is not None else None
@@ -355,6 +363,11 @@ class RequestHarness:
                     )
                 )
         return out
+
+    def _failed_loads(self) -> set[str]:
+        """Requests whose external load the harness's store failed: the engine may fail them (INV-LINK-4)."""
+        failed = getattr(self.backend, "failed_loads", None)
+        return set(failed()) if failed is not None else set()
 
     def _registered_turn(
         self, snap: Snapshot, sent: _Sent, v: RequestView, registered: dict[str, Any]
