@@ -53,10 +53,11 @@ class _Request:
 class ReferenceEngine:
     """A first-come first-served scheduler over any protocol cache (`RequestPathBackend`)."""
 
-    def __init__(self, cache: Any, config: CacheConfig) -> None:
+    def __init__(self, cache: Any, config: CacheConfig, priority_refs: bool = False) -> None:
+        """`priority_refs`: the cache keeps session refs (its factory's `Capabilities.priority_refs`)."""
         self.cache, self.config = cache, config
         self.ps = config.page_size
-        self.priority_refs = bool(getattr(cache, "capabilities", None) and cache.capabilities.priority_refs)
+        self.priority_refs = priority_refs
         self.model: Optional[Model] = None
         self.inbox: list[tuple[Any, ...]] = []
         self.waiting: list[_Request] = []
@@ -107,6 +108,7 @@ class ReferenceEngine:
         self.inbox = []
         self._settle()
         self._admit()
+        self._loaded()
         for r in list(self.running):
             self._forward(r)
         self._settle()
@@ -167,6 +169,13 @@ class ReferenceEngine:
             r.row, r.protected, r.node = list(got.slots) + own, got.length, got.node
             r.computed, r.target, r.state = got.length, len(r.tokens), "running"
             self.running.append(r)
+            self._admitted(r)
+
+    def _admitted(self, r: _Request) -> None:
+        """A tier below the device may fill part of `r`'s own slots now (a direct linker: `engine_linker`)."""
+
+    def _loaded(self) -> None:
+        """What the tiers below filled this step has landed (or failed) before the forwards run."""
 
     def _forward(self, r: _Request) -> None:
         """One forward of `r`: a prefill chunk, or one decoded token; then it samples, or finishes."""
@@ -208,6 +217,11 @@ class ReferenceEngine:
         self.ended.append(r)
         if node is not None and self.registers(r):
             self.register(r, node)
+        if node is not None:
+            self._cached(r, node)
+
+    def _cached(self, r: _Request, node: int) -> None:
+        """`r`'s computed pages are in the tree up to `node`: a tier below may copy them out now."""
 
     def registers(self, r: _Request) -> bool:
         """Whether a finished turn registers its session: it is a turn of a session still open."""
@@ -280,7 +294,7 @@ def _engine_over(make: Callable[[CacheConfig], Any], name: str) -> Callable[[Cac
     caps: Capabilities = make.capabilities  # type: ignore[attr-defined]
 
     def factory(config: CacheConfig) -> ReferenceEngine:
-        return ReferenceEngine(make(config), config)
+        return ReferenceEngine(make(config), config, caps.priority_refs)
 
     factory.capabilities = Capabilities(  # type: ignore[attr-defined]
         name=f"kvcert reference engine over {caps.name}",
