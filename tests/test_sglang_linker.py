@@ -9,6 +9,8 @@ Skipped as a whole without the `sglang` extra (required with KVCERT_SGLANG=1).
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import tempfile
 from collections import Counter
 from collections.abc import Iterator
@@ -130,3 +132,10 @@ def test_each_planted_wrapper_bug_fails_certification_under_its_rule(plant: str)
     rules = {f["invariant"] for c in cert.cells for f in c.failures}
     assert not cert.passed and rules and rules <= EXPECTED[plant] | {"INV-RP-1"}, rules
     assert rules & EXPECTED[plant], rules
+
+
+def test_the_target_imports_in_a_fresh_process() -> None:
+    """`kvcert certify ...sglang_linker:factory` imports the module first: SGLang's CPU shims must come before it."""
+    done = subprocess.run([sys.executable, "-c", "import kvcert.conformance.adapters.sglang_linker"],
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]

@@ -20,25 +20,27 @@ import dataclasses
 from collections.abc import Collection, Sequence
 from typing import Any, Optional
 
-from sglang.srt.mem_cache.hicache_storage import PoolName  # noqa: E402  (after the request path's shims)
-from sglang.srt.mem_cache.unified_cache.linker_factory import (  # noqa: E402
-    create_unified_cache_linker,
-    get_startup_linker_config,
-)
-from sglang.srt.mem_cache.unified_cache.unified_cache_linker import (  # noqa: E402
-    LayerWiseLoadCounter,
-    UnifiedCacheLinker,
-)
-from sglang.srt.runtime_context import get_memory  # noqa: E402
-
-from kvcert.conformance.adapters import sglang_requests as _rq
+from kvcert.conformance.adapters import _sglang_env as _env
+from kvcert.conformance.adapters import sglang_requests as _rq  # installs SGLang's CPU shims before the imports below
 from kvcert.conformance.adapters._sglang_kv import read_pool, write_pool
 from kvcert.conformance.linker import LinkerStore
 from kvcert.spec.invariants import Violation
 from kvcert.spec.linker import FAULTS
 from kvcert.spec.types import CacheConfig, PendingCopy, Snapshot
 
-__all__ = ["KvcertLinker", "SGLangLinkerPath", "factory"]
+with _env.quiet_imports():
+    from sglang.srt.mem_cache.hicache_storage import PoolName
+    from sglang.srt.mem_cache.unified_cache.linker_factory import (
+        create_unified_cache_linker,
+        get_startup_linker_config,
+    )
+    from sglang.srt.mem_cache.unified_cache.unified_cache_linker import (
+        LayerWiseLoadCounter,
+        UnifiedCacheLinker,
+    )
+    from sglang.srt.runtime_context import get_memory
+
+__all__ = ["KvcertLinker", "SGLangLinkerPath", "factory", "factory_rust"]
 
 STORE_PAGES = 2
 """The store holds this many times the device's pages: more than the device, so what the device evicts can come
@@ -232,6 +234,10 @@ def factory(config: CacheConfig) -> SGLangLinkerPath:
     return SGLangLinkerPath(config)
 
 
+def factory_rust(config: CacheConfig) -> SGLangLinkerPath:
+    return SGLangLinkerPath(config, core="rust")
+
+
 _base = _rq.factory.capabilities  # type: ignore[attr-defined]
 factory.capabilities = dataclasses.replace(  # type: ignore[attr-defined]
     _base,
@@ -255,10 +261,21 @@ factory.capabilities = dataclasses.replace(  # type: ignore[attr-defined]
     ),
     deviations=_rq._DEVIATIONS
     + (
-        "tree core: Python (tree_core_backend=python); SGLang's default is the Rust core",
+        "tree core: Python (tree_core_backend=python); SGLang's default is the Rust core (factory_rust)",
         "layer-wise loading: the store's loads land inside start_layer_wise_loading and the scripted forward does not "
         "wait on the layer counter, so a forward that reads a layer before it landed is not seen",
         "no flush: the request path sends no flush_cache, so the wrapper's reset with offloads in flight is not run",
     ),
 )
 factory.__doc__ = "SGLang's request path over UnifiedRadixCache with the harness's store as its direct linker."
+factory_rust.capabilities = dataclasses.replace(  # type: ignore[attr-defined]
+    factory.capabilities,  # type: ignore[attr-defined]
+    name=factory.capabilities.name.replace("Python tree core", "Rust tree core"),  # type: ignore[attr-defined]
+    deviations=tuple(
+        d
+        for d in factory.capabilities.deviations  # type: ignore[attr-defined]
+        if not d.startswith("tree core: Python")
+    )
+    + ("stored marks: the Rust core exposes no external_cache_stored, so INV-LINK-6 is judged on the results taken only",),
+)
+factory_rust.__doc__ = "`factory` on SGLang's default tree core, the compiled Rust one."
