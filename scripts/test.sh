@@ -7,6 +7,7 @@ export KVCERT_SGLANG="${KVCERT_SGLANG:-1}"  # the SGLang tests then fail, not sk
 export KVCERT_REFAWARE="${KVCERT_REFAWARE:-1}"  # likewise the RefAware fork's (.venv-refaware)
 export KVCERT_RAY="${KVCERT_RAY:-1}"  # and the Ray path's (a local cluster)
 export KVCERT_VLLM="${KVCERT_VLLM:-1}"  # and vLLM's (.venv-vllm)
+export KVCERT_KVCR="${KVCERT_KVCR:-1}"  # and the seed's KVCR linker's (.venv-kvcr)
 scripts/bootstrap.sh
 V="$ROOT/.venv/bin"
 if [[ "$KVCERT_REFAWARE" == "1" ]]; then
@@ -19,6 +20,12 @@ if [[ "$KVCERT_VLLM" == "1" ]]; then
     vllm_log="$(mktemp)"
     scripts/install_vllm.sh > "$vllm_log" 2>&1 &
     vllm_pid=$!
+fi
+
+if [[ "$KVCERT_KVCR" == "1" ]]; then
+    kvcr_log="$(mktemp)"
+    scripts/install_kvcr.sh > "$kvcr_log" 2>&1 &
+    kvcr_pid=$!
 fi
 
 echo "== ruff"
@@ -40,6 +47,11 @@ if [[ -n "${vllm_pid:-}" ]]; then
     echo "== .venv-vllm"
     wait "$vllm_pid" || { cat "$vllm_log"; exit 1; }
     tail -n 1 "$vllm_log"
+fi
+if [[ -n "${kvcr_pid:-}" ]]; then
+    echo "== .venv-kvcr"
+    wait "$kvcr_pid" || { cat "$kvcr_log"; exit 1; }
+    tail -n 1 "$kvcr_log"
 fi
 echo "== pytest"
 # Two workers, one test file each at a time (module fixtures are built once); the zoo's own pool runs

@@ -17,13 +17,13 @@ Rules marked (profile) are one engine's choices.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Optional
 
 from kvcert.spec.invariants import Violation
 
-__all__ = ["FAULTS", "RULES", "LinkerLedger", "Offload", "check_pinned"]
+__all__ = ["FAULTS", "RULES", "LinkerLedger", "LinkerSide", "Offload", "check_pinned"]
 
 RULES: dict[str, str] = {
     "INV-LINK-1": "a load names a page prefix of the request's last lookup whose length that lookup reported "
@@ -40,6 +40,24 @@ RULES: dict[str, str] = {
     "marked stored only when an offload of all its pages succeeded (or its pages were loaded back whole)",
     "INV-LINK-7": "every offload queued is resolved: its result taken, or the cache reset; a reset leaves no claim, "
     "queued load or offload behind",
+    "INV-LINK-8": "(linker) a lookup reports only prefix lengths whose every page is resident in the store and claimed "
+    "for that request's current attempt: a hint, a page still being fetched or stored, an older attempt's claim is "
+    "never a hit",
+    "INV-LINK-9": "(linker) offload results are published in queue order, each once every object of its offload "
+    "completed, success iff the store stored every object of it",
+    "INV-LINK-10": "(linker) a load batch completes its layer counter only once every byte landed (the slots hold "
+    "what was offloaded under those keys); a batch with a failed object fails the counter instead; either happens "
+    "within the store's operation timeout, and the batch is published once with its requests",
+    "INV-LINK-11": "(linker) a deadline, a stale hint, a dead peer or a capacity eviction gives a smaller confirmed "
+    "prefix or a miss, never a hang: a preparation is ready once its deadline passed",
+    "INV-LINK-12": "(linker) every claim the store holds belongs to a live preparation of an open request's current "
+    "attempt or to a load not finished; once nothing is in flight and no request is open, no claim, late operation, "
+    "abandoned or in-flight byte is left (snapshot_stats)",
+    "INV-LINK-13": "(linker) take_removed_page_hashes yields the event hash of every page the store reported evicted "
+    "since the last call, in order, and nothing else",
+    "INV-LINK-14": "(linker) a reset or close that cannot prove the store quiescent (operations in flight, or a close "
+    "that failed) quarantines the store and its DRAM: never reused, the new store's DRAM disjoint from it; a "
+    "quiescent one is closed; nothing queued before a reset is published after it",
 }
 
 FAULTS = ("load_fail", "load_refuse", "offload_fail", "offload_refuse", "offload_hold", "drop")
@@ -206,3 +224,136 @@ def check_pinned(off: Offload, queued: Sequence[bytes], now: Sequence[bytes]) ->
     slot = off.slots[bad] if bad is not None else "?"
     return [Violation("INV-LINK-5", f"offload {off.id}'s source slot {slot} changed before its result was taken: "
                       "the store would keep other KV under its key")]  # fmt: skip
+
+
+# --------------------------------------------------------------------------- the linker's side (INV-LINK-8..14)
+
+
+@dataclass
+class _Queued:
+    """One offload the linker accepted: the objects it owes the store, and what the store did with each."""
+
+    id: int
+    owed: list[str]
+    """Object keys not yet seen in a store operation."""
+    ops: set[int] = field(default_factory=set)
+    results: dict[str, bool] = field(default_factory=dict)
+    open_ops: set[int] = field(default_factory=set)
+
+
+@dataclass
+class LinkerSide:
+    """A linker judged by what its store did (INV-LINK-8..14): the walk reports the linker's answers and the
+    store's facts (which objects it stored, claimed, evicted; which operations are in flight), this judges them.
+    Keys are opaque strings; violations collect in `found`."""
+
+    found: list[Violation] = field(default_factory=list)
+    queued: list[_Queued] = field(default_factory=list)
+    """Offloads accepted and not published, in queue order."""
+    ops: dict[int, _Queued] = field(default_factory=dict)
+    next_id: int = 0
+    removed: list[int] = field(default_factory=list)
+    """Event hashes of evictions the store announced and the linker has not yielded yet."""
+
+    def _bad(self, inv: str, message: str) -> None:
+        self.found.append(Violation(inv, message))
+
+    def lookup(self, rid: str, asked: int, reported: Sequence[int], confirmed: int) -> None:
+        """The linker answered `reported` for `asked` pages; the store holds the first `confirmed` resident and
+        claimed for this attempt (INV-LINK-8)."""
+        bad = [n for n in reported if not 1 <= n <= min(asked, confirmed)]
+        if bad:
+            self._bad("INV-LINK-8", f"lookup of {rid} reports {sorted(reported)} of {asked} pages; only the first "
+                      f"{confirmed} are resident and claimed for it: a load of {max(bad)} would read pages it does "
+                      "not hold")  # fmt: skip
+
+    def offload(self, keys: Sequence[str]) -> None:
+        self.queued.append(_Queued(self.next_id, list(keys)))
+        self.next_id += 1
+
+    def submitted(self, op: int, keys: Sequence[str]) -> None:
+        """The store received write `op` of `keys`: it belongs to the oldest offload that still owes them."""
+        for q in self.queued:
+            if all(k in q.owed for k in keys):
+                for k in keys:
+                    q.owed.remove(k)
+                q.ops.add(op)
+                q.open_ops.add(op)
+                self.ops[op] = q
+                return
+        self._bad("INV-LINK-9", f"the store was asked to write {len(keys)} objects no queued offload owes")
+
+    def stored(self, op: int, results: Mapping[str, bool]) -> None:
+        q = self.ops.pop(op, None)
+        if q is not None:
+            q.open_ops.discard(op)
+            q.results.update(results)
+
+    def published(self, success: bool) -> None:
+        """The linker hands over its next offload result (INV-LINK-9)."""
+        if not self.queued:
+            self._bad("INV-LINK-9", "an offload result is published with no offload queued")
+            return
+        q = self.queued.pop(0)
+        if q.open_ops:
+            self._bad("INV-LINK-9", f"offload {q.id}'s result is published while {len(q.open_ops)} of its writes are "
+                      "still in flight: results out of queue order or early")  # fmt: skip
+        want = not q.owed and not q.open_ops and all(q.results.values())
+        if success and not want:
+            self._bad("INV-LINK-9", f"offload {q.id} is published stored, and the store did not store every object of "
+                      "it: the cache would mark pages stored that a later lookup cannot restore")  # fmt: skip
+        if not success and want and q.results:
+            self._bad("INV-LINK-9", f"offload {q.id} is published failed, and the store stored every object of it "
+                      "(a result of another offload?)")  # fmt: skip
+
+    def load(self, batch: int, completed: bool, failed_objects: int, wrong: Sequence[str]) -> None:
+        """Batch `batch`'s counter `completed` (else failed); the store failed `failed_objects` of its objects, and
+        the slots of pages `wrong` do not hold what was offloaded (INV-LINK-10)."""
+        if completed and failed_objects:
+            self._bad("INV-LINK-10", f"load batch {batch} completes its layer counter although the store failed "
+                      f"{failed_objects} of its objects: the forward reads uncertain KV")  # fmt: skip
+        elif completed and wrong:
+            self._bad("INV-LINK-10", f"load batch {batch} completes its layer counter before every byte landed: "
+                      f"pages {list(wrong)[:3]} do not hold what was offloaded (wrong KV)")  # fmt: skip
+
+    def hung(self, what: str) -> None:
+        self._bad("INV-LINK-10" if what.startswith("load") else "INV-LINK-11", f"{what} never resolves: the "
+                  "scheduler would wait forever")  # fmt: skip
+
+    def stray_claims(self, stray: Sequence[str]) -> None:
+        if stray:
+            self._bad("INV-LINK-12", f"the store holds {len(stray)} claims no open request's preparation or "
+                      f"unfinished load owns ({stray[0]}): they pin pages forever")  # fmt: skip
+
+    def idle(self, stats: Mapping[str, float], store_claims: int) -> None:
+        """Nothing is in flight and no request is open (INV-LINK-12)."""
+        left = {k: stats.get(k, 0) for k in ("outstanding_claims", "abandoned_bytes", "prepare_inflight_bytes",
+                                             "offload_inflight_bytes", "kvcr_pending_ops", "preparations_tracked")}  # fmt: skip
+        left = {k: v for k, v in left.items() if v}
+        if store_claims:
+            left["claims held in the store"] = store_claims
+        if left:
+            self._bad("INV-LINK-12", f"the linker is idle and still accounts {left}: late work never drained")
+
+    def evicted(self, hashes: Sequence[int]) -> None:
+        self.removed.extend(hashes)
+
+    def taken_removed(self, got: Sequence[int]) -> None:
+        want, self.removed = self.removed, []
+        if list(got) != want:
+            self._bad("INV-LINK-13", f"take_removed_page_hashes yields {len(got)} hashes, the store evicted "
+                      f"{len(want)} pages since the last call: the router keeps routing to pages that are gone"
+                      if len(got) != len(want) else "take_removed_page_hashes yields other hashes or another order "
+                      "than the store's evictions")  # fmt: skip
+
+    def reset(self, in_flight: int, closed: bool, quarantined: bool, dram_shared: bool) -> None:
+        """A reset (or close) of a store with `in_flight` operations (INV-LINK-14)."""
+        if in_flight and not quarantined:
+            self._bad("INV-LINK-14", f"a reset with {in_flight} store operations in flight does not quarantine the "
+                      "store: late copies land in memory that is reused")  # fmt: skip
+        if not in_flight and not closed and not quarantined:
+            self._bad("INV-LINK-14", "a quiescent store is neither closed nor quarantined at reset")
+        if dram_shared:
+            self._bad("INV-LINK-14", "the new store's DRAM overlaps a quarantined store's: late copies overwrite it")
+        self.queued.clear()
+        self.ops.clear()

@@ -65,6 +65,8 @@ KINDS: dict[str, str] = {
     "block-pool": "a block table driven through its own API by a walk of the calls its engine's managers make "
     "(SPEC.md §13)",
     "offload": "an offload tier driven through its own API by a walk of the calls its engine's connector makes",
+    "linker": "a direct external linker driven through its own API by a walk of the calls its engine's scheduler and "
+    "cache make, over a stand-in store (SPEC.md §14.1)",
 }
 """How a target drives its cache (`Capabilities.kind`); a certificate names it."""
 

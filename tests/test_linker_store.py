@@ -45,7 +45,7 @@ def offload_two_pages(dev: Device, st: LinkerStore) -> None:
 
 
 def test_every_rule_and_fault_is_named() -> None:
-    assert sorted(RULES) == [f"INV-LINK-{i}" for i in range(1, 8)]
+    assert {f"INV-LINK-{i}" for i in range(1, 8)} <= set(RULES)  # INV-LINK-8.. are the linker side (test_kvcr_linker)
     assert len(set(FAULTS)) == len(FAULTS) == 6
 
 
