@@ -150,7 +150,9 @@ class LinkerStore:
         index, self.next_batch = self.next_batch, self.next_batch + 1
         self.ledger.start(index, self.free_slots(), self.cached_slots())
         loads, self.loads = self.loads, {}
-        fail = bool(loads) and self._take("load_fail")
+        # A page damaged at rest is caught by the store's own check of what it reads: the batch fails, as a load
+        # failure does (a correct linker never serves it, nor raises).
+        fail = bool(loads) and (self._take("load_fail") | self._take("corrupt") | self._take("truncate"))
         for rid, (keys, slots) in loads.items():
             entries = [e for k in keys for e in self.pages[k]]
             if fail:

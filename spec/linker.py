@@ -60,11 +60,13 @@ RULES: dict[str, str] = {
     "quiescent one is closed; nothing queued before a reset is published after it",
 }
 
-FAULTS = ("load_fail", "load_refuse", "offload_fail", "offload_refuse", "offload_hold", "drop")
-"""What the harness's store does on the trace's cue (`LinkerFault`): fail the next started load batch (some of its
+FAULTS = ("load_fail", "load_refuse", "offload_fail", "offload_refuse", "offload_hold", "drop", "corrupt", "truncate")
+"""What the trace may cue a linker's store to do (`LinkerFault`): fail the next started load batch (some of its
 bytes land torn), refuse the next load, fail one page of the next offload, refuse the next offload, hold the next
 offload's completion for a few scheduler steps, lose its oldest unclaimed page now (capacity, an external
-eviction)."""
+eviction); damage one page the next load batch reads, at rest: a byte flipped (`corrupt`) or the page cut short
+(`truncate`). A target maps each kind onto its own store and declares the kinds it takes; a correct linker reports
+a batch over a damaged page failed, and never raises into the scheduler."""
 
 
 @dataclass

@@ -14,8 +14,9 @@ import pytest
 from kvcert.conformance.certification import known
 from kvcert.conformance.certification.certify import replay
 from kvcert.conformance.engine import factory as reference_engine
+from kvcert.conformance.engine_linker import factory as linked_engine
 from kvcert.refimpl import RefCache
-from kvcert.spec.ops import REQUEST_OPS, Trace
+from kvcert.spec.ops import REQUEST_OPS, LinkerFault, Trace
 
 ROOT = Path(__file__).parent.parent
 FORK_PYTHON = ROOT / ".venv-refaware" / "bin" / "python"
@@ -39,7 +40,8 @@ print(json.dumps(out))
 REUSED_IDS = frozenset({"R1", "R2"})
 """Findings whose request traces send one request id for several turns (the fork's rid names its conversation),
 which a client of kvcert's reference engine never does: those it declines to play (TraceInvalid), every other
-trace it plays to its end."""
+trace it plays to its end. A trace with linker faults is played by the reference engine with a direct linker
+(`conformance.engine_linker`), whose store takes every fault kind."""
 
 
 def _is_request_trace(trace: Trace) -> bool:
@@ -50,8 +52,9 @@ def _is_request_trace(trace: Trace) -> bool:
 def test_a_correct_cache_plays_every_logged_trace(finding: known.Finding, path: str) -> None:
     trace = Trace.from_json(known.trace_text(path))
     if _is_request_trace(trace):
-        caps = reference_engine.capabilities  # type: ignore[attr-defined]
-        got = replay(reference_engine, caps, trace.config, trace.ops)
+        engine = linked_engine if any(isinstance(op, LinkerFault) for op in trace.ops) else reference_engine
+        caps = engine.capabilities  # type: ignore[attr-defined]
+        got = replay(engine, caps, trace.config, trace.ops)
     else:
         got = replay(RefCache, RefCache.capabilities, trace.config, trace.ops)
     assert got.failure is None, f"{finding.id}: {got.failure}"

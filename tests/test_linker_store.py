@@ -46,7 +46,7 @@ def offload_two_pages(dev: Device, st: LinkerStore) -> None:
 
 def test_every_rule_and_fault_is_named() -> None:
     assert {f"INV-LINK-{i}" for i in range(1, 8)} <= set(RULES)  # INV-LINK-8.. are the linker side (test_kvcr_linker)
-    assert len(set(FAULTS)) == len(FAULTS) == 6
+    assert len(set(FAULTS)) == len(FAULTS) == 8
 
 
 def test_a_round_trip_moves_the_bytes_and_breaks_no_rule() -> None:
@@ -151,3 +151,14 @@ def test_capacity_and_drops_never_take_a_claimed_page() -> None:
     assert list(st.pages) == ["k1"]
     with pytest.raises(ValueError):
         st.arm("melt")
+
+
+@pytest.mark.parametrize("kind", ["corrupt", "truncate"])
+def test_a_page_damaged_at_rest_fails_its_batch_instead_of_landing(kind: str) -> None:
+    dev = Device()
+    st = dev.store()
+    offload_two_pages(dev, st)
+    st.lookup("r", ["k0", "k1"])
+    st.load("r", ["k0", "k1"], [10, 11, 12, 13])
+    st.arm(kind)
+    assert st.finish(st.start()) is False and st.ledger.failed == {"r"}

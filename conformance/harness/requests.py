@@ -299,7 +299,7 @@ class RequestHarness:
                     Violation(
                         "INV-REQ-2",
                         f"request {v.id}: its row's slot {slots[bad] if bad < len(slots) else '?'} (token {bad}) holds "
-                        "other KV than its own: a slot it still reads was freed or reused",
+                        "other KV than its own: a slot it still reads was freed or reused, or filled with other bytes",
                     )
                 )
         return out
