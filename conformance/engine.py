@@ -53,10 +53,13 @@ class _Request:
 class ReferenceEngine:
     """A first-come first-served scheduler over any protocol cache (`RequestPathBackend`)."""
 
-    def __init__(self, cache: Any, config: CacheConfig, priority_refs: bool = False) -> None:
-        """`priority_refs`: the cache keeps session refs (its factory's `Capabilities.priority_refs`)."""
+    def __init__(self, cache: Any, config: CacheConfig, priority_refs: Optional[bool] = None) -> None:
+        """`priority_refs`: the cache keeps session refs (its factory's `Capabilities.priority_refs`); None reads
+        them off the cache's own `capabilities`, where it carries them (the reference model's class does)."""
         self.cache, self.config = cache, config
         self.ps = config.page_size
+        if priority_refs is None:
+            priority_refs = bool(getattr(cache, "capabilities", None) and cache.capabilities.priority_refs)
         self.priority_refs = priority_refs
         self.model: Optional[Model] = None
         self.inbox: list[tuple[Any, ...]] = []

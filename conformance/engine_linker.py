@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Optional
 
 from kvcert.conformance import engine as _engine
 from kvcert.conformance.linker import LinkerStore
@@ -43,7 +43,7 @@ STORE_PAGES = 2
 class LinkedEngine(_engine.ReferenceEngine):
     """`ReferenceEngine` over a device-only protocol cache, linked to the harness's store."""
 
-    def __init__(self, cache: Any, config: CacheConfig, priority_refs: bool = False) -> None:
+    def __init__(self, cache: Any, config: CacheConfig, priority_refs: Optional[bool] = None) -> None:
         if config.host_capacity:
             raise ValueError("a direct linker has no host tier: host_capacity must be 0")
         super().__init__(cache, config, priority_refs)

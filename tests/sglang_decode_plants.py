@@ -25,6 +25,32 @@ PLANTS = ("commit-keeps-device-lock", "failed-restore-keeps-lock", "unevict-free
 
 
 @contextlib.contextmanager
+def wait_closed() -> Iterator[None]:
+    """SGLang with finding SG-DECODE-L3-WAIT fixed while the block runs: the decode transfer queue closes a prefetch's
+    admission wait once it takes the prefetched tokens (`finish_storage_prefetch_admission`, as the normal
+    scheduler's admission does, schedule_policy.py `_account_prefill_cache_admission`). Unmodified, the timeout
+    policy's `_storage_prefetch_wait` entry of every decode request whose prefetch was still running at its first
+    poll stays behind for the life of the server."""
+    cache = _urc.UnifiedRadixCache
+    real_pop = cache.pop_prefetch_loaded_tokens
+    real_load = _mixin.DecodeHiCacheTransferMixin._try_hicache_queue_load_back
+
+    def load_back(self: Any, dr: Any) -> bool:
+        tree = self.tree_cache
+
+        def pop(request: Any) -> int:
+            loaded = int(real_pop(tree, request))
+            tree.finish_storage_prefetch_admission(request, fulfilled_tokens=loaded, reason=None)
+            return loaded
+
+        with mock.patch.object(tree, "pop_prefetch_loaded_tokens", pop):
+            return bool(real_load(self, dr))
+
+    with mock.patch.object(_mixin.DecodeHiCacheTransferMixin, "_try_hicache_queue_load_back", load_back):
+        yield
+
+
+@contextlib.contextmanager
 def planted(name: str) -> Iterator[None]:
     """SGLang with plant `name` ("none": unmodified) while the block runs."""
     mixin = _mixin.DecodeHiCacheTransferMixin
@@ -83,8 +109,10 @@ def planted(name: str) -> Iterator[None]:
 @contextlib.contextmanager
 def counted(reached: Counter[str]) -> Iterator[None]:
     """Count what the run reached: L1 and L2 prefix hits, restores committed, transfers failed with a restore lock
-    held, evicted nodes restored on insert, L3 hits."""
+    held, evicted nodes restored on insert, L3 hits, L3 prefetches issued, tokens they brought to the host."""
     queue, mixin = _decode.DecodePreallocQueue, _mixin.DecodeHiCacheTransferMixin
+    prealloc = _mixin.DecodeHiCachePreallocMixin
+    real_start, real_result = prealloc._start_hicache_prefetch, _urc.UnifiedRadixCache._handle_prefetch_result
     real_match, real_commit = queue._match_prefix_and_lock, mixin._commit_hicache_local_restore_to_req
     real_clean, real_unevict = mixin._clean_hicache_prefetch_resources, _core.UnifiedTreeCore._unevict_node_on_insert
 
@@ -108,10 +136,20 @@ def counted(reached: Counter[str]) -> Iterator[None]:
         reached["unevicted"] += 1
         real_unevict(self, *args, **kwargs)
 
+    def start(self: Any, req: Any, prefix_match: Any) -> None:
+        real_start(self, req, prefix_match)
+        reached["l3_prefetches"] += prefix_match is not None and prefix_match.prefetch_registered
+
+    def result(self: Any, operation: Any) -> None:
+        reached["l3_tokens_loaded"] += int(operation.completed_tokens)
+        real_result(self, operation)
+
     with (
         mock.patch.object(queue, "_match_prefix_and_lock", match),
         mock.patch.object(mixin, "_commit_hicache_local_restore_to_req", commit),
         mock.patch.object(mixin, "_clean_hicache_prefetch_resources", clean),
         mock.patch.object(_core.UnifiedTreeCore, "_unevict_node_on_insert", unevict),
+        mock.patch.object(prealloc, "_start_hicache_prefetch", start),
+        mock.patch.object(_urc.UnifiedRadixCache, "_handle_prefetch_result", result),
     ):
         yield

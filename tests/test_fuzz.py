@@ -162,4 +162,5 @@ def test_a_steps_digest_bytes_are_its_json_encoding(tmp_path: Path, monkeypatch:
     cert = certify("kvcert.gpu:factory", examples=40, steps=50, seed=0, out_dir=tmp_path, driver="random", **cells)  # type: ignore[arg-type]
     device = dict(page_sizes=[1], policies=["lru"], write_policies=[], prefetch_policies=[])  # and a request path's ops
     served = certify("kvcert.conformance.engine:factory", examples=10, steps=30, seed=0, out_dir=tmp_path, driver="random", **device)  # type: ignore[arg-type]
-    assert cert.passed and served.passed and kinds == set(OP_TYPES), sorted(set(OP_TYPES) - kinds)
+    linked = certify("kvcert.conformance.engine_linker:factory", examples=10, steps=30, seed=0, out_dir=tmp_path, driver="random", **device)  # type: ignore[arg-type]
+    assert cert.passed and served.passed and linked.passed and kinds == set(OP_TYPES), sorted(set(OP_TYPES) - kinds)

@@ -6,11 +6,12 @@ KVCERT_SGLANG=1)."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import tempfile
 from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import pytest
 from _sglang import require_sglang
@@ -21,6 +22,7 @@ import sglang_decode_plants as plants  # noqa: E402
 
 from kvcert.conformance.adapters import sglang_decode  # noqa: E402
 from kvcert.conformance.certification.certify import certify  # noqa: E402
+from kvcert.conformance.harness.driver import ConformanceFailure  # noqa: E402
 from kvcert.conformance.harness.requests import RequestHarness  # noqa: E402
 from kvcert.spec.ops import Step, Submit  # noqa: E402
 from kvcert.spec.types import CacheConfig  # noqa: E402
@@ -28,6 +30,9 @@ from kvcert.spec.types import CacheConfig  # noqa: E402
 pytestmark = pytest.mark.sglang
 
 TARGET = "kvcert.conformance.adapters.sglang_decode:factory"
+STORAGE_TARGET = "kvcert.conformance.adapters.sglang_decode:factory_storage"
+STORAGE_EXAMPLES = 12
+"""Examples per storage cell (write-through, page sizes 1 and 4): enough to issue L3 prefetches that load tokens."""
 EXAMPLES = 20
 """Examples per host cell: enough for the unmodified engine to restore L2 prefixes and fail restored transfers."""
 
@@ -38,11 +43,40 @@ CAUGHT = {
 }
 """Each plant the certification reaches, and the rules any of which its failure must name."""
 
-NOT_REACHED = {
-    "prefetch-never-issued": "the decode target runs no L3 tier: the certification skips storage cells on request "
-    "paths, and without a storage backend `_start_hicache_prefetch` returns before it issues anything",
+STORAGE_CAUGHT = {
+    "prefetch-never-issued": {"INV-RP-5"},
 }
-"""Plants the certification cannot catch, and what it does not reach."""
+"""Plants only the storage target reaches: the prefill was promised the L3 span, nothing loads it, the restore fails
+and SGLang aborts the request (500, "HiCache restore failed") though its client did not ask and nothing failed."""
+
+LEAK_TRACE = (
+    Submit(request="r000002", namespace=None, tokens=(0, 2, 1), priority=0, output=4),
+    Step(),
+    Step(),
+    Step(),
+    Submit(request="r000003", namespace=None, tokens=(0, 2, 1, 1, 0), priority=0, output=2),
+)
+"""Finding SG-DECODE-L3-WAIT's minimal trace (page size 1, write_through; `kvcert certify ...:factory_storage` shrank
+it): the second prompt's suffix is in L3 (SGLang's own backup of the first request's output), its prefetch is still
+running at the transfer queue's first poll, the timeout policy opens a wait entry, and nothing on the decode path
+closes it."""
+
+
+@functools.cache
+def _run_storage(plant: str) -> dict[str, Any]:
+    """The storage target's write-through cells certified under `plant`, with SG-DECODE-L3-WAIT fixed (else every
+    cell stops at that leak)."""
+    reached: Counter[str] = Counter()
+    with tempfile.TemporaryDirectory() as out, plants.counted(reached), plants.wait_closed(), plants.planted(plant):
+        cert = certify(
+            STORAGE_TARGET,
+            examples=STORAGE_EXAMPLES,
+            out_dir=Path(out),
+            device_cells=False,
+            write_policies=["write_through"],
+        )
+    rules = sorted({f["invariant"] for c in cert.cells for f in c.failures})
+    return {"passed": cert.passed, "rules": rules, "reached": dict(reached), "steps": sum(c.steps for c in cert.cells)}
 
 
 @functools.cache
@@ -97,9 +131,42 @@ def test_a_planted_bug_fails_under_the_rule_it_breaks(plant: str) -> None:
     assert not got["passed"] and set(got["rules"]) & CAUGHT[plant], got
 
 
-@pytest.mark.parametrize("plant", sorted(NOT_REACHED))
-def test_a_plant_outside_the_targets_reach_passes(plant: str) -> None:
-    """Named so that a certification that starts to reach it (an L3 tier on request paths) is noticed: then it
-    must move to CAUGHT."""
-    got = _run(plant)
-    assert got["passed"] and got["reached"].get("l3_hits", 0) == 0, (NOT_REACHED[plant], got)
+def _replay_leak(fixed: bool) -> tuple[Optional[str], Counter[str]]:
+    config = CacheConfig(page_size=1, policy="lru", capacity=24, host_capacity=48, write_policy="write_through")
+    h = RequestHarness(sglang_decode.factory_storage(config), config, sglang_decode.factory_storage.capabilities)
+    reached: Counter[str] = Counter()
+    with plants.counted(reached), plants.wait_closed() if fixed else contextlib.nullcontext():
+        try:
+            for op in LEAK_TRACE:
+                h.step(op)
+            h.quiesce()
+        except ConformanceFailure as failure:
+            return str(failure), reached
+        finally:
+            h.close()
+    return None, reached
+
+
+def test_the_decode_path_leaks_a_prefetch_wait_per_l3_hit() -> None:
+    """Finding SG-DECODE-L3-WAIT: unmodified, the trace's L3 hit leaves its `_storage_prefetch_wait` entry behind
+    (INV-LIVE-2); with the decode path closing it as the normal scheduler's admission does, the same trace passes,
+    and its prefetch loaded the second prompt's suffix from L3."""
+    failure, reached = _replay_leak(fixed=False)
+    assert failure is not None and "INV-LIVE-2: cache._storage_prefetch_wait holds 1 entries" in failure, failure
+    failure, reached = _replay_leak(fixed=True)
+    assert failure is None, failure
+    assert reached["l3_hits"] == 1 and reached["l3_prefetches"] == 1 and reached["l3_tokens_loaded"] > 0, reached
+
+
+def test_the_storage_cells_reach_l3_and_certify_with_the_leak_fixed() -> None:
+    clean = _run_storage("none")
+    assert clean["passed"] and clean["rules"] == [], clean
+    reached = clean["reached"]
+    assert reached.get("l3_hits", 0) > 0 and reached.get("l3_prefetches", 0) > 0, reached
+    assert reached.get("l3_tokens_loaded", 0) > 0, reached
+
+
+@pytest.mark.parametrize("plant", sorted(STORAGE_CAUGHT))
+def test_a_planted_prefetch_bug_fails_under_the_rule_it_breaks(plant: str) -> None:
+    got = _run_storage(plant)
+    assert not got["passed"] and set(got["rules"]) & STORAGE_CAUGHT[plant], got

@@ -1,7 +1,9 @@
+# Over 600 lines: the decode worker, its prefill peer and its L3 tier are one target of one engine seam.
 """SGLang 0.5.23's decode server of PD disaggregation, with its decode-side radix cache and HiCache: a request-path
 target (SPEC.md §12).
 
     kvcert certify kvcert.conformance.adapters.sglang_decode:factory           # decode radix cache, + HiCache (host)
+    kvcert certify kvcert.conformance.adapters.sglang_decode:factory_storage   # + an L3 store in host cells
 
 What runs is SGLang's own decode worker: `Scheduler.event_loop_normal_disagg_decode`, one iteration per `step()`
 (`ingest_requests` -> `process_decode_queue` -> `get_next_disagg_decode_batch_to_run` -> `run_batch` ->
@@ -30,23 +32,29 @@ wrong bytes, which the suite reads back.
 from __future__ import annotations
 
 import dataclasses
+import json
+from collections import Counter
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Optional
 
 from kvcert.conformance.adapters import _sglang_env as _env
 from kvcert.conformance.adapters import sglang_requests as _sr
 from kvcert.conformance.adapters._sglang_kv import write_pool
+from kvcert.conformance.adapters.sglang_hicache_storage import Transfer
+from kvcert.spec import storage as l3
+from kvcert.spec.invariants import Violation
 from kvcert.spec.requests import RequestView
-from kvcert.spec.types import CacheConfig, Capabilities, PendingCopy, Snapshot
+from kvcert.spec.types import CacheConfig, Capabilities, PendingCopy, PendingPrefetch, Snapshot
 
 with _env.quiet_imports():
+    import torch
     from sglang.srt import runtime_context as _rc
     from sglang.srt.disaggregation.common.conn import PrefillServerInfo
     from sglang.srt.disaggregation.decode import DecodeReqToTokenPool
     from sglang.srt.managers.io_struct import TokenizedGenerateReqInput
     from sglang.srt.mem_cache.allocation_sizing import get_req_to_token_extra_context_len
 
-__all__ = ["SGLangDecodePath", "factory"]
+__all__ = ["SGLangDecodePath", "SGLangDecodeStoragePath", "factory", "factory_storage"]
 
 PEER_HOST = "prefill.kvcert"
 """The prefill peer's bootstrap host (any host but SGLang's warmup marker FAKE_BOOTSTRAP_HOST)."""
@@ -292,6 +300,248 @@ class SGLangDecodePath(_sr.SGLangRequestPath):
         return out
 
 
+# --------------------------------------------------------------------------- L3: the decode server's storage tier
+
+PREFETCH_POLICY = "timeout"
+"""--hicache-storage-prefetch-policy: SGLang's default, which a decode server keeps (DecodeHiCachePreallocMixin reads
+the cache's `prefetch_stop_policy`; nothing on the decode path overrides it)."""
+PREFETCH_TIMEOUT_TICKS = (64, 1)
+"""The timeout policy's wait, (base, per page) in ticks of the harness's logical clock (one op a tick). SGLang's is
+1 s + 0.25 s per 1K tokens of wall time, tens of decode iterations; a prefetch here lands within two iterations."""
+
+
+class _PeerStore:
+    """The L3 store the decode server shares with its peers: spec records (`kvcert.spec.storage`) under spec keys, a
+    dict (`StorageBackend`). SGLang reaches it through the bridge (`sglang_hicache_storage.BridgeStorage`)."""
+
+    def __init__(self) -> None:
+        self.data: dict[str, bytes] = {}
+
+    def batch_exists(self, keys: Sequence[str]) -> int:
+        for i, key in enumerate(keys):
+            if key not in self.data:
+                return i
+        return len(keys)
+
+    def batch_get(self, keys: Sequence[str]) -> list[Optional[bytes]]:
+        return [self.data.get(k) for k in keys]
+
+    def batch_set(self, keys: Sequence[str], values: Sequence[bytes]) -> list[bool]:
+        for k, v in zip(keys, values, strict=True):
+            self.data[k] = bytes(v)
+        return [True] * len(keys)
+
+
+class SGLangDecodeStoragePath(SGLangDecodePath):
+    """The decode worker with an L3 tier in host cells: `--hicache-storage-backend` over the stepped bridge to a store
+    it shares with the prefill peer. SGLang's own decode path runs on it: `query_storage_hit_length` at the prefix
+    match, `_start_hicache_prefetch` after admission, the transfer queue's wait on `check_prefetch_progress` before
+    the load-back, and the write-through backups of what it inserts (`write_backup_storage`).
+
+    The storage threads never run on their own: after each iteration the adapter runs their bodies over what the
+    iteration queued, until none has anything left (the backup thread's `batch_set`s, the prefetch thread's hit
+    query, the io-aux transfer of every operation the scheduler gave host pages, the sync thread's acks); SGLang's
+    scheduler drains their results at its next iteration (`check_hicache_events`), as it does with real threads."""
+
+    def __init__(self, config: CacheConfig) -> None:
+        self.store = _PeerStore()
+        self.reach: Counter[str] = Counter()
+        """What the L3 tier did: pages SGLang stored, pages the peer published, hit queries, prefetch transfers and
+        pages they read."""
+        self._learned: dict[int, int] = {}
+        """id(Req) -> tokens of it the bridge has learned."""
+        self._violations: list[Violation] = []
+        self.l3: Any = None
+        """The driver's stepped storage path (`SteppedStorage`); None in device-only cells."""
+        self.bridge: Any = None
+        if config.host_capacity > 0:
+            base, per_page = PREFETCH_TIMEOUT_TICKS
+            config = dataclasses.replace(
+                config,
+                prefetch_policy=PREFETCH_POLICY,
+                prefetch_timeout_base=base,
+                prefetch_timeout_per_page=per_page,
+            )
+        super().__init__(config)
+        if not self.host:
+            return
+        self.l3 = self._driver.l3
+        bridge = self.bridge = self.l3.bridge
+        assert bridge is not None, "the stepped storage path over the bridge"
+        bridge.store = self.store
+        store_pages = bridge.batch_set
+
+        def batch_set(keys: list[str], values: Any = None, *args: Any, **kwargs: Any) -> bool:
+            self._check_stored(keys, values)
+            return store_pages(keys, values, *args, **kwargs)
+
+        bridge.batch_set = batch_set  # type: ignore[method-assign]
+
+    def _server_args(self) -> dict[str, Any]:
+        """Host cells: `--hicache-storage-backend` (the cache the driver built is over the bridge) with SGLang's
+        prefetch policy and `prefetch_threshold` one page (the driver's extra config)."""
+        args = super()._server_args()
+        if self.host:
+            args |= {
+                "hicache_storage_backend": "file",
+                "hicache_storage_prefetch_policy": PREFETCH_POLICY,
+                "hicache_storage_backend_extra_config": json.dumps({"prefetch_threshold": self.page_size}),
+            }
+        return args
+
+    # ------------------------------------------------------------------ what SGLang stores
+
+    def _check_stored(self, keys: Sequence[str], values: Any) -> None:
+        """INV-STORE-1 for every page SGLang's backup thread hands the store: the spec's payload of the page its key
+        names (the bridge learned each key's path from the requests' tokens)."""
+        assert self.bridge is not None
+        ps, layers = self.page_size, self.config.kv_layers
+        for key, value in zip(keys, values or (), strict=False):
+            self.reach["l3_pages_stored"] += 1
+            known = self.bridge.paths.get(key)
+            if known is None:
+                self._violations.append(
+                    Violation("INV-STORE-1", f"SGLang stores page key {key[:16]}… of no path any request sent")
+                )
+                continue
+            ns, path = known
+            want = l3.page_payload(ns, path, len(path) // ps - 1, ps, layers)
+            got = bytes(value.detach().contiguous().view(torch.uint8).numpy().tobytes())
+            if got != want:
+                self._violations.append(
+                    Violation(
+                        "INV-STORE-1",
+                        f"SGLang stores page {len(path) // ps - 1} of a {len(path)}-token path (namespace {ns!r}) "
+                        "with other bytes than the spec's KV of its tokens",
+                    )
+                )
+
+    def observed(self, profile: str) -> list[Violation]:
+        out, self._violations = self._violations, []
+        return out
+
+    # ------------------------------------------------------------------ the peer's and the threads' part
+
+    def _learn(self) -> None:
+        """Teach the bridge every request's tokens (prompt and output so far): the paths SGLang's page keys name."""
+        assert self.l3 is not None
+        for record in self._submitted.values():
+            req = record.req
+            if req is None:
+                continue
+            tokens = [*req.origin_input_ids, *req.output_ids]
+            if self._learned.get(id(req), -1) // self.page_size == len(tokens) // self.page_size:
+                continue
+            self._learned[id(req)] = len(tokens)
+            for learn in self.l3.learners:
+                learn(req.extra_key, tokens)
+
+    def _serve_prefill(self) -> None:
+        """The prefill peer, which also stores what it computed: once it served a prompt, its whole pages are in the
+        shared store (a prefill instance with HiCache storage backs its prefix up to the L3 the decode reads)."""
+        before = [s for s in self._sent if not s.served]
+        super()._serve_prefill()
+        if not self.host or self._model is None:
+            return
+        assert self.bridge is not None
+        for sent in before:
+            if not sent.served:
+                continue
+            req = sent.decode_req.req
+            prompt = [int(t) for t in req.origin_input_ids]
+            ns = self.content_of(req)
+            keys = l3.page_keys(ns, prompt, self.page_size, self.bridge.digest)
+            new = [(i, k) for i, k in enumerate(keys) if k not in self.store.data]
+            records = [
+                l3.encode_page(k, l3.page_payload(ns, prompt, i, self.page_size, self.config.kv_layers)) for i, k in new
+            ]
+            self.store.batch_set([k for _, k in new], records)
+            self.reach["l3_pages_published"] += len(new)
+
+    def step(self) -> None:
+        super().step()
+        if self.host:
+            with self._engine():
+                self._run_storage_threads()
+
+    def _run_storage_threads(self) -> None:
+        """The storage threads' bodies over what SGLang queued, until none has anything left."""
+        l3s = self.l3
+        assert l3s is not None
+        cc = l3s.cc
+        self._learn()
+        for _ in range(64):
+            moved = False
+            for op_id in [i for i in l3s.stores if i not in l3s.store_done]:  # backup_thread_func
+                l3s.complete_store(op_id)
+                moved = True
+            if cc.prefetch_queue.held:  # prefetch_thread_func: one hit query (batch_exists) per operation
+                self.reach["l3_hit_queries"] += len(cc.prefetch_queue.held)
+                cc.prefetch_queue.release()
+                l3s._run_body(cc.prefetch_thread_func)
+                moved = True
+            for op in list(cc.prefetch_buffer.held):  # prefetch_io_aux_func: the transfer, page by page
+                cc.prefetch_buffer.held.remove(op)
+                reads = self.bridge.reads
+                transfer = Transfer(cc, op)
+                while not transfer.done:
+                    transfer.step()
+                self.reach["l3_transfers"] += 1
+                self.reach["l3_pages_read"] += self.bridge.reads - reads
+                moved = True
+            if cc.prefetch_sync_queue.held:  # prefetch_sync_thread_func: acks to the scheduler
+                cc.prefetch_sync_queue.release()
+                l3s._run_body(cc.prefetch_sync_thread_func)
+                moved = True
+            if not moved:
+                return
+        raise RuntimeError("SGLang's storage threads never ran out of work")
+
+    # ------------------------------------------------------------------ observation
+
+    def snapshot(self) -> Snapshot:
+        """The base's, with SGLang's own prefetches: each running one (its anchor, the tokens its hit query asked
+        for, those its transfer fetched, its host pages), and host pages a finished one returned that the scheduler
+        frees at its next drain (`host_mem_release_queue`), held at the root meanwhile."""
+        snap = super().snapshot()
+        if not self.host:
+            return snap
+        cache = self.cache
+        out = []
+        for i, info in enumerate(cache.ongoing_prefetch.values()):
+            op = info.operation
+            slots = tuple(int(x) for x in info.host_indices.tolist()) if info.host_indices is not None else ()
+            fetched = min(int(op.completed_tokens), len(slots))
+            failed = op.is_terminated() and fetched < len(slots)
+            out.append(PendingPrefetch(i, int(info.anchor_node_id), len(slots), fetched, failed, slots))
+        released = [int(x) for t in list(cache.cache_controller.host_mem_release_queue.queue) for x in t.tolist()]
+        if released:
+            root = int(cache.root_node_handle())
+            out.append(PendingPrefetch(len(out), root, len(released), 0, True, tuple(released)))
+        return dataclasses.replace(snap, prefetches=snap.prefetches + tuple(out)) if out else snap
+
+    def bookkeeping(self) -> dict[str, tuple[Any, ...]]:
+        """The base's, and the storage path's own: stores issued and not yet acknowledged, the controller's
+        prefetch and backup queues."""
+        out = super().bookkeeping()
+        if not self.host:
+            return out
+        assert self.l3 is not None
+        cc = self.l3.cc
+        out["cache_controller.prefetch_queue"] = (len(cc.prefetch_queue.held) + len(cc.prefetch_queue.ready), (), None)
+        out["cache_controller.prefetch_buffer"] = (len(cc.prefetch_buffer.held), (), None)
+        out["cache_controller.backup_queue"] = (len(cc.backup_queue.held), (), None)
+        cache = self.cache
+        for name in ("_storage_prefetch_hit_remaining_by_reqid", "prefetch_loaded_storage_start_by_reqid"):
+            out[f"cache.{name}"] = (len(getattr(cache, name)), (), None)
+        out["cache.ongoing_prefetch.anchors"] = (
+            len(self.cache.ongoing_prefetch),
+            tuple(sorted({int(i.anchor_node_id) for i in self.cache.ongoing_prefetch.values()})),
+            None,
+        )
+        return out
+
+
 # --------------------------------------------------------------------------- factories
 
 _NOTES = (
@@ -362,3 +612,47 @@ def factory(config: CacheConfig) -> SGLangDecodePath:
 
 
 factory.capabilities = _capabilities()  # type: ignore[attr-defined]
+
+
+_STORAGE_NOTES = (
+    "L3 (host cells): --hicache-storage-backend over the stepped bridge to a store shared with the prefill peer "
+    "(sglang_hicache_storage.BridgeStorage; spec records under spec keys), --hicache-storage-prefetch-policy timeout "
+    "(SGLang's default: the decode path keeps the cache's policy), its wait 64 ticks + 1 a page of the harness's "
+    "logical clock (one op a tick)",
+    "L3: after each iteration the adapter runs SGLang's storage threads' bodies over what the iteration queued until "
+    "none has work left: backup_thread_func (one batch_set a store), prefetch_thread_func (the hit query), the io-aux "
+    "transfer (_page_transfer, page by page), prefetch_sync_thread_func; SGLang's scheduler drains their results at "
+    "its next iteration's check_hicache_events",
+    "L3: the prefill peer stores what it computed: once it served a prompt, the prompt's whole pages are published to "
+    "the shared store (the spec's records of the model's KV), as a prefill instance with HiCache storage backs its "
+    "prefix up; SGLang's own write-through backups go to the same store",
+    "L3: every page SGLang stores must be the spec's KV of the path its key names (INV-STORE-1, checked at the "
+    "bridge's batch_set); every page it reads is the spec's record or a miss (the bridge checks it); what a prefetch "
+    "inserts is read back on the host and, once loaded, on the device (INV-KV-1/2); SGLang's running prefetches and "
+    "the host pages a finished one returns are listed in the snapshot (INV-HOST-4/5, INV-PF-1)",
+)
+
+_STORAGE_DEVIATIONS = (
+    "L3: prefetch_threshold one page (the extra config's; SGLang's default 256 tokens would prefetch nothing in a "
+    "cell's pool of tens of tokens)",
+    "L3: SGLang's storage threads are built inert and their bodies run by the adapter after each iteration "
+    "(sglang_hicache_storage.SteppedStorage's queues), not on timers",
+)
+
+
+def _storage_capabilities() -> Capabilities:
+    base = factory.capabilities  # type: ignore[attr-defined]
+    return dataclasses.replace(
+        base,
+        name=base.name + " + L3 storage (host cells)",
+        notes=base.notes + _STORAGE_NOTES,
+        deviations=base.deviations + _STORAGE_DEVIATIONS,
+    )
+
+
+def factory_storage(config: CacheConfig) -> SGLangDecodeStoragePath:
+    """SGLang's decode worker with its decode radix cache, HiCache and an L3 store in host cells."""
+    return SGLangDecodeStoragePath(config)
+
+
+factory_storage.capabilities = _storage_capabilities()  # type: ignore[attr-defined]
