@@ -143,16 +143,18 @@ class LinkedEngine(_engine.ReferenceEngine):
         return dict(self.store.reached)
 
     def observed(self, profile: str) -> list[Violation]:
-        """The store's judgements of this engine's calls, and INV-LINK-6 over the pages it counts as stored."""
+        """The store's judgements of this engine's calls, INV-LINK-6 over the pages it counts as stored, and
+        INV-LINK-7 once no request is left."""
         self.store.ledger.marks("engine", sorted(self.stored))
+        if not self.waiting and not self.running:
+            self.store.ledger.idle()
         return self.store.violations()
 
     def snapshot(self) -> Snapshot:
         snap = super().snapshot()
-        flying = self.store.inflight + self.store.results
         pending = tuple(
-            PendingCopy(f.off.id, "offload", (node,), f.off.result is not None)
-            for f, (node, _) in zip(flying, self.offloads)
+            PendingCopy(off.id, "offload", (node,), off.result is not None)
+            for off, (node, _) in zip(self.store.ledger.offloads, self.offloads)
         )
         return dataclasses.replace(snap, pending=pending)
 

@@ -19,13 +19,39 @@ from typing import Optional
 from kvcert.spec.invariants import Violation
 from kvcert.spec.linker import FAULTS, LinkerLedger, Offload, check_pinned
 
-__all__ = ["HOLD_STEPS", "LinkerStore"]
+__all__ = ["HOLD_STEPS", "FaultCues", "LinkerStore"]
 
 HOLD_STEPS = 3
 """Scheduler steps an `offload_hold` keeps the next offload in flight (others complete at the next step)."""
 
 Read = Callable[[Sequence[int]], list[bytes]]
 Write = Callable[[Sequence[int], Sequence[bytes]], None]
+
+
+@dataclass
+class FaultCues:
+    """The faults a trace armed, each taken by the first call it is timed to. One of a kind at a time: faults piled
+    up would starve every call of theirs. `log` says what fired, for a trace's reader."""
+
+    kinds: tuple[str, ...] = FAULTS
+    armed: list[str] = field(default_factory=list)
+    log: list[str] = field(default_factory=list)
+
+    def check(self, kind: str) -> None:
+        if kind not in self.kinds:
+            raise ValueError(f"unknown linker fault {kind!r}; this store takes {self.kinds}")
+
+    def arm(self, kind: str) -> None:
+        self.check(kind)
+        if kind not in self.armed:
+            self.armed.append(kind)
+
+    def take(self, kind: str) -> bool:
+        if kind in self.armed:
+            self.armed.remove(kind)
+            self.log.append(kind)
+            return True
+        return False
 
 
 @dataclass
@@ -53,7 +79,7 @@ class LinkerStore:
     """key -> one entry per token of the page, oldest use first."""
     claims: dict[str, set[str]] = field(default_factory=dict)
     """rid -> the keys its lookup claimed: they stay until its load starts or it is released."""
-    armed: list[str] = field(default_factory=list)
+    cues: FaultCues = field(default_factory=FaultCues)
     loads: dict[str, tuple[tuple[str, ...], tuple[int, ...]]] = field(default_factory=dict)
     batches: dict[int, bool] = field(default_factory=dict)
     """Started batch -> whether every byte landed."""
@@ -62,8 +88,6 @@ class LinkerStore:
     results: list[_InFlight] = field(default_factory=list)
     """Published and not taken, oldest first."""
     now: int = 0
-    log: list[str] = field(default_factory=list)
-    """What the store did of note, for a trace's reader: faults fired, pages lost."""
     reached: Counter[str] = field(default_factory=Counter)
     """What the engine's calls reached: hits, loads landed and failed, offloads stored and failed, pages lost."""
 
@@ -73,19 +97,11 @@ class LinkerStore:
     # ------------------------------------------------------------------ the trace's side
 
     def arm(self, kind: str) -> None:
-        if kind not in FAULTS:
-            raise ValueError(f"unknown linker fault {kind!r}; one of {FAULTS}")
         if kind == "drop":
+            self.cues.check(kind)
             self._drop_oldest("dropped")
-        elif kind not in self.armed:  # one of a kind at a time: faults piled up would starve every call of theirs
-            self.armed.append(kind)
-
-    def _take(self, kind: str) -> bool:
-        if kind in self.armed:
-            self.armed.remove(kind)
-            self.log.append(kind)
-            return True
-        return False
+        else:
+            self.cues.arm(kind)
 
     def _drop_oldest(self, why: str) -> bool:
         held = {k for keys in self.claims.values() for k in keys}
@@ -93,7 +109,7 @@ class LinkerStore:
         if victim is None:
             return False
         del self.pages[victim]
-        self.log.append(f"{why} {victim[:8]}")
+        self.cues.log.append(f"{why} {victim[:8]}")
         self.reached[f"page {why}"] += 1
         return True
 
@@ -125,7 +141,7 @@ class LinkerStore:
 
     def load(self, rid: str, keys: Sequence[str], slots: Sequence[int]) -> bool:
         self.ledger.load(rid, keys, slots, self.free_slots(), self.cached_slots())
-        refused = self._take("load_refuse")
+        refused = self.cues.take("load_refuse")
         if refused or any(k not in self.claims.get(rid, ()) or k not in self.pages for k in keys):
             self.claims.pop(rid, None)  # a lookup-less load has no claim; a claimed page is never lost
             self.ledger.cancel(rid, True)
@@ -152,7 +168,7 @@ class LinkerStore:
         loads, self.loads = self.loads, {}
         # A page damaged at rest is caught by the store's own check of what it reads: the batch fails, as a load
         # failure does (a correct linker never serves it, nor raises).
-        fail = bool(loads) and (self._take("load_fail") | self._take("corrupt") | self._take("truncate"))
+        fail = bool(loads) and (self.cues.take("load_fail") | self.cues.take("corrupt") | self.cues.take("truncate"))
         for rid, (keys, slots) in loads.items():
             entries = [e for k in keys for e in self.pages[k]]
             if fail:
@@ -175,12 +191,12 @@ class LinkerStore:
     # ------------------------------------------------------------------ offloads (the engine's calls)
 
     def offload(self, keys: Sequence[str], slots: Sequence[int]) -> bool:
-        if self._take("offload_refuse"):
+        if self.cues.take("offload_refuse"):
             self.reached["offload refused"] += 1
             return False
         off = self.ledger.offload(keys, slots)
-        hold = HOLD_STEPS if self._take("offload_hold") else 1
-        fail = len(keys) // 2 if self._take("offload_fail") else None
+        hold = HOLD_STEPS if self.cues.take("offload_hold") else 1
+        fail = len(keys) // 2 if self.cues.take("offload_fail") else None
         self.inflight.append(_InFlight(off, self.read(off.slots), self.now + hold, fail))
         return True
 

@@ -16,44 +16,26 @@ from typing import Any
 from unittest import mock
 
 import pytest
+from _linker import RELOAD, conversation
 
 from kvcert.conformance import engine_linker
-from kvcert.conformance.backend import capabilities_of
 from kvcert.conformance.certification.certify import certify
 from kvcert.conformance.harness.driver import ConformanceFailure
-from kvcert.conformance.harness.requests import RequestHarness
-from kvcert.spec.ops import LinkerFault, Step, Submit
-from kvcert.spec.types import CacheConfig
 
 E = engine_linker.LinkedEngine
-CONFIG = CacheConfig(page_size=4, capacity=96, host_capacity=0)
-PROMPT = tuple([1] * 4 + [2] * 4 + [3] * 4 + [0] * 4 + [1] * 4)
-FLOODS = (tuple([2] * 44), tuple([3] * 44), tuple([0, 0, 0, 1] * 11))
 
 
-def conversation(fail_load: bool) -> Any:
-    """PROMPT, three long prompts that evict it, then PROMPT and a page more: its pages come back from the store."""
-    backend = engine_linker.factory(CONFIG)
-    h = RequestHarness(backend, CONFIG, capabilities_of(engine_linker.factory))
-    try:
-        for i, prompt in enumerate((PROMPT, *FLOODS)):
-            h.step(Submit(f"r{i}", None, prompt, 0, 2))
-            for _ in range(12):
-                h.step(Step())
-        if fail_load:
-            h.step(LinkerFault("load_fail"))
-        h.step(Submit("r9", None, PROMPT + (2, 2, 2, 2), 0, 2))
-        h.quiesce()
-    finally:
-        h.close()
+def _conversation(fail_load: bool) -> Any:
+    backend, h = conversation(engine_linker.factory, "load_fail" if fail_load else None)
+    h.close()
     return backend
 
 
 def test_a_hit_is_loaded_back_and_a_failed_load_aborts_its_request() -> None:
-    reached = conversation(fail_load=False).store.reached
+    reached = _conversation(fail_load=False).store.reached
     assert reached["lookup hit"] >= 1 and reached["load batch landed"] == 1
-    backend = conversation(fail_load=True)
-    assert backend.store.reached["load batch failed"] == 1 and backend.failed_loads() == {"r9"}
+    backend = _conversation(fail_load=True)
+    assert backend.store.reached["load batch failed"] == 1 and backend.failed_loads() == {RELOAD}
 
 
 @pytest.mark.parametrize("target", ["factory", "factory_gpu"])
@@ -130,7 +112,7 @@ def test_each_directed_mutant_fails_under_its_rule(mutant: tuple[str, set[str]])
     name, rules = mutant
     if name == "serve-failed-load":  # a failed batch needs the directed conversation
         with pytest.raises(ConformanceFailure) as caught:
-            conversation(fail_load=True)
+            _conversation(fail_load=True)
         assert {v.inv for v in caught.value.violations} & rules
         return
     with tempfile.TemporaryDirectory() as out:

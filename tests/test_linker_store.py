@@ -162,3 +162,16 @@ def test_a_page_damaged_at_rest_fails_its_batch_instead_of_landing(kind: str) ->
     st.load("r", ["k0", "k1"], [10, 11, 12, 13])
     st.arm(kind)
     assert st.finish(st.start()) is False and st.ledger.failed == {"r"}
+
+
+def test_a_load_left_queued_when_no_request_is_left_breaks_link_7() -> None:
+    dev = Device()
+    st = dev.store()
+    offload_two_pages(dev, st)
+    st.lookup("r", ["k0"])
+    st.load("r", ["k0"], [10, 11])
+    st.ledger.idle()
+    assert rules(st) == {"INV-LINK-7"}
+    st.finish(st.start())
+    st.ledger.idle()
+    assert rules(st) == set()

@@ -30,23 +30,16 @@ if importlib.util.find_spec("sglang_fs_linker") is None:
         pytest.fail("KVCERT_SGLANG=1 but sglang_fs_linker is not installed (requirements/sglang.txt)", pytrace=False)
     pytest.skip("sglang_fs_linker not installed: run scripts/install_sglang.sh", allow_module_level=True)
 
+from _linker import CONFIG, conversation  # noqa: E402
 from sglang.srt.mem_cache.unified_cache.linker_factory import create_unified_cache_linker  # noqa: E402
 from sglang_fs_linker.linker import FileSystemLinker  # noqa: E402
 
 from kvcert.conformance.adapters import sglang_fs_linker  # noqa: E402
-from kvcert.conformance.backend import capabilities_of  # noqa: E402
 from kvcert.conformance.certification.certify import certify  # noqa: E402
 from kvcert.conformance.harness.driver import ConformanceFailure  # noqa: E402
 from kvcert.conformance.harness.requests import RequestHarness  # noqa: E402
-from kvcert.spec.ops import LinkerFault, Step, Submit  # noqa: E402
-from kvcert.spec.types import CacheConfig  # noqa: E402
 
 pytestmark = pytest.mark.sglang
-
-CONFIG = CacheConfig(page_size=4, capacity=96, host_capacity=0)
-PROMPT = tuple([1] * 4 + [2] * 4 + [3] * 4 + [0] * 4 + [1] * 4)
-FLOODS = (tuple([2] * 44), tuple([3] * 44), tuple([0, 0, 0, 1] * 11))
-"""Three long prompts that leave nothing of PROMPT on the 96-slot device."""
 
 
 def test_sglang_refuses_the_package_as_shipped() -> None:
@@ -74,23 +67,7 @@ def test_sglang_refuses_the_package_as_shipped() -> None:
 
 
 def _conversation(fault: Optional[str] = None) -> tuple[Any, RequestHarness]:
-    """PROMPT, three floods that evict it from the device, then (after `fault`) PROMPT again with a page more: its
-    first pages come back from the package's files."""
-    backend = sglang_fs_linker.factory(CONFIG)
-    h = RequestHarness(backend, CONFIG, capabilities_of(sglang_fs_linker.factory))
-    try:
-        for i, prompt in enumerate((PROMPT, *FLOODS)):
-            h.step(Submit(f"r{i:02d}", None, prompt, 0, 2))
-            for _ in range(12):
-                h.step(Step())
-        if fault is not None:
-            h.step(LinkerFault(fault))
-        h.step(Submit("r99", None, PROMPT + (2, 2, 2, 2), 0, 2))
-        h.quiesce()
-    except BaseException:
-        h.close()
-        raise
-    return backend, h
+    return conversation(sglang_fs_linker.factory, fault)
 
 
 def test_a_hit_loads_back_from_the_files_and_close_deletes_them() -> None:

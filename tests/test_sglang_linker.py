@@ -22,45 +22,22 @@ from _sglang import require_sglang
 
 require_sglang()
 
+from _linker import conversation  # noqa: E402
 from sglang_linker_plants import PLANTS, planted  # noqa: E402
 
 from kvcert.conformance.adapters import sglang_linker  # noqa: E402
-from kvcert.conformance.backend import capabilities_of  # noqa: E402
 from kvcert.conformance.certification.certify import certify  # noqa: E402
 from kvcert.conformance.harness.driver import ConformanceFailure  # noqa: E402
 from kvcert.conformance.harness.requests import RequestHarness  # noqa: E402
 from kvcert.conformance.linker import LinkerStore  # noqa: E402
-from kvcert.spec.ops import LinkerFault, Step, Submit  # noqa: E402
-from kvcert.spec.types import CacheConfig  # noqa: E402
 
 pytestmark = pytest.mark.sglang
 
 TARGET = "kvcert.conformance.adapters.sglang_linker:factory"
-CONFIG = CacheConfig(page_size=4, capacity=96, host_capacity=0)
-PROMPT = tuple([1] * 4 + [2] * 4 + [3] * 4 + [0] * 4 + [1] * 4)
-FLOODS = (tuple([2] * 44), tuple([3] * 44), tuple([0, 0, 0, 1] * 11))
-"""Three long prompts that leave nothing of PROMPT on the 96-slot device."""
 
 
 def _conversation(fail_load: bool) -> tuple[Any, RequestHarness]:
-    """PROMPT, three floods that evict it from the device, then PROMPT again with a page more: its first pages come
-    back from the store (failing the batch with `fail_load`)."""
-    backend = sglang_linker.factory(CONFIG)
-    h = RequestHarness(backend, CONFIG, capabilities_of(sglang_linker.factory))
-    prompts = (PROMPT, *FLOODS)
-    try:
-        for i, prompt in enumerate(prompts):
-            h.step(Submit(f"r{i:02d}", None, prompt, 0, 2))
-            for _ in range(12):
-                h.step(Step())
-        if fail_load:
-            h.step(LinkerFault("load_fail"))
-        h.step(Submit("r99", None, PROMPT + (2, 2, 2, 2), 0, 2))
-        h.quiesce()
-    except BaseException:
-        h.close()
-        raise
-    return backend, h
+    return conversation(sglang_linker.factory, "load_fail" if fail_load else None)
 
 
 def test_a_hit_loads_back_and_a_failed_load_is_aborted_not_served() -> None:

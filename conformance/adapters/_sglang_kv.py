@@ -16,7 +16,7 @@ import torch
 
 from kvcert.spec import storage as l3
 
-__all__ = ["HEAD_DIM", "HEAD_NUM", "KV_DTYPE", "entries_of", "read_pool", "tensor_of", "write_pool"]
+__all__ = ["HEAD_DIM", "HEAD_NUM", "KV_DTYPE", "entries_of", "free_slots", "read_pool", "tensor_of", "write_pool"]
 
 KV_DTYPE = torch.float32
 HEAD_NUM, HEAD_DIM = 1, l3.KV_WIDTH // 4
@@ -55,3 +55,8 @@ def read_pool(pool: Any, slots: Sequence[int], layers: int) -> list[bytes]:
     k = torch.stack([pool.k_buffer[layer][idx] for layer in range(layers)])
     v = torch.stack([pool.v_buffer[layer][idx] for layer in range(layers)])
     return entries_of(torch.stack([k, v]))
+
+
+def free_slots(allocator: Any, page_size: int) -> set[int]:
+    """The device slots a (paged or token) SGLang allocator holds free: every slot of each free page."""
+    return {int(p) * page_size + i for p in allocator.get_all_free_pages().tolist() for i in range(page_size)}

@@ -42,11 +42,12 @@ from typing import Any, Optional
 import torch
 
 from kvcert.conformance.adapters import sglang_requests as _rq  # SGLang's CPU shims: before any sglang import
-from kvcert.conformance.adapters._sglang_kv import read_pool
-from kvcert.conformance.adapters.sglang_linker import SGLangLinkerPath
+from kvcert.conformance.adapters._sglang_kv import free_slots, read_pool
+from kvcert.conformance.adapters.sglang_linker import SGLangLinkerPath, kv_transfer
+from kvcert.conformance.linker import FaultCues
 from kvcert.spec.invariants import Violation
 from kvcert.spec.linker import LinkerLedger, Offload, check_pinned
-from kvcert.spec.types import CacheConfig, PendingCopy, Snapshot
+from kvcert.spec.types import CacheConfig
 
 __all__ = [
     "FS_FAULTS",
@@ -58,7 +59,6 @@ __all__ = [
     "factory_survivable",
 ]
 
-from sglang.srt.mem_cache.hicache_storage import PoolName  # noqa: E402  (after the request path's shims)
 from sglang_fs_linker import linker as _fs  # noqa: E402
 from sglang_fs_linker.linker import FileSystemLinker  # noqa: E402
 
@@ -69,10 +69,6 @@ accepts and completes inside the call."""
 
 NAMESPACE = "kvcert"
 """The package's `namespace` option (it names the model revision in the page directory)."""
-
-
-def _kv(transfers: Sequence[Any]) -> Any:
-    return next(t for t in transfers if t.name == PoolName.KV)
 
 
 class BridgedFileSystemLinker(FileSystemLinker):  # type: ignore[misc]
@@ -127,22 +123,20 @@ class ObservedFileSystemLinker(BridgedFileSystemLinker):
         """Page keys with a file, oldest write first (the victim of `drop`: the oldest)."""
         self.queued_bytes: dict[int, list[bytes]] = {}
         """Offload id -> its source slots' bytes when it was queued (INV-LINK-5)."""
-        self.armed: list[str] = []
-        self.log: list[str] = []
+        self.cues = FaultCues(FS_FAULTS)
         self.reached: Counter[str] = Counter()
 
     # ------------------------------------------------------------------ the world's side: faults
 
     def fault(self, kind: str) -> None:
         """`drop` deletes the oldest page file now; every other kind is armed for the next call it is timed to."""
-        if kind not in FS_FAULTS:
-            raise ValueError(f"unknown linker fault {kind!r}; this target takes {FS_FAULTS}")
+        self.cues.check(kind)
         if kind == "drop":
             key = next((k for k in self.written if self._path(k).is_file()), None)
             if key is not None:
                 self._damage(key, "dropped")
-        elif kind not in self.armed:  # one of a kind at a time, as the harness's store
-            self.armed.append(kind)
+        else:
+            self.cues.arm(kind)
 
     def _damage(self, key: str, how: str) -> None:
         """The page file of `key` is deleted (`dropped`, `deleted ...`), cut to half its length (`truncated`) or has
@@ -158,19 +152,11 @@ class ObservedFileSystemLinker(BridgedFileSystemLinker):
         else:
             path.unlink()
             self.written.pop(key, None)
-        self.log.append(f"{how} {key[:8]}")
+        self.cues.log.append(f"{how} {key[:8]}")
         self.reached[f"page {how}"] += 1
 
-    def _take(self, kind: str) -> bool:
-        if kind in self.armed:
-            self.armed.remove(kind)
-            self.log.append(kind)
-            return True
-        return False
-
     def _free(self) -> Collection[int]:
-        ps = int(self.page_size)
-        return {int(p) * ps + i for p in self.allocator.get_all_free_pages().tolist() for i in range(ps)}
+        return free_slots(self.allocator, int(self.page_size))
 
     def _read(self, slots: Sequence[int]) -> list[bytes]:
         return read_pool(self.pool, slots, self.layers)
@@ -191,7 +177,7 @@ class ObservedFileSystemLinker(BridgedFileSystemLinker):
 
     def lookup(self, rid: str, transfers: list[Any]) -> list[int]:
         hits = [int(n) for n in super().lookup(rid, transfers)]
-        keys = list(_kv(transfers).keys or ())
+        keys = list(kv_transfer(transfers).keys or ())
         resident = 0
         while resident < len(keys) and self._path(keys[resident]).is_file():
             resident += 1
@@ -204,10 +190,10 @@ class ObservedFileSystemLinker(BridgedFileSystemLinker):
         return hits
 
     def load(self, rid: str, transfers: list[Any]) -> bool:
-        kv = _kv(transfers)
+        kv = kv_transfer(transfers)
         keys = list(kv.keys or ())
         self.ledger.load(rid, keys, [int(s) for s in kv.device_indices.tolist()], self._free(), self.cached())
-        if keys and self._take("load_refuse"):  # another process deletes a page after the lookup saw it
+        if keys and self.cues.take("load_refuse"):  # another process deletes a page after the lookup saw it
             self._damage(keys[-1], "deleted before its load")
         queued = bool(super().load(rid, transfers))
         if not queued:
@@ -233,7 +219,7 @@ class ObservedFileSystemLinker(BridgedFileSystemLinker):
                 ("truncate", "truncated"),
                 ("corrupt", "corrupted"),
             ):
-                if self._take(kind):
+                if self.cues.take(kind):
                     self._damage(key, how)
         index = int(super().start_layer_wise_loading())
         self.ledger.start(index, free, cached)
@@ -249,13 +235,13 @@ class ObservedFileSystemLinker(BridgedFileSystemLinker):
     # ------------------------------------------------------------------ offloads
 
     def offload(self, transfers: list[Any], session_id: Optional[str] = None) -> bool:
-        kv = _kv(transfers)
+        kv = kv_transfer(transfers)
         keys = list(kv.keys or ())
         slots = [int(s) for s in kv.device_indices.tolist()]
         off = self.ledger.offload(keys, slots)
         self.queued_bytes[off.id] = self._read(slots)
         before = len(self.completed_offloads)
-        full = len(keys) // 2 if keys and self._take("offload_fail") else None
+        full = len(keys) // 2 if keys and self.cues.take("offload_fail") else None
         with _disk_full_at(full):
             queued = bool(super().offload(transfers, session_id))
         for key in keys:
@@ -397,36 +383,13 @@ class SGLangFsLinkerPath(SGLangLinkerPath):
     def reached(self) -> dict[str, int]:
         return dict(self.linker.reached)
 
-    def failed_loads(self) -> set[str]:
-        return set(self.linker.ledger.failed)
+    def _ledger(self) -> LinkerLedger:
+        """The ledger the observed linker feeds (the package keeps none)."""
+        return self.linker.ledger  # type: ignore[no-any-return]
 
     def step(self) -> None:
         """SGLang's iteration (the package's store has no time of its own: it works inside each call)."""
         _rq.SGLangRequestPath.step(self)
-
-    def observed(self, profile: str) -> list[Violation]:
-        """The ledger's judgements of SGLang's calls since the last op, and INV-LINK-6 over the tree's stored marks."""
-        ledger = self.linker.ledger
-        if not self._driver.is_rust:
-            core = self.cache.tree_core
-            for nid in self._driver.nodes():
-                node = core.node_by_id(nid)
-                if getattr(node, "external_cache_stored", False):
-                    ledger.marks(str(nid), list(node.hash_value or ()))
-        found, ledger.found = ledger.found, []
-        return found
-
-    def snapshot(self) -> Snapshot:
-        """The request path's snapshot, with the offloads whose result SGLang has not taken as pending copies of
-        the nodes it locked (published: the package completes an offload inside the call)."""
-        snap = _rq.SGLangRequestPath.snapshot(self)
-        locked = [p.lock_node_id for p in self.cache.linker.pending_offloads]
-        flying = [(o.id, o.result is not None) for o in self.linker.ledger.offloads]
-        pending = tuple(
-            PendingCopy(oid, "offload", (int(locked[i]),) if i < len(locked) else (), done)
-            for i, (oid, done) in enumerate(flying)
-        )
-        return dataclasses.replace(snap, pending=pending)
 
     def close(self) -> None:
         """Close the linker and delete its files; the adapter is unusable afterwards."""

@@ -72,7 +72,7 @@ import torch
 
 from kvcert.conformance.adapters._radix_tree import INSERTION_ORDERED_TIES
 from kvcert.conformance.adapters._sglang_env import SGLANG_VERSION
-from kvcert.conformance.adapters._sglang_kv import HEAD_DIM, HEAD_NUM, entries_of, write_pool
+from kvcert.conformance.adapters._sglang_kv import HEAD_DIM, HEAD_NUM, entries_of, free_slots, write_pool
 from kvcert.conformance.adapters.sglang_file_store import SGLangFileStore
 from kvcert.conformance.adapters.sglang_hicache import (
     CORES,
@@ -226,9 +226,7 @@ class SGLangHiCacheBackend:
         return self.h.nodes()
 
     def _device_free(self) -> set[int]:
-        ps = self.page_size
-        pages = self.h.allocator.get_all_free_pages().tolist()
-        return {int(p) * ps + i for p in pages for i in range(ps)}
+        return free_slots(self.h.allocator, self.page_size)
 
     def _live(self, node: int) -> dict[int, dict[str, Any]]:
         tree = self._tree()

@@ -17,15 +17,15 @@ requests, the harness's model.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Collection, Sequence
+from collections.abc import Sequence
 from typing import Any, Optional
 
 from kvcert.conformance.adapters import _sglang_env as _env
 from kvcert.conformance.adapters import sglang_requests as _rq  # installs SGLang's CPU shims before the imports below
-from kvcert.conformance.adapters._sglang_kv import read_pool, write_pool
+from kvcert.conformance.adapters._sglang_kv import free_slots, read_pool, write_pool
 from kvcert.conformance.linker import LinkerStore
 from kvcert.spec.invariants import Violation
-from kvcert.spec.linker import FAULTS
+from kvcert.spec.linker import FAULTS, LinkerLedger
 from kvcert.spec.types import CacheConfig, PendingCopy, Snapshot
 
 with _env.quiet_imports():
@@ -40,14 +40,15 @@ with _env.quiet_imports():
     )
     from sglang.srt.runtime_context import get_memory
 
-__all__ = ["KvcertLinker", "SGLangLinkerPath", "factory", "factory_rust"]
+__all__ = ["KvcertLinker", "SGLangLinkerPath", "factory", "factory_rust", "kv_transfer"]
 
 STORE_PAGES = 2
 """The store holds this many times the device's pages: more than the device, so what the device evicts can come
 back from it, and fewer than the traffic offloads, so it evicts (capacity) as a real one does."""
 
 
-def _kv(transfers: Sequence[Any]) -> Any:
+def kv_transfer(transfers: Sequence[Any]) -> Any:
+    """The full-attention KV pool's transfer among a call's `PoolTransfer`s."""
     return next(t for t in transfers if t.name == PoolName.KV)
 
 
@@ -79,21 +80,17 @@ class KvcertLinker(UnifiedCacheLinker):
             capacity=int((extra_config or {})["capacity_pages"]),
             read=lambda slots: read_pool(self.kv_pool, slots, self.layers),
             write=lambda slots, entries: write_pool(self.kv_pool, slots, entries, self.layers),
-            free_slots=self._free,
+            free_slots=lambda: free_slots(self.allocator, self.page_size),
             cached_slots=lambda: self.cached(),
         )
         self._batches: dict[int, int] = {}
         """Layer-counter index -> the store's batch."""
 
-    def _free(self) -> Collection[int]:
-        ps = self.page_size
-        return {int(p) * ps + i for p in self.allocator.get_all_free_pages().tolist() for i in range(ps)}
-
     def lookup(self, rid: str, transfers: list[Any]) -> list[int]:
-        return self.store.lookup(rid, list(_kv(transfers).keys or ()))
+        return self.store.lookup(rid, list(kv_transfer(transfers).keys or ()))
 
     def load(self, rid: str, transfers: list[Any]) -> bool:
-        kv = _kv(transfers)
+        kv = kv_transfer(transfers)
         return self.store.load(rid, list(kv.keys or ()), [int(s) for s in kv.device_indices.tolist()])
 
     def start_layer_wise_loading(self) -> int:
@@ -119,7 +116,7 @@ class KvcertLinker(UnifiedCacheLinker):
         return self.store.cancel(rid)
 
     def offload(self, transfers: list[Any], session_id: Optional[str] = None) -> bool:
-        kv = _kv(transfers)
+        kv = kv_transfer(transfers)
         return self.store.offload(list(kv.keys or ()), [int(s) for s in kv.device_indices.tolist()])
 
     def num_completed_offloads(self) -> int:
@@ -185,8 +182,12 @@ class SGLangLinkerPath(_rq.SGLangRequestPath):
         """What SGLang's calls reached in the store (lookup hits, loads landed and failed, offloads...)."""
         return dict(self.linker.store.reached)
 
+    def _ledger(self) -> LinkerLedger:
+        """The ledger that judges SGLang's calls to its linker (here the harness's store keeps it)."""
+        return self.linker.store.ledger  # type: ignore[no-any-return]
+
     def failed_loads(self) -> set[str]:
-        return set(self.linker.store.ledger.failed)
+        return set(self._ledger().failed)
 
     def step(self) -> None:
         """One scheduler step of the store's time (offloads due complete), then SGLang's iteration."""
@@ -194,25 +195,28 @@ class SGLangLinkerPath(_rq.SGLangRequestPath):
         super().step()
 
     def observed(self, profile: str) -> list[Violation]:
-        """The store's judgements of SGLang's calls since the last op, and INV-LINK-6 over the tree's stored marks."""
-        store = self.linker.store
+        """The ledger's judgements of SGLang's calls since the last op, INV-LINK-6 over the tree's stored marks, and
+        INV-LINK-7 once no request is left."""
+        ledger = self._ledger()
         if not self._driver.is_rust:
             core = self.cache.tree_core
             for nid in self._driver.nodes():
                 node = core.node_by_id(nid)
                 if getattr(node, "external_cache_stored", False):
-                    store.ledger.marks(str(nid), list(node.hash_value or ()))
-        return store.violations()
+                    ledger.marks(str(nid), list(node.hash_value or ()))
+        if not self._live_reqs():
+            ledger.idle()
+        found, ledger.found = ledger.found, []
+        return found
 
     def snapshot(self) -> Snapshot:
-        """The request path's snapshot, with the offloads in flight as pending copies of the nodes SGLang locked."""
+        """The request path's snapshot, with the offloads whose result SGLang has not taken (in flight or published)
+        as pending copies of the nodes it locked for them."""
         snap = super().snapshot()
-        store = self.linker.store
         locked = [p.lock_node_id for p in self.cache.linker.pending_offloads]
-        flying = [(f.off.id, f.off.result is not None) for f in store.inflight + store.results]
         pending = tuple(
-            PendingCopy(oid, "offload", (int(locked[i]),) if i < len(locked) else (), done)
-            for i, (oid, done) in enumerate(flying)
+            PendingCopy(off.id, "offload", (int(locked[i]),) if i < len(locked) else (), off.result is not None)
+            for i, off in enumerate(self._ledger().offloads)
         )
         return dataclasses.replace(snap, pending=pending)
 
@@ -276,6 +280,8 @@ factory_rust.capabilities = dataclasses.replace(  # type: ignore[attr-defined]
         for d in factory.capabilities.deviations  # type: ignore[attr-defined]
         if not d.startswith("tree core: Python")
     )
-    + ("stored marks: the Rust core exposes no external_cache_stored, so INV-LINK-6 is judged on the results taken only",),
+    + (
+        "stored marks: the Rust core exposes no external_cache_stored, so INV-LINK-6 is judged on the results taken only",
+    ),
 )
 factory_rust.__doc__ = "`factory` on SGLang's default tree core, the compiled Rust one."
