@@ -12,7 +12,8 @@ Three things every storage backend and every cache that uses one must agree on:
   checksum, so a missing, truncated, corrupt or misplaced record decodes to a miss, never
   to wrong KV.
 
-`StorageBackend` is the batch API a backend implements (SGLang's `HiCacheStorage` shape).
+`StorageBackend` is the batch API a backend implements (SGLang's `HiCacheStorage` shape); `MemoryStorage` is the
+simplest correct one, a dict, for the harness and for an adapter whose engine shares a store with its peers.
 The exact byte encodings are in docs/storage.md. Hashes come from `hashlib` only, never
 `hash()`, whose value changes from one process to the next. Token ids are unsigned 32-bit
 (vocabulary indices); namespaces are `None` or any valid Unicode string.
@@ -25,7 +26,7 @@ import struct
 from collections.abc import Sequence
 from typing import Optional, Protocol, runtime_checkable
 
-from kvcert.spec.types import KVCertError
+from kvcert.spec.types import BadInput, KVCertError
 
 TOKEN_LIMIT = 2**32
 """Token ids lie in [0, TOKEN_LIMIT): each is hashed as 4 little-endian bytes."""
@@ -305,3 +306,39 @@ class StorageBackend(Protocol):
     def batch_set(self, keys: Sequence[str], values: Sequence[bytes]) -> list[bool]:
         """Store each value under its key; whether each one was stored."""
         ...
+
+
+def check_batch(keys: Sequence[str], values: Sequence[bytes]) -> None:
+    """A `batch_set` takes one value per key: a typed error, before anything is stored."""
+    if len(keys) != len(values):
+        raise BadInput(f"batch_set got {len(keys)} keys and {len(values)} values")
+
+
+class MemoryStorage:
+    """A dict from key to value: the simplest correct backend (`StorageBackend`)."""
+
+    def __init__(self) -> None:
+        self._data: dict[str, bytes] = {}
+
+    def batch_exists(self, keys: Sequence[str]) -> int:
+        for i, key in enumerate(keys):
+            if key not in self._data:
+                return i
+        return len(keys)
+
+    def batch_get(self, keys: Sequence[str]) -> list[Optional[bytes]]:
+        return [self._data.get(key) for key in keys]
+
+    def batch_set(self, keys: Sequence[str], values: Sequence[bytes]) -> list[bool]:
+        check_batch(keys, values)
+        for key, value in zip(keys, values):
+            self._data[key] = bytes(value)
+        return [True] * len(keys)
+
+    def delete(self, key: str) -> bool:
+        """Remove `key`; whether it was stored. (Harness-side, like `contents`.)"""
+        return self._data.pop(key, None) is not None
+
+    def contents(self) -> dict[str, bytes]:
+        """Everything stored, for tests and fault injection; not part of the protocol."""
+        return dict(self._data)

@@ -35,7 +35,7 @@ import dataclasses
 import json
 from collections import Counter
 from collections.abc import Sequence
-from typing import Any, Optional
+from typing import Any
 
 from kvcert.conformance.adapters import _sglang_env as _env
 from kvcert.conformance.adapters import sglang_requests as _sr
@@ -310,28 +310,6 @@ PREFETCH_TIMEOUT_TICKS = (64, 1)
 1 s + 0.25 s per 1K tokens of wall time, tens of decode iterations; a prefetch here lands within two iterations."""
 
 
-class _PeerStore:
-    """The L3 store the decode server shares with its peers: spec records (`kvcert.spec.storage`) under spec keys, a
-    dict (`StorageBackend`). SGLang reaches it through the bridge (`sglang_hicache_storage.BridgeStorage`)."""
-
-    def __init__(self) -> None:
-        self.data: dict[str, bytes] = {}
-
-    def batch_exists(self, keys: Sequence[str]) -> int:
-        for i, key in enumerate(keys):
-            if key not in self.data:
-                return i
-        return len(keys)
-
-    def batch_get(self, keys: Sequence[str]) -> list[Optional[bytes]]:
-        return [self.data.get(k) for k in keys]
-
-    def batch_set(self, keys: Sequence[str], values: Sequence[bytes]) -> list[bool]:
-        for k, v in zip(keys, values, strict=True):
-            self.data[k] = bytes(v)
-        return [True] * len(keys)
-
-
 class SGLangDecodeStoragePath(SGLangDecodePath):
     """The decode worker with an L3 tier in host cells: `--hicache-storage-backend` over the stepped bridge to a store
     it shares with the prefill peer. SGLang's own decode path runs on it: `query_storage_hit_length` at the prefix
@@ -344,7 +322,8 @@ class SGLangDecodeStoragePath(SGLangDecodePath):
     scheduler drains their results at its next iteration (`check_hicache_events`), as it does with real threads."""
 
     def __init__(self, config: CacheConfig) -> None:
-        self.store = _PeerStore()
+        self.store = l3.MemoryStorage()
+        """The L3 store the decode server shares with its peers (SGLang reaches it through the bridge)."""
         self.reach: Counter[str] = Counter()
         """What the L3 tier did: pages SGLang stored, pages the peer published, hit queries, prefetch transfers and
         pages they read."""
@@ -451,7 +430,7 @@ class SGLangDecodeStoragePath(SGLangDecodePath):
             prompt = [int(t) for t in req.origin_input_ids]
             ns = self.content_of(req)
             keys = l3.page_keys(ns, prompt, self.page_size, self.bridge.digest)
-            new = [(i, k) for i, k in enumerate(keys) if k not in self.store.data]
+            new = [(i, k) for i, (k, v) in enumerate(zip(keys, self.store.batch_get(keys))) if v is None]
             records = [
                 l3.encode_page(k, l3.page_payload(ns, prompt, i, self.page_size, self.config.kv_layers)) for i, k in new
             ]

@@ -23,43 +23,9 @@ from typing import Optional, Union
 
 from kvcert.spec import storage as l3
 from kvcert.spec.ops import Publish, StorageFault
-from kvcert.spec.storage import StorageError
+from kvcert.spec.storage import MemoryStorage, StorageError
+from kvcert.spec.storage import check_batch as _check_batch
 from kvcert.spec.types import BadInput, CacheConfig
-
-
-def _check_batch(keys: Sequence[str], values: Sequence[bytes]) -> None:
-    if len(keys) != len(values):
-        raise BadInput(f"batch_set got {len(keys)} keys and {len(values)} values")
-
-
-class MemoryStorage:
-    """A dict from key to value: the simplest correct backend."""
-
-    def __init__(self) -> None:
-        self._data: dict[str, bytes] = {}
-
-    def batch_exists(self, keys: Sequence[str]) -> int:
-        for i, key in enumerate(keys):
-            if key not in self._data:
-                return i
-        return len(keys)
-
-    def batch_get(self, keys: Sequence[str]) -> list[Optional[bytes]]:
-        return [self._data.get(key) for key in keys]
-
-    def batch_set(self, keys: Sequence[str], values: Sequence[bytes]) -> list[bool]:
-        _check_batch(keys, values)
-        for key, value in zip(keys, values):
-            self._data[key] = bytes(value)
-        return [True] * len(keys)
-
-    def delete(self, key: str) -> bool:
-        """Remove `key`; whether it was stored. (Harness-side, like `contents`.)"""
-        return self._data.pop(key, None) is not None
-
-    def contents(self) -> dict[str, bytes]:
-        """Everything stored, for tests and fault injection; not part of the protocol."""
-        return dict(self._data)
 
 
 class FileStorage:
