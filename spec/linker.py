@@ -38,8 +38,9 @@ RULES: dict[str, str] = {
     "taken: the cache keeps its pages locked until then",
     "INV-LINK-6": "results are taken in the order offloads were queued, never more than were published; a node is "
     "marked stored only when an offload of all its pages succeeded (or its pages were loaded back whole)",
-    "INV-LINK-7": "every offload queued is resolved: its result taken, or the cache reset; a reset leaves no claim, "
-    "queued load or offload behind",
+    "INV-LINK-7": "every load and offload queued is resolved: once no request is left, no load is queued and no "
+    "batch unfinished; an offload stays a pending copy of its locked node until its result is taken (INV-LIVE-1 once "
+    "the client is done); a reset leaves no claim, queued load or offload behind",
     "INV-LINK-8": "(linker) a lookup reports only prefix lengths whose every page is resident in the store and claimed "
     "for that request's current attempt: a hint, a page still being fetched or stored, an older attempt's claim is "
     "never a hit",
