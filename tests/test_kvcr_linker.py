@@ -8,32 +8,22 @@ each bug planted into the linker failing under the rule it breaks."""
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
+from _vllm import run_side
 
 from kvcert.spec import linker as lk
 
 ROOT = Path(__file__).resolve().parent.parent
-KVCR = ROOT / ".venv-kvcr" / "bin"
 TRACES = sorted((ROOT / "docs" / "runs" / "2026-12-05-kvcr").glob("*.json"))
 
 
 def run_kvcr(cmd: list[str]) -> tuple[int, str, str]:
-    """`cmd` (its first word a program in `.venv-kvcr/bin`) -> (exit status, stdout and stderr, stdout). Skips when the
-    environment is missing, and fails instead under KVCERT_KVCR=1 (CI)."""
-    if not (KVCR / "python").exists():
-        why = ".venv-kvcr missing: run scripts/install_kvcr.sh"
-        if os.environ.get("KVCERT_KVCR", "0") == "1":
-            pytest.fail(f"KVCERT_KVCR=1 but {why}", pytrace=False)
-        pytest.skip(why)
-    done = subprocess.run([str(KVCR / cmd[0]), *cmd[1:]], capture_output=True, text=True, timeout=600, cwd=ROOT,
-                          env={**os.environ, "PYTHONHASHSEED": "0"})  # fmt: skip
-    return done.returncode, done.stdout + done.stderr, done.stdout
+    """`run_side` in the KVCR linker's environment."""
+    return run_side(".venv-kvcr", cmd)
 
 
 # --------------------------------------------------------------------------- the checker, without SGLang
