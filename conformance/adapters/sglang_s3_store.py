@@ -27,10 +27,11 @@ import itertools
 import logging
 import os
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from typing import Any, Optional
 
+from kvcert.conformance.adapters.sglang_file_store import EnginePageStore
 from kvcert.conformance.adapters.sglang_hicache_storage import _CURRENT
 from kvcert.spec import storage as l3
 
@@ -202,29 +203,18 @@ def object_order(layout: str, layers: int, page_size: int) -> list[int]:
     raise ValueError(f"layout must be one of {S3_LAYOUTS}")
 
 
-class SGLangS3Store:
+class SGLangS3Store(EnginePageStore):
     """Spec keys and records over a live SeaweedFSStore's bucket and object names."""
 
+    WHAT = "page object"
+
     def __init__(self, backend: Any, page_size: int, layers: int, model_id: str, layout: str, keys_of: Any) -> None:
+        super().__init__(page_size, model_id, keys_of)
         self.backend = backend
         """The engine's SeaweedFSStore: its client, bucket and object naming (``_object_key``)."""
         self.s3, self.bucket = backend._s3, backend.config.bucket
-        self.page_size = page_size
-        self.digest = l3.canonical_digest(page_size, model_id)
-        self._keys_of = keys_of
-        """SGLang's page keys of a (namespace, tokens): the chain its tree stores as hash values."""
         self.order = object_order(layout, layers, page_size)
         self.size = len(self.order) * l3.KV_WIDTH
-        self.sglang_key: dict[str, str] = {}
-        """Spec key -> SGLang's key, for every page of a path learned."""
-        self.spec_key: dict[str, str] = {}
-        """Object name -> spec key."""
-        self.waiting: dict[str, bytes] = {}
-        """Records published for pages whose path SGLang was not handed yet."""
-        self.waiting_objects: dict[str, bytes] = {}
-        """The bytes each waiting page's object will hold (its payload's object, or that as damaged meanwhile)."""
-        self.damaged: dict[str, tuple[bytes, bytes]] = {}
-        """Spec key -> (the object's bytes once corrupted, the damaged record the harness's own stores hold)."""
         self._listed: Optional[tuple[int, dict[str, str]]] = None
         """(MUTATIONS when listed, the listing), for a server of this process."""
         self._ours = backend.config.endpoint in SERVED
@@ -232,19 +222,10 @@ class SGLangS3Store:
         """Object name -> (its ETag, its bytes) when last read: INV-STORE-1 reads the bucket after every step, and a
         listing's ETags (MD5 of the body) say which objects changed since."""
 
-    # ------------------------------------------------------------------ translation
+    # ------------------------------------------------------------------ the bucket
 
-    def learn(self, namespace: Optional[str], tokens: Sequence[int]) -> None:
-        """Name every whole page of `tokens` both ways; a waiting record of one becomes its object."""
-        toks = tuple(int(t) for t in tokens)
-        spec = l3.page_keys(namespace, toks, self.page_size, self.digest)
-        for sk, gk in zip(spec, self._keys_of(namespace, toks, self.page_size)):
-            if sk in self.sglang_key:
-                continue
-            self.sglang_key[sk] = gk
-            self.spec_key[self.backend._object_key(gk)] = sk
-            if self.waiting.pop(sk, None) is not None:
-                self._put(sk, self.waiting_objects.pop(sk))
+    def _learned(self, spec_key: str, sglang_key: str) -> str:
+        return str(self.backend._object_key(sglang_key))
 
     def _name(self, spec_key: str) -> Optional[str]:
         gk = self.sglang_key.get(spec_key)
@@ -263,14 +244,10 @@ class SGLangS3Store:
             out[i] = blob[j * w : (j + 1) * w]
         return b"".join(out)
 
-    def _put(self, key: str, blob: bytes) -> bool:
-        name = self._name(key)
-        if name is None:
-            return False
+    def _write(self, name: str, blob: bytes) -> None:
         self.s3.put_object(Bucket=self.bucket, Key=name, Body=blob)
-        return True
 
-    def _get(self, name: str) -> Optional[bytes]:
+    def _read(self, name: str) -> Optional[bytes]:
         try:
             return bytes(self.s3.get_object(Bucket=self.bucket, Key=name)["Body"].read())
         except self.s3.exceptions.NoSuchKey:
@@ -285,89 +262,16 @@ class SGLangS3Store:
             raise
         return True
 
-    @staticmethod
-    def _flip(blob: bytes, offset: Optional[int]) -> bytes:
-        """`blob` with every bit of one byte flipped (the middle one by default), as FaultyStorage damages a page."""
-        i = len(blob) // 2 if offset is None else offset % len(blob)
-        return blob[:i] + bytes([blob[i] ^ 0xFF]) + blob[i + 1 :]
-
-    def _record(self, key: str, blob: bytes) -> bytes:
-        """An object's bytes as the harness's stores hold the page: its record, or the record as damaged."""
-        damaged = self.damaged.get(key)
-        if damaged is not None and damaged[0] == blob:
-            return damaged[1]
-        payload = self.to_payload(blob)
-        return l3.encode_page(key, blob if payload is None else payload)
-
-    # ------------------------------------------------------------------ StorageBackend
-
-    def batch_exists(self, keys: Sequence[str]) -> int:
-        for i, key in enumerate(keys):
-            name = self._name(key)
-            if key not in self.waiting and (name is None or not self._exists(name)):
-                return i
-        return len(keys)
-
-    def batch_get(self, keys: Sequence[str]) -> list[Optional[bytes]]:
-        out: list[Optional[bytes]] = []
-        for key in keys:
-            if key in self.waiting:
-                out.append(self.waiting[key])
-                continue
-            name = self._name(key)
-            blob = None if name is None else self._get(name)
-            out.append(None if blob is None else self._record(key, blob))
-        return out
-
-    def batch_set(self, keys: Sequence[str], values: Sequence[bytes]) -> list[bool]:
-        """A peer engine's writes: each record's payload as the object SGLang would have put."""
-        if len(keys) != len(values):
-            raise l3.StorageError(f"batch_set got {len(keys)} keys and {len(values)} values")
-        done = []
-        for key, value in zip(keys, values):
-            payload = l3.decode_page(key, bytes(value))
-            if payload is None:  # only a harness call fault writes a record that does not decode: none is declared
-                raise l3.StorageError(f"a record that does not decode cannot become a page object: {key[:16]}…")
-            self.damaged.pop(key, None)
-            if key in self.sglang_key:
-                done.append(self._put(key, self.to_object(payload)))
-            else:
-                self.waiting[key], self.waiting_objects[key] = bytes(value), self.to_object(payload)
-                done.append(True)
-        return done
-
-    def delete(self, key: str) -> bool:
-        self.damaged.pop(key, None)
-        if self.waiting.pop(key, None) is not None:
-            del self.waiting_objects[key]
-            return True
-        name = self._name(key)
-        if name is None or not self._exists(name):
+    def _remove(self, name: str) -> bool:
+        if not self._exists(name):
             return False
         self.s3.delete_object(Bucket=self.bucket, Key=name)
-        return True
-
-    def corrupt(self, key: str, offset: Optional[int] = None) -> bool:
-        """Flip every bit of one byte of the object (the middle one by default): bit rot in the store. The harness's
-        own stores damage the page's record alike; :meth:`contents` reads the object as that record."""
-        if key in self.waiting:
-            self.waiting_objects[key] = self._flip(self.waiting_objects[key], offset)
-            self.waiting[key] = self._flip(self.waiting[key], offset)
-            self.damaged[key] = (self.waiting_objects[key], self.waiting[key])
-            return True
-        name = self._name(key)
-        blob = None if name is None else self._get(name)
-        if not blob:
-            return False
-        damaged = self._flip(blob, offset)
-        self.s3.put_object(Bucket=self.bucket, Key=name, Body=damaged)
-        self.damaged[key] = (damaged, self._flip(self._record(key, blob), offset))
         return True
 
     def truncate(self, key: str) -> bool:
         """Keep the first half of the object (a torn upload, a short copy): SGLang's size check makes it a miss."""
         name = self._name(key)
-        blob = None if name is None else self._get(name)
+        blob = None if name is None else self._read(name)
         if not blob:
             return False
         self.s3.put_object(Bucket=self.bucket, Key=name, Body=blob[: len(blob) // 2])
@@ -401,7 +305,7 @@ class SGLangS3Store:
                 continue
             seen = self._seen.get(name)
             if seen is None or seen[0] != etag:
-                blob = self._get(name)
+                blob = self._read(name)
                 if blob is None:  # deleted since the listing
                     continue
                 seen = self._seen[name] = (etag, blob)
