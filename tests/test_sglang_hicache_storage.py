@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 import pytest
 import torch
-from _sglang import require_sglang
+from _sglang import drop_mid_prefetch, require_sglang
 
 require_sglang()
 
@@ -506,30 +506,12 @@ def test_sglangs_own_file_backend_is_a_storage_target() -> None:
     does its own I/O), and a corrupt page file is F-L3-1 (its traces are replayed in test_known_findings)."""
     from kvcert.conformance.adapters.sglang_hicache_backend import factory_storage_file
     from kvcert.conformance.certification.scope import scope_gaps
-    from kvcert.spec.ops import CheckPrefetch, Complete, Fetch, Insert, Match, Poll, Prefetch, Publish, StorageFault
 
     caps = factory_storage_file.capabilities  # type: ignore[attr-defined]
     assert caps.storage_faults == ("corrupt", "drop")
     assert any("storage faults error, partial_write, torn_write" in g for g in scope_gaps(caps, []))
     config = CacheConfig(capacity=8, host_capacity=8, write_policy="write_through", prefetch_policy="wait_complete")
-    digest = l3.canonical_digest(1, config.model_id)
-    keys = l3.page_keys(None, (1, 2, 3), 1, digest)
-    stored = sorted(keys + l3.page_keys(None, (7, 8), 1, digest))  # StorageFault names a page by its place here
-    ops = [
-        Insert(None, (7, 8)),
-        Complete(0),
-        Poll(),
-        Complete(1),
-        Poll(),  # the engine's own store: HiCacheFile writes the two page files
-        Publish(None, (1, 2, 3)),
-        Match(None, (1, 2, 3)),
-        Prefetch(6),
-        Fetch(0),
-        StorageFault("drop", stored.index(keys[2])),
-        Fetch(0),
-        Fetch(0),  # the dropped page: a miss ends the batch with the two pages before it
-        CheckPrefetch(0),
-    ]
+    ops, keys = drop_mid_prefetch(config)
     h = run_trace(factory_storage_file(config), config, caps, ops, quiesce=False, close=False)
     try:
         backend = h.backend

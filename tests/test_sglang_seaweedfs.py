@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from typing import Any, Optional
 
 import pytest
-from _sglang import require_sglang, required
+from _sglang import drop_mid_prefetch, require_sglang, required
 
 require_sglang()
 if importlib.util.find_spec("moto") is None or importlib.util.find_spec("boto3") is None:
@@ -32,7 +32,6 @@ from kvcert.conformance.certification.scope import scope_gaps  # noqa: E402
 from kvcert.conformance.harness.driver import ConformanceFailure, run_trace  # noqa: E402
 from kvcert.conformance.harness.storage import FaultyStorage, MemoryStorage  # noqa: E402
 from kvcert.spec import storage as l3  # noqa: E402
-from kvcert.spec.ops import CheckPrefetch, Complete, Fetch, Insert, Match, Poll, Prefetch, Publish, StorageFault  # noqa: E402
 from kvcert.spec.types import CacheConfig, UnknownPrefetch  # noqa: E402
 
 pytestmark = pytest.mark.sglang
@@ -284,25 +283,7 @@ def _read_again(server: LoopbackS3, prefix: str) -> tuple[int, list[bytes]]:
 
 
 def _trace_ops(config: CacheConfig) -> tuple[list[Any], list[str]]:
-    digest = l3.canonical_digest(1, config.model_id)
-    keys = list(l3.page_keys(None, (1, 2, 3), 1, digest))
-    stored = sorted(keys + list(l3.page_keys(None, (7, 8), 1, digest)))  # StorageFault names a page by its place
-    ops = [
-        Insert(None, (7, 8)),
-        Complete(0),
-        Poll(),
-        Complete(1),
-        Poll(),  # the engine's own store: SeaweedFSStore puts the two page objects
-        Publish(None, (1, 2, 3)),
-        Match(None, (1, 2, 3)),
-        Prefetch(6),
-        Fetch(0),
-        StorageFault("drop", stored.index(keys[2])),
-        Fetch(0),
-        Fetch(0),  # the dropped page: a miss ends the batch with the two pages before it
-        CheckPrefetch(0),
-    ]
-    return ops, keys
+    return drop_mid_prefetch(config)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
