@@ -606,6 +606,54 @@ def selftest_cmd(
     raise typer.Exit(0 if report.passed else 1)
 
 
+@app.command("engine-zoo")
+def engine_zoo_cmd(
+    examples: int = typer.Option(40, help="examples per cell for each mutant"),
+    steps: int = typer.Option(50),
+    seed: int = typer.Option(0),
+    out: Path = typer.Option(Path("kvcert-failures/engine-zoo")),
+    mutant_names: Optional[list[str]] = typer.Option(None, "--mutant", help="only these mutants"),
+) -> None:
+    """The engine zoo (`conformance/zoo/engines.py`): mutants of the reference engine's direct linker (SPEC.md §14),
+    each certified (generated) and, where generation reaches its bug class rarely, run through its directed trace.
+    A kill counts under one of the mutant's own rules only. Exits 1 if a mutant survives (a directed one: its trace
+    passed; any other: generation missed it) or the unmodified engine fails a cell or a directed trace."""
+    from kvcert.conformance.zoo.engines import EngineVerdict, run_engine_zoo
+
+    def show(v: EngineVerdict) -> None:
+        if v.killed_generated:
+            gen = f"[green]killed[/] under {' '.join(v.generated)} ({v.trace_len} ops)"
+        elif v.other_rules:
+            gen = f"[yellow]failed under {' '.join(v.other_rules)} only[/] (not {'/'.join(sorted(v.rules))}: no kill)"
+        elif v.unreplayed:
+            gen = "[red]NOT REPLAYED[/] (a cell failed, its trace passed afresh)"
+        else:
+            gen = "not reached" if v.directed else f"[red]SURVIVED[/] ({v.doc})"
+        line = f"{v.name:<28} generated: {gen}"
+        if v.directed:
+            by = " ".join(v.by_trace)
+            line += "; directed: " + (
+                f"[green]killed by its trace[/] ({by})"
+                if v.killed_by_trace
+                else f"[red]TRACE MISSES IT[/] ({by or 'it passes'})"
+            )
+        console.print(line)
+
+    try:
+        report = run_engine_zoo(mutant_names, examples=examples, steps=steps, seed=seed, out_dir=out, on_verdict=show)
+    except ValueError as err:
+        console.print(f"[red]error[/]: {err}")
+        raise typer.Exit(2) from None
+    control = (
+        f"[red]FAILS[/] {escape(report.control_failure.splitlines()[0])}"
+        if report.control_failure
+        else f"[green]passes[/] {report.control_cells} cells and {report.control_traces} directed traces"
+    )
+    console.print(f"control  the unmodified engine: {control}")
+    console.print(report.summary())
+    raise typer.Exit(0 if report.passed else 1)
+
+
 @app.command("partition")
 def partition_cmd(
     target: str = typer.Argument(..., help="MODULE:FACTORY returning a probe, e.g. kvcert.conformance.adapters.vllm_kv:probe"),

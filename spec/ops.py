@@ -299,6 +299,14 @@ class LinkerFault:
     kind: Any
 
 
+@dataclass(frozen=True)
+class PeerFault:
+    """The prefill peer of a decode server fails as `kind` says (`kvcert.spec.decode.FAULTS`, SPEC.md §15): an event
+    of the world the engine runs in, not a client's request; a decode target takes it."""
+
+    kind: Any
+
+
 Op = Union[
     Insert,
     Match,
@@ -333,10 +341,11 @@ Op = Union[
     Reprioritize,
     AbortRequest,
     LinkerFault,
+    PeerFault,
 ]
 OP_TYPES: dict[str, type] = {t.__name__: t for t in get_args(Op)}
 """Op name -> class, for JSON traces: derived from `Op`, so a new op cannot be left out."""
-REQUEST_OPS = (Submit, Step, CloseSession, Reprioritize, AbortRequest, LinkerFault)
+REQUEST_OPS = (Submit, Step, CloseSession, Reprioritize, AbortRequest, LinkerFault, PeerFault)
 """What clients send an engine (SPEC.md §12): the ops of a request-path target's traces, and only of those."""
 HANDLE_PRODUCERS = (Insert, Match, Restore, Start)
 """Ops whose result names a node a later op may use: a restore returns the resumed request's last node, a

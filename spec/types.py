@@ -567,6 +567,12 @@ class Capabilities:
     linker_faults: tuple[str, ...] = ()
     """A request-path target whose cache is linked to the harness's external store (SPEC.md §14): the faults of
     that store (`kvcert.spec.linker.FAULTS`) the trace may cue (`LinkerFault`, sent to `linker_fault(kind)`)."""
+    peer_faults: tuple[str, ...] = ()
+    """A PD decode target (SPEC.md §15): the faults of its prefill peer (`kvcert.spec.decode.FAULTS`) the trace may
+    cue (`PeerFault`, sent to `peer_fault(kind)`)."""
+    never_fit: bool = False
+    """True (a decode target): the client may send a request whose prompt and output can never fit the device
+    (INV-DEC-6); the engine may abort it unasked."""
     kind: str = "api"
     """How the cache is driven (KINDS): "request-path" through its engine's own scheduler code with real
     request objects, "api" through the cache's API by calls the suite composes, "native" a cache written to

@@ -14,6 +14,7 @@ import pytest
 from kvcert.conformance.certification import known
 from kvcert.conformance.certification.certify import replay
 from kvcert.conformance.engine import factory as reference_engine
+from kvcert.conformance.engine_decode import factory as decode_engine
 from kvcert.conformance.engine_linker import factory as linked_engine
 from kvcert.refimpl import RefCache
 from kvcert.spec.ops import REQUEST_OPS, LinkerFault, Trace
@@ -41,7 +42,8 @@ REUSED_IDS = frozenset({"R1", "R2"})
 """Findings whose request traces send one request id for several turns (the fork's rid names its conversation),
 which a client of kvcert's reference engine never does: those it declines to play (TraceInvalid), every other
 trace it plays to its end. A trace with linker faults is played by the reference engine with a direct linker
-(`conformance.engine_linker`), whose store takes every fault kind."""
+(`conformance.engine_linker`), whose store takes every fault kind; a decode server's by the reference decode server
+(`conformance.engine_decode`)."""
 
 
 def _is_request_trace(trace: Trace) -> bool:
@@ -53,6 +55,8 @@ def test_a_correct_cache_plays_every_logged_trace(finding: known.Finding, path: 
     trace = Trace.from_json(known.trace_text(path))
     if _is_request_trace(trace):
         engine = linked_engine if any(isinstance(op, LinkerFault) for op in trace.ops) else reference_engine
+        if "sglang_decode" in trace.target:  # a decode server's trace (SPEC.md §15): kvcert's reference one plays it
+            engine = decode_engine
         caps = engine.capabilities  # type: ignore[attr-defined]
         got = replay(engine, caps, trace.config, trace.ops)
     else:

@@ -41,7 +41,9 @@ from kvcert.conformance.adapters import _sglang_env as _env
 from kvcert.conformance.adapters import sglang_requests as _sr
 from kvcert.conformance.adapters._sglang_kv import write_pool
 from kvcert.conformance.adapters.sglang_hicache_storage import Transfer
+from kvcert.spec import pages as _pages
 from kvcert.spec import storage as l3
+from kvcert.spec.decode import FAULTS, DecodeLedger
 from kvcert.spec.invariants import Violation
 from kvcert.spec.requests import RequestView
 from kvcert.spec.types import CacheConfig, Capabilities, PendingCopy, PendingPrefetch, Snapshot
@@ -49,12 +51,13 @@ from kvcert.spec.types import CacheConfig, Capabilities, PendingCopy, PendingPre
 with _env.quiet_imports():
     import torch
     from sglang.srt import runtime_context as _rc
+    from sglang.srt.disaggregation.base import KVPoll
     from sglang.srt.disaggregation.common.conn import PrefillServerInfo
     from sglang.srt.disaggregation.decode import DecodeReqToTokenPool
     from sglang.srt.managers.io_struct import TokenizedGenerateReqInput
     from sglang.srt.mem_cache.allocation_sizing import get_req_to_token_extra_context_len
 
-__all__ = ["SGLangDecodePath", "SGLangDecodeStoragePath", "factory", "factory_storage"]
+__all__ = ["SGLangDecodePath", "SGLangDecodeStoragePath", "factory", "factory_fitting", "factory_storage"]
 
 PEER_HOST = "prefill.kvcert"
 """The prefill peer's bootstrap host (any host but SGLang's warmup marker FAKE_BOOTSTRAP_HOST)."""
@@ -79,6 +82,10 @@ class _Sent:
     at: int
     """The step in which SGLang sent it."""
     served: bool = False
+    judged: bool = False
+    """Its promise is in the ledger (judged after the iteration that sent it)."""
+    fail: bool = False
+    """The peer fails it (`PeerFault`): half its bytes land, then the receiver reports the transfer failed."""
 
 
 class _OneRankCpuGroup:
@@ -95,6 +102,11 @@ class SGLangDecodePath(_sr.SGLangRequestPath):
     def __init__(self, config: CacheConfig) -> None:
         self._sent: list[_Sent] = []
         self._rooms = 0
+        self.ledger = DecodeLedger()
+        self._promised: dict[str, _Sent] = {}
+        """Transfers whose promise the ledger holds, by rid, until they commit or end."""
+        self._faults = 0
+        self._aborted_by_client: set[str] = set()
         super().__init__(config, kind="unified", core="python")
 
     # ------------------------------------------------------------------ construction
@@ -136,6 +148,15 @@ class SGLangDecodePath(_sr.SGLangRequestPath):
             return decode_req
 
         queue._create_receiver_and_enqueue = create_receiver_and_enqueue
+        transfer = s.disagg_decode_transfer_queue
+        commit = transfer._commit_transfer_to_req
+
+        def commit_transfer_to_req(decode_req: Any) -> Any:
+            out = commit(decode_req)
+            self._committed(decode_req)
+            return out
+
+        transfer._commit_transfer_to_req = commit_transfer_to_req
         return s
 
     def _observe_metadata(self, decode_req: Any) -> None:
@@ -194,7 +215,98 @@ class SGLangDecodePath(_sr.SGLangRequestPath):
                 raise RuntimeError("SGLang's decode event loop returned")
         for message in self._to_detokenizer.drain() + self._to_tokenizer.drain():
             self._receive(message)
+        self._judge_transfers()
         self._serve_prefill()
+
+    # ------------------------------------------------------------------ decode admission (SPEC.md §15)
+
+    def _tree_slots(self) -> tuple[set[int], set[int], set[int]]:
+        snap = self.snapshot()
+        cached = {s for n in snap.nodes if n.slots for s in n.slots}
+        locked = {s for n in snap.nodes if n.slots and n.lock_ref > 0 for s in n.slots}
+        return set(snap.free_slots), cached, locked
+
+    def _row_of(self, req: Any, upto: int) -> tuple[int, ...]:
+        idx = req.kv.req_pool_idx if getattr(req, "kv", None) is not None else getattr(req, "req_pool_idx", None)
+        if idx is None:
+            return ()
+        return tuple(int(x) for x in self._req_pool.req_to_token[idx][:upto])
+
+    def _judge_transfers(self) -> None:
+        """The promises SGLang made this iteration, the commits and failures it took, and every transfer still in
+        flight against the tree (DecodeLedger): after the iteration, with the tree as it left it."""
+        free, cached, locked = self._tree_slots()
+        ps = self.page_size
+        in_transfer = {id(dr) for dr in self.scheduler.disagg_decode_transfer_queue.queue}
+        for sent in self._sent:
+            if sent.judged:
+                continue
+            sent.judged = True
+            req = sent.decode_req.req
+            prompt = len(req.origin_input_ids)
+            pm = getattr(sent.decode_req, "prefix_match", None)
+            l1 = pm.l1_prefix_len if pm is not None else sent.decode_prefix_len
+            dest = [sent.pages[j // ps] * ps + j % ps for j in range(prompt - sent.decode_prefix_len)]
+            self.ledger.promise(str(req.rid), prompt, sent.decode_prefix_len, self._row_of(req, l1), dest,
+                                sent.decode_prefix_len - l1, free, cached, locked)  # fmt: skip
+            self._promised[str(req.rid)] = sent
+        for rid, sent in list(self._promised.items()):
+            if id(sent.decode_req) in in_transfer:
+                continue
+            del self._promised[rid]
+            record = self._submitted.get(rid)
+            ended = record.ended if record is not None else None
+            if sent.fail:
+                others = {x for r in self._live_reqs() if str(r.rid) != rid for x in self._row_of(r, 1 << 30)}
+                self.ledger.fail(rid, cached - others)
+            elif ended == "aborted":
+                if rid in self._aborted_by_client:
+                    self.ledger.abort(rid, cached)
+                else:  # an engine failure (a restore, a prefetch): INV-RP-5 judges it unless the peer failed it
+                    self.ledger.open.pop(rid, None)
+            else:  # retracted before its commit: SGLang starts it afresh
+                self.ledger.open.pop(rid, None)
+        self.ledger.held(free, cached, locked)
+        for rid, record in self._submitted.items():
+            if record.ended == "aborted" and rid not in self.ledger.refused and record.req is not None:
+                if _pages.page_ceil(len(record.req.origin_input_ids) + int(record.req.sampling_params.max_new_tokens),
+                              ps) > self.config.capacity:  # fmt: skip
+                    self.ledger.refuse(rid)
+
+    def _committed(self, decode_req: Any) -> None:
+        """INV-DEC-4 at SGLang's commit (`_commit_transfer_to_req`), before anything else of the iteration runs: the
+        request's row and the tree as the commit left them (a later insert of the same tokens may point the row at
+        the tree's own slots, which is not the commit's doing)."""
+        req = decode_req.req
+        rid = str(req.rid)
+        if rid not in self._promised or type(req.finished_reason).__name__ == "FINISH_ABORT":
+            return
+        del self._promised[rid]
+        _, cached, locked = self._tree_slots()
+        self.ledger.commit(rid, self._row_of(req, len(req.origin_input_ids)), cached, locked)
+
+    def peer_fault(self, kind: str) -> None:
+        """The prefill peer fails a transfer SGLang is still waiting on (one restoring a span if any, else the oldest),
+        when it serves it (`_serve_prefill`):
+        half the bytes land, then the receiver reports the transfer failed (`KVPoll.Failed`), as a real receiver does
+        when its peer dies."""
+        if kind not in FAULTS:
+            raise ValueError(f"unknown peer fault {kind!r}; one of {FAULTS}")
+        self._faults += 1
+
+    def abort(self, request: str) -> None:
+        self._aborted_by_client.add(str(request))
+        super().abort(request)
+
+    def failed_loads(self) -> set[str]:
+        return set(self.ledger.failed)
+
+    def reached(self) -> dict[str, int]:
+        return dict(self.ledger.reached)
+
+    def observed(self, profile: str) -> list[Violation]:
+        out, self.ledger.found = self.ledger.found, []
+        return out
 
     def _serve_prefill(self) -> None:
         """The prefill peer: for each destination SGLang sent and still waits on, once the prefill has had its time,
@@ -206,6 +318,12 @@ class SGLangDecodePath(_sr.SGLangRequestPath):
         waiting = {id(dr) for dr in self.scheduler.disagg_decode_transfer_queue.queue}
         ps, layers, pool = self.page_size, self.config.kv_layers, self._kv_pool
         buffers = self.scheduler.disagg_metadata_buffers
+        if self._faults:  # the peer fails a transfer restoring a span if one is, else the oldest (SPEC.md §15)
+            live = [s for s in self._sent if not s.served and not s.fail and id(s.decode_req) in waiting]
+            restoring = [s for s in live if getattr(s.decode_req, "hicache_restore_lock", None) is not None]
+            for sent in (restoring or live)[: self._faults]:
+                self._faults -= 1
+                sent.fail = True
         for sent in self._sent:
             if sent.served or id(sent.decode_req) not in waiting:
                 continue
@@ -216,10 +334,15 @@ class SGLangDecodePath(_sr.SGLangRequestPath):
             if self._step - sent.at < max(1, -(-count // (PREFILL_CHUNK_PAGES * ps))):
                 continue
             sent.served = True
+            if sent.fail:
+                count //= 2  # torn: the first half landed
+                sent.decode_req.kv_receiver.conclude_state = KVPoll.Failed
             slots = [sent.pages[j // ps] * ps + j % ps for j in range(count)]
             ns = self.content_of(req)
             if count > 0:
                 write_pool(pool, slots, self._model.kv(ns, prompt, start, count), layers)
+            if sent.fail:
+                continue
             buffers.output_ids[sent.aux][0] = self._model.next_token(ns, prompt)
             buffers.cached_tokens[sent.aux][:4] = 0
             buffers.bootstrap_room[sent.aux][0] = int(req.bootstrap_room)
@@ -266,8 +389,17 @@ class SGLangDecodePath(_sr.SGLangRequestPath):
         snap = super().snapshot()
         if not self.host:
             return snap
+        ongoing = self.cache.ongoing_write_through
+
+        def nodes(op: Any) -> tuple[int, ...]:  # a queued write's nodes, as SGLang rewrites them on a split
+            out: list[int] = []
+            for ack_id in op.node_ids:
+                pending = ongoing.get(ack_id)
+                out += [int(ack_id)] if pending is None else [int(n) for n in pending.publish_node_ids]
+            return tuple(out)
+
         queued = tuple(
-            PendingCopy(QUEUED_COPY_IDS + int(op.id), "write", tuple(int(n) for n in op.node_ids))
+            PendingCopy(QUEUED_COPY_IDS + int(op.id), "write", nodes(op))
             for op in self.cache.cache_controller.write_queue
         )
         return dataclasses.replace(snap, pending=snap.pending + queued) if queued else snap
@@ -397,7 +529,8 @@ class SGLangDecodeStoragePath(SGLangDecodePath):
 
     def observed(self, profile: str) -> list[Violation]:
         out, self._violations = self._violations, []
-        return out
+        return super().observed(profile) + out
+
 
     # ------------------------------------------------------------------ the peer's and the threads' part
 
@@ -557,6 +690,8 @@ _DEVIATIONS = (
     "prefill, dp_size 1), so requests take the real-transfer path and its metadata gate",
     "observation: DecodePreallocQueue._create_receiver_and_enqueue is wrapped to record each receiver's "
     "send_metadata arguments (page indices, metadata row, decode_prefix_len) for the prefill peer; both still run",
+    "observation: DecodeTransferQueue._commit_transfer_to_req is wrapped to judge the commit it made (the request's "
+    "row and the tree as it left them, DecodeLedger.commit) once it returns; it still runs",
     "process groups: the decode queues' gloo group is a one-rank stand-in (size() 1), so their all-reduces of polls "
     "and flags return this rank's own, as for a world of one; no torch.distributed",
     "pools: the decode request pool (DecodeReqToTokenPool) and need_sort are set on the stand-in's pools after the "
@@ -582,6 +717,8 @@ def _capabilities() -> Capabilities:
         kind="request-path",
         client=("distinct-ids",),
         loras=False,
+        peer_faults=FAULTS,
+        never_fit=True,
     )
 
 
@@ -591,6 +728,19 @@ def factory(config: CacheConfig) -> SGLangDecodePath:
 
 
 factory.capabilities = _capabilities()  # type: ignore[attr-defined]
+
+
+def factory_fitting(config: CacheConfig) -> SGLangDecodePath:
+    """`factory` with a client that sends no request that can never fit the device (finding SG-DECODE-NEVER-FIT:
+    SGLang admits one whose prompt fits and whose output does not, and aborts a running request for its room)."""
+    return SGLangDecodePath(config)
+
+
+factory_fitting.capabilities = dataclasses.replace(  # type: ignore[attr-defined]
+    factory.capabilities,  # type: ignore[attr-defined]
+    name=factory.capabilities.name + ", a client whose requests fit the device",  # type: ignore[attr-defined]
+    never_fit=False,
+)
 
 
 _STORAGE_NOTES = (
@@ -620,7 +770,7 @@ _STORAGE_DEVIATIONS = (
 
 
 def _storage_capabilities() -> Capabilities:
-    base = factory.capabilities  # type: ignore[attr-defined]
+    base = factory_fitting.capabilities  # type: ignore[attr-defined]
     return dataclasses.replace(
         base,
         name=base.name + " + L3 storage (host cells)",

@@ -18,7 +18,7 @@ from kvcert.conformance.generation.draws import MAX_PAGES, Draws, draws, tokens_
 from kvcert.conformance.generation.machine import NAMESPACES, RunStats
 from kvcert.conformance.generation.runner import precondition, rule
 from kvcert.conformance.harness.requests import RequestHarness
-from kvcert.spec.ops import AbortRequest, CloseSession, LinkerFault, Op, Reprioritize, Step, Submit
+from kvcert.spec.ops import AbortRequest, CloseSession, LinkerFault, Op, PeerFault, Reprioritize, Step, Submit
 from kvcert.spec.types import CLIENT_RULES, CacheConfig, Capabilities
 
 __all__ = ["RequestMachine", "request_cells", "request_scope_gaps", "run_requests"]
@@ -173,11 +173,15 @@ class RequestMachine:
             rid = f"r{self.requests:06d}" if self.keeps("distinct-ids") else f"r{self.requests}"
             self.do(Submit(rid, ns, prompt, data.integer(0, 2, "priority"), output, None))
 
-    @precondition(lambda self: bool(self.capabilities.linker_faults) and len(self.h.in_flight()) < IN_FLIGHT)
+    @precondition(
+        lambda self: bool(self.capabilities.linker_faults or self.capabilities.peer_faults)
+        and len(self.h.in_flight()) < IN_FLIGHT
+    )
     @rule(data=draws())
     def flood(self, data: Draws) -> None:
-        """A long fresh prompt arrives (an engine with a direct linker): the device evicts what it cached, which
-        the linker offloaded, so the next prompt sharing a prefix with an earlier one loads it back (SPEC.md §14)."""
+        """A long fresh prompt arrives (an engine with a direct linker, a decode server): the device evicts what it
+        cached, which the linker offloaded or the host tier keeps, so the next prompt sharing a prefix with an earlier
+        one loads it back (SPEC.md §14, §15)."""
         ps, output = self.config.page_size, data.integer(1, 2, "output tokens")
         ns = data.choice(self.namespaces, "namespace")
         pages = max(1, (self._room() - output) // ps)
@@ -245,6 +249,34 @@ class RequestMachine:
         else:
             self.do(LinkerFault(data.choice(list(self.capabilities.linker_faults), "linker fault")))
 
+    @precondition(lambda self: bool(self.capabilities.peer_faults) and bool(self.h.in_flight()))
+    @rule(data=draws())
+    def peer_fault(self, data: Draws) -> None:
+        """A decode server's prefill peer fails a transfer in flight (SPEC.md §15): one draw in four, so most
+        transfers commit."""
+        if data.integer(0, 3, "fault unless >0"):
+            self.do(Step())
+        else:
+            self.do(PeerFault(data.choice(list(self.capabilities.peer_faults), "peer fault")))
+
+    @precondition(lambda self: self.capabilities.never_fit and len(self.h.in_flight()) < IN_FLIGHT)
+    @rule(data=draws())
+    def never_fit(self, data: Draws) -> None:
+        """A request that can never fit the device arrives (INV-DEC-6): a prompt longer than the device, or one that
+        fits with an output that does not. One draw in four; otherwise a step."""
+        if data.integer(0, 3, "never-fit unless >0"):
+            self.do(Step())
+            return
+        cap, ps = self.config.capacity, self.config.page_size
+        prompt_len = data.integer(cap // 2 + 1, cap + ps, "never-fit prompt tokens")
+        prompt = tokens_of(data.codes(1, 1, "pages"), ps, 0) * (prompt_len // ps + 1)
+        prompt = prompt[:prompt_len]
+        output = cap + ps - prompt_len + data.integer(0, 2, "output past the device")
+        self.requests += 1
+        rid = f"r{self.requests:06d}" if self.keeps("distinct-ids") else f"r{self.requests}"
+        type(self).stats.ops["never-fit:sent"] += 1
+        self.do(Submit(rid, data.choice(self.namespaces, "namespace"), prompt, 0, max(1, output), None))
+
     def teardown(self) -> None:
         try:
             if not self.failed:
@@ -253,7 +285,7 @@ class RequestMachine:
             reached = getattr(self.h.backend, "reached", None)  # what the engine's calls reached in a linker's store
             if reached is not None:
                 for what, n in reached().items():
-                    type(self).stats.ops[f"linker:{what}"] += n
+                    type(self).stats.ops[what if ":" in what else f"linker:{what}"] += n
             self.h.close()
 
 
@@ -305,6 +337,11 @@ def request_scope_gaps(capabilities: Capabilities, cells: Sequence[Any]) -> list
          ops["linker:load batch failed"] > 0),
         ("linker offloads that failed (INV-LINK-6: the node not marked stored)",
          "offload_fail" in capabilities.linker_faults, ops["linker:offload failed"] > 0),
+        ("peer faults (SPEC.md §15: a decode transfer failed, INV-DEC-5)", bool(capabilities.peer_faults),
+         ops["decode:transfer failed"] > 0),
+        ("decode transfers committed with a restored span (INV-DEC-4)", bool(capabilities.peer_faults),
+         ops["decode:commit with a restore"] > 0),
+        ("requests that can never fit the device (INV-DEC-6)", capabilities.never_fit, ops["never-fit:sent"] > 0),
         ("sessions closed by the client (INV-RP-3)", capabilities.priority_refs, ops["CloseSession"] > 0),
         ("priority changes (INV-RP-4)", capabilities.priority_refs and "update" in capabilities.priority_parts,
          ops["Reprioritize"] > 0),

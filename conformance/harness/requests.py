@@ -25,9 +25,9 @@ from kvcert.conformance.harness.driver import ConformanceFailure
 from kvcert.conformance.harness.ledger import Ledger
 from kvcert.conformance.harness.running import TraceInvalid
 from kvcert.conformance.harness.scheduler import KVModel
-from kvcert.spec import contracts
+from kvcert.spec import contracts, pages
 from kvcert.spec.invariants import Violation, check_snapshot
-from kvcert.spec.ops import AbortRequest, CloseSession, LinkerFault, Op, Reprioritize, Step, Submit
+from kvcert.spec.ops import AbortRequest, CloseSession, LinkerFault, Op, PeerFault, Reprioritize, Step, Submit
 from kvcert.spec.page_table import PageTable, check_pages, holders_exact
 from kvcert.spec.profiles import profile
 from kvcert.spec.requests import RequestView, kv_namespace, output_token
@@ -56,6 +56,11 @@ def turn_tokens(namespace: Optional[str], prompt: Sequence[int], output: int) ->
     for _ in range(output):
         tokens += (output_token(namespace, tokens),)
     return tokens
+
+
+NEVER_FIT_IDLE = 32
+"""Steps in a row in which no request moves, with the client done, after which a request that can never fit and is
+still in flight is judged left waiting (INV-DEC-6), instead of running the liveness bound out."""
 
 
 @dataclass
@@ -193,6 +198,10 @@ class RequestHarness:
             return "no-aborts"
         if isinstance(op, LinkerFault) and op.kind not in self.capabilities.linker_faults:
             return f"no linker fault {op.kind!r} (Capabilities.linker_faults)"
+        if isinstance(op, PeerFault) and op.kind not in self.capabilities.peer_faults:
+            return f"no peer fault {op.kind!r} (Capabilities.peer_faults)"
+        if isinstance(op, Submit) and self.never_fits(op) and not self.capabilities.never_fit:
+            return "no request that can never fit the device (Capabilities.never_fit)"
         if isinstance(op, Submit) and op.lora is not None and not self.capabilities.loras:
             return "no LoRA adapters (Capabilities.loras)"
         if "sessions-only" in rules and isinstance(op, Submit) and op.session is None:
@@ -221,6 +230,8 @@ class RequestHarness:
             b.abort(op.request)
         elif isinstance(op, LinkerFault):
             b.linker_fault(op.kind)
+        elif isinstance(op, PeerFault):
+            b.peer_fault(op.kind)
         else:
             raise TypeError(f"{type(op).__name__} is not a request-path op (SPEC.md §12)")
 
@@ -313,7 +324,13 @@ class RequestHarness:
             if sent is None or sent.done or v.state not in ("finished", "aborted"):
                 continue
             sent.done = True
-            if v.state == "aborted" and v.id not in self.aborted and v.id not in self._failed_loads():
+            excused = v.id in self._failed_loads() or self.never_fits(sent.op)  # INV-LINK-4, INV-DEC-6
+            never = [r for r in self.in_flight() if r != v.id and self.never_fits(self.sent[r].op)]
+            if v.state == "aborted" and v.id not in self.aborted and not excused and never:
+                out.append(Violation("INV-DEC-6", f"request {v.id} was aborted, and no client asked, while request "
+                                     f"{never[0]}, which can never fit the device, was still in flight, not refused: "
+                                     "it took room the requests the engine admitted needed"))  # fmt: skip
+            elif v.state == "aborted" and v.id not in self.aborted and not excused:
                 out.append(
                     Violation(
                         "INV-RP-5",
@@ -363,6 +380,10 @@ class RequestHarness:
                     )
                 )
         return out
+
+    def never_fits(self, op: Submit) -> bool:
+        """INV-DEC-6: the request's prompt and output can never fit the device, whatever else it holds."""
+        return pages.page_ceil(len(op.tokens) + _int(op.output), self.config.page_size) > self.config.capacity
 
     def _failed_loads(self) -> set[str]:
         """Requests whose external load the harness's store failed: the engine may fail them (INV-LINK-4)."""
@@ -417,21 +438,27 @@ class RequestHarness:
         self._run_down(bound, stall=16)
         for name in self.open_sessions():
             self.step(CloseSession(name))
-        self._run_down(bound)
+        never = any(self.never_fits(self.sent[r].op) for r in self.in_flight())
+        self._run_down(bound, stall=NEVER_FIT_IDLE if never else 0)  # INV-DEC-6: left waiting while nothing moves
         if self.in_flight():
             snap, views = self._snapshot(len(self.ops) - 1, Step())
             where = {v.id: v.state for v in views}
             stuck = ", ".join(f"{r} ({where.get(r, 'unknown to the engine')})" for r in self.in_flight()[:5])
+            unfit = [r for r in self.in_flight() if self.never_fits(self.sent[r].op)]
             raise ConformanceFailure(
                 len(self.ops) - 1,
                 Step(),
                 [
                     Violation(
                         "INV-LIVE-3",
-                        f"{bound} steps after the client closed its "
-                        f"sessions and sent nothing new, requests are unfinished: {stuck}",
+                        (f"{NEVER_FIT_IDLE} steps in a row in which nothing moved" if never else f"{bound} steps")
+                        + f" after the client closed its sessions and sent nothing new, requests are unfinished: {stuck}",
                     )
-                ],  # fmt: skip
+                ]
+                + [Violation("INV-DEC-6", f"request {r} can never fit the device ({len(self.sent[r].op.tokens)} prompt "
+                             f"tokens, {_int(self.sent[r].op.output)} output, {self.config.capacity} slots) and is "
+                             "still not refused: head of the line, it starves every request behind it")
+                   for r in unfit[:2]],  # fmt: skip
             )
         for _ in range(8):  # the closes are taken, and copies still moving land
             self.step(Step())
