@@ -157,6 +157,14 @@ class SGLangDecodePath(_sr.SGLangRequestPath):
             return out
 
         transfer._commit_transfer_to_req = commit_transfer_to_req
+        pop = transfer.pop_transferred
+
+        def pop_transferred(*args: Any, **kwargs: Any) -> Any:
+            out = pop(*args, **kwargs)
+            self._settle_transfers(judge=True)
+            return out
+
+        transfer.pop_transferred = pop_transferred
         return s
 
     def _observe_metadata(self, decode_req: Any) -> None:
@@ -237,7 +245,6 @@ class SGLangDecodePath(_sr.SGLangRequestPath):
         flight against the tree (DecodeLedger): after the iteration, with the tree as it left it."""
         free, cached, locked = self._tree_slots()
         ps = self.page_size
-        in_transfer = {id(dr) for dr in self.scheduler.disagg_decode_transfer_queue.queue}
         for sent in self._sent:
             if sent.judged:
                 continue
@@ -250,28 +257,33 @@ class SGLangDecodePath(_sr.SGLangRequestPath):
             self.ledger.promise(str(req.rid), prompt, sent.decode_prefix_len, self._row_of(req, l1), dest,
                                 sent.decode_prefix_len - l1, free, cached, locked)  # fmt: skip
             self._promised[str(req.rid)] = sent
-        for rid, sent in list(self._promised.items()):
-            if id(sent.decode_req) in in_transfer:
-                continue
-            del self._promised[rid]
-            record = self._submitted.get(rid)
-            ended = record.ended if record is not None else None
-            if sent.fail:
-                others = {x for r in self._live_reqs() if str(r.rid) != rid for x in self._row_of(r, 1 << 30)}
-                self.ledger.fail(rid, cached - others)
-            elif ended == "aborted":
-                if rid in self._aborted_by_client:
-                    self.ledger.abort(rid, cached)
-                else:  # an engine failure (a restore, a prefetch): INV-RP-5 judges it unless the peer failed it
-                    self.ledger.open.pop(rid, None)
-            else:  # retracted before its commit: SGLang starts it afresh
-                self.ledger.open.pop(rid, None)
+        self._settle_transfers(judge=False)
         self.ledger.held(free, cached, locked)
         for rid, record in self._submitted.items():
             if record.ended == "aborted" and rid not in self.ledger.refused and record.req is not None:
                 if _pages.page_ceil(len(record.req.origin_input_ids) + int(record.req.sampling_params.max_new_tokens),
                               ps) > self.config.capacity:  # fmt: skip
                     self.ledger.refuse(rid)
+
+    def _settle_transfers(self, judge: bool) -> None:
+        """Promised transfers that left SGLang's transfer queue without a commit: failed by the peer (INV-DEC-5, the
+        engine may abort them), aborted by the client, or failed by the engine itself (INV-RP-5 judges that). `judge`:
+        right after `pop_transferred` released them, before anything of the iteration can reuse their slots, their
+        destinations are checked against the tree; at the iteration's end (a transfer that left some other way)
+        they are only closed."""
+        in_transfer = {id(dr) for dr in self.scheduler.disagg_decode_transfer_queue.queue}
+        gone = [(rid, sent) for rid, sent in self._promised.items() if id(sent.decode_req) not in in_transfer]
+        if not gone:
+            return
+        cached = self._tree_slots()[1] if judge else set()
+        for rid, sent in gone:
+            del self._promised[rid]
+            if sent.fail:
+                self.ledger.fail(rid, cached)
+            elif judge and rid in self._aborted_by_client:
+                self.ledger.abort(rid, cached)
+            else:
+                self.ledger.open.pop(rid, None)
 
     def _committed(self, decode_req: Any) -> None:
         """INV-DEC-4 at SGLang's commit (`_commit_transfer_to_req`), before anything else of the iteration runs: the
@@ -691,7 +703,8 @@ _DEVIATIONS = (
     "observation: DecodePreallocQueue._create_receiver_and_enqueue is wrapped to record each receiver's "
     "send_metadata arguments (page indices, metadata row, decode_prefix_len) for the prefill peer; both still run",
     "observation: DecodeTransferQueue._commit_transfer_to_req is wrapped to judge the commit it made (the request's "
-    "row and the tree as it left them, DecodeLedger.commit) once it returns; it still runs",
+    "row and the tree as it left them, DecodeLedger.commit) once it returns, and pop_transferred to judge the "
+    "transfers it failed or released (their destinations against the tree) once it returns; both still run",
     "process groups: the decode queues' gloo group is a one-rank stand-in (size() 1), so their all-reduces of polls "
     "and flags return this rank's own, as for a world of one; no torch.distributed",
     "pools: the decode request pool (DecodeReqToTokenPool) and need_sort are set on the stand-in's pools after the "

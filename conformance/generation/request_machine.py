@@ -181,7 +181,11 @@ class RequestMachine:
     def flood(self, data: Draws) -> None:
         """A long fresh prompt arrives (an engine with a direct linker, a decode server): the device evicts what it
         cached, which the linker offloaded or the host tier keeps, so the next prompt sharing a prefix with an earlier
-        one loads it back (SPEC.md §14, §15)."""
+        one loads it back (SPEC.md §14, §15). For a client that may send one (`Capabilities.never_fit`), one draw in
+        four is instead a request that can never fit the device (INV-DEC-6)."""
+        if self.capabilities.never_fit and self.h.in_flight() and not data.integer(0, 3, "never-fit unless >0"):
+            self._never_fit(data)
+            return
         ps, output = self.config.page_size, data.integer(1, 2, "output tokens")
         ns = data.choice(self.namespaces, "namespace")
         pages = max(1, (self._room() - output) // ps)
@@ -190,6 +194,17 @@ class RequestMachine:
         self.requests += 1
         rid = f"r{self.requests:06d}" if self.keeps("distinct-ids") else f"r{self.requests}"
         self.do(Submit(rid, ns, prompt, data.integer(0, 2, "priority"), output, None))
+
+    def _never_fit(self, data: Draws) -> None:
+        """A prompt longer than half the device (up to a page past all of it) with an output past the device."""
+        cap, ps = self.config.capacity, self.config.page_size
+        prompt_len = data.integer(cap // 2 + 1, cap + ps, "never-fit prompt tokens")
+        prompt = (tokens_of(data.codes(1, 1, "pages"), ps, 0) * (prompt_len // ps + 1))[:prompt_len]
+        output = cap + ps - prompt_len + data.integer(0, 2, "output past the device")
+        self.requests += 1
+        rid = f"r{self.requests:06d}" if self.keeps("distinct-ids") else f"r{self.requests}"
+        type(self).stats.ops["never-fit:sent"] += 1
+        self.do(Submit(rid, data.choice(self.namespaces, "namespace"), prompt, 0, max(1, output), None))
 
     def _saw(self, ns: Optional[str], lora: Optional[tuple[str, str]], prompt: tuple[int, ...]) -> None:
         self.seen.append((ns, prompt))
@@ -239,43 +254,18 @@ class RequestMachine:
         else:
             self.do(AbortRequest(data.choice(self.h.in_flight(), "request")))
 
-    @precondition(lambda self: bool(self.capabilities.linker_faults))
+    @precondition(lambda self: bool(self.capabilities.linker_faults or self.capabilities.peer_faults))
     @rule(data=draws())
     def linker_fault(self, data: Draws) -> None:
-        """The store behind the engine's direct linker fails now or at its next call of a kind (SPEC.md §14): one
-        draw in three (most loads and offloads go through, so hits reach the engine)."""
+        """The world beneath the engine fails, one draw in three (most loads, offloads and transfers go through):
+        the store behind its direct linker, now or at its next call of a kind (SPEC.md §14), or a decode server's
+        prefill peer, a transfer in flight (§15). One rule for both, so a target with neither draws as before."""
         if data.integer(0, 2, "fault unless >0"):
             self.do(Step())
+        elif self.capabilities.peer_faults:
+            self.do(PeerFault(data.choice(list(self.capabilities.peer_faults), "peer fault")))
         else:
             self.do(LinkerFault(data.choice(list(self.capabilities.linker_faults), "linker fault")))
-
-    @precondition(lambda self: bool(self.capabilities.peer_faults) and bool(self.h.in_flight()))
-    @rule(data=draws())
-    def peer_fault(self, data: Draws) -> None:
-        """A decode server's prefill peer fails a transfer in flight (SPEC.md §15): one draw in four, so most
-        transfers commit."""
-        if data.integer(0, 3, "fault unless >0"):
-            self.do(Step())
-        else:
-            self.do(PeerFault(data.choice(list(self.capabilities.peer_faults), "peer fault")))
-
-    @precondition(lambda self: self.capabilities.never_fit and len(self.h.in_flight()) < IN_FLIGHT)
-    @rule(data=draws())
-    def never_fit(self, data: Draws) -> None:
-        """A request that can never fit the device arrives (INV-DEC-6): a prompt longer than the device, or one that
-        fits with an output that does not. One draw in four; otherwise a step."""
-        if data.integer(0, 3, "never-fit unless >0"):
-            self.do(Step())
-            return
-        cap, ps = self.config.capacity, self.config.page_size
-        prompt_len = data.integer(cap // 2 + 1, cap + ps, "never-fit prompt tokens")
-        prompt = tokens_of(data.codes(1, 1, "pages"), ps, 0) * (prompt_len // ps + 1)
-        prompt = prompt[:prompt_len]
-        output = cap + ps - prompt_len + data.integer(0, 2, "output past the device")
-        self.requests += 1
-        rid = f"r{self.requests:06d}" if self.keeps("distinct-ids") else f"r{self.requests}"
-        type(self).stats.ops["never-fit:sent"] += 1
-        self.do(Submit(rid, data.choice(self.namespaces, "namespace"), prompt, 0, max(1, output), None))
 
     def teardown(self) -> None:
         try:
