@@ -163,4 +163,6 @@ def test_a_steps_digest_bytes_are_its_json_encoding(tmp_path: Path, monkeypatch:
     device = dict(page_sizes=[1], policies=["lru"], write_policies=[], prefetch_policies=[])  # and a request path's ops
     served = certify("kvcert.conformance.engine:factory", examples=10, steps=30, seed=0, out_dir=tmp_path, driver="random", **device)  # type: ignore[arg-type]
     linked = certify("kvcert.conformance.engine_linker:factory", examples=10, steps=30, seed=0, out_dir=tmp_path, driver="random", **device)  # type: ignore[arg-type]
-    assert cert.passed and served.passed and linked.passed and kinds == set(OP_TYPES), sorted(set(OP_TYPES) - kinds)
+    decoded = certify("kvcert.conformance.engine_decode:factory", examples=10, steps=30, seed=0, out_dir=tmp_path, driver="random", **device)  # type: ignore[arg-type]
+    assert cert.passed and served.passed and linked.passed and decoded.passed, "a target failed"
+    assert kinds == set(OP_TYPES), sorted(set(OP_TYPES) - kinds)
