@@ -136,6 +136,26 @@ class LinkedEngine(_engine.ReferenceEngine):
     def linker_fault(self, kind: str) -> None:
         self.store.arm(kind)
 
+    def flush(self) -> None:
+        self.inbox.append(("flush",))
+
+    def _take(self, message: tuple[Any, ...]) -> None:
+        if message[0] != "flush":
+            super()._take(message)
+            return
+        if self.waiting or self.running:
+            return  # refused: requests in flight (as SGLang's flush_cache)
+        for held, _ in self.offloads:  # their results will never be taken: the store forgets them
+            self.cache.dec_lock_ref(held)
+        self.offloads.clear()
+        self.flying.clear()
+        self.stored.clear()
+        self.store.reset()
+        if self.priority_refs:
+            for s in self.cache.snapshot().sessions:
+                self.cache.release_ref(s.id)
+        self.cache.evict(self.config.capacity)
+
     def failed_loads(self) -> set[str]:
         return set(self.store.ledger.failed)
 
@@ -176,11 +196,13 @@ def _linked(make: Callable[[CacheConfig], Any], name: str) -> Callable[[CacheCon
         name=base.capabilities.name + " + direct linker",  # type: ignore[attr-defined]
         write_policies=(),
         linker_faults=FAULTS,
+        flushes=True,
         notes=base.capabilities.notes  # type: ignore[attr-defined]
         + (
             f"direct linker: the harness's store ({STORE_PAGES} x the device's pages) looked up at admission, loads "
             "landing before the step's forwards (a failed one aborts its requests), offloads of newly cached pages "
-            "taken in order at the next step, their nodes locked meanwhile; device only",
+            "taken in order at the next step, their nodes locked meanwhile; device only; a flush (when no request is in "
+            "flight) unlocks the offloads in flight, resets the store, releases every session and evicts everything",
         ),
     )
     factory.__name__ = name

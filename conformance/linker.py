@@ -231,6 +231,8 @@ class LinkerStore:
 
     def reset(self) -> None:
         """Quiesce: every in-flight copy completes (the host waits for it), then the store forgets everything."""
+        self.reached["reset"] += 1
+        self.reached["reset with offloads in flight"] += bool(self.inflight or self.results)
         for f in self.inflight:
             if f.off.result is None:
                 self._complete(f)

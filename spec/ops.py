@@ -307,6 +307,13 @@ class PeerFault:
     kind: Any
 
 
+@dataclass(frozen=True)
+class Flush:
+    """A client asks the engine to flush its cache (SGLang's `/flush_cache`): an engine honours it only when no request
+    is in flight, or refuses it; either way nothing is lost, and a linked store is reset with whatever it still has in
+    flight (SPEC.md §14, INV-LINK-7)."""
+
+
 Op = Union[
     Insert,
     Match,
@@ -342,10 +349,11 @@ Op = Union[
     AbortRequest,
     LinkerFault,
     PeerFault,
+    Flush,
 ]
 OP_TYPES: dict[str, type] = {t.__name__: t for t in get_args(Op)}
 """Op name -> class, for JSON traces: derived from `Op`, so a new op cannot be left out."""
-REQUEST_OPS = (Submit, Step, CloseSession, Reprioritize, AbortRequest, LinkerFault, PeerFault)
+REQUEST_OPS = (Submit, Step, CloseSession, Reprioritize, AbortRequest, LinkerFault, PeerFault, Flush)
 """What clients send an engine (SPEC.md §12): the ops of a request-path target's traces, and only of those."""
 HANDLE_PRODUCERS = (Insert, Match, Restore, Start)
 """Ops whose result names a node a later op may use: a restore returns the resumed request's last node, a

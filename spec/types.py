@@ -570,6 +570,9 @@ class Capabilities:
     peer_faults: tuple[str, ...] = ()
     """A PD decode target (SPEC.md §15): the faults of its prefill peer (`kvcert.spec.decode.FAULTS`) the trace may
     cue (`PeerFault`, sent to `peer_fault(kind)`)."""
+    flushes: bool = False
+    """True (a request-path target with a linker): the client may ask the engine to flush its cache (`Flush`, sent to
+    `flush()`), which resets its linker with whatever is still in flight."""
     never_fit: bool = False
     """True (a decode target): the client may send a request whose prompt and output can never fit the device
     (INV-DEC-6); the engine may abort it unasked."""

@@ -10,7 +10,7 @@ from typing import Any, Optional
 
 from kvcert.conformance.backend import capabilities_of
 from kvcert.conformance.harness.requests import RequestHarness
-from kvcert.spec.ops import LinkerFault, Step, Submit
+from kvcert.spec.ops import Flush, LinkerFault, Step, Submit
 from kvcert.spec.types import CacheConfig
 
 CONFIG = CacheConfig(page_size=4, capacity=96, host_capacity=0)
@@ -34,6 +34,28 @@ def conversation(factory: Any, fault: Optional[str] = None) -> tuple[Any, Reques
         if fault is not None:
             h.step(LinkerFault(fault))
         h.step(Submit(RELOAD, None, PROMPT + (2, 2, 2, 2), 0, 2))
+        h.quiesce()
+    except BaseException:
+        h.close()
+        raise
+    return backend, h
+
+
+def flush_mid_offload(factory: Any) -> tuple[Any, RequestHarness]:
+    """A request whose offload the store holds (`offload_hold`), then the client's flush once the request is done:
+    the engine resets its linker with that offload in flight (SPEC.md §14, INV-LINK-7); then another request, whose
+    offload must be the first the engine takes a result for. The harness is left open."""
+    backend = factory(CONFIG)
+    h = RequestHarness(backend, CONFIG, capabilities_of(factory))
+    try:
+        h.step(LinkerFault("offload_hold"))
+        h.step(Submit("r01", None, PROMPT[:12], 0, 2))  # three pages: one offload, held past the request's end
+        while h.in_flight():
+            h.step(Step())
+        h.step(Flush())
+        for _ in range(4):
+            h.step(Step())
+        h.step(Submit("r02", None, FLOODS[0][:12], 0, 2))  # after the reset: its offload is the store's first
         h.quiesce()
     except BaseException:
         h.close()

@@ -3,7 +3,8 @@
 Each plant is one bug of a class the seed's linker review names, put into SGLang's own
 `UnifiedCacheLinkerWrapper` for the length of one certification of `sglang_linker:factory`: a failed load served
 as if it landed, a node marked stored when its offload failed, an offload that does not pin its pages, a hit one
-page longer than the store reported, results taken newest first.
+page longer than the store reported, results taken newest first; and a reset that keeps waiting on the offloads
+the store forgot.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from typing import Any
 from unittest import mock
 
 PLANTS = ("serve-failed-load", "stored-on-failure", "offload-unpinned", "hit-past-lookup", "results-lifo")
+RESET_PLANTS = ("reset-keeps-pending",)
+"""Plants only a flush reaches (`_linker.flush_mid_offload`), not certified by generation in the tests."""
 
 
 @contextlib.contextmanager
@@ -84,5 +87,8 @@ def planted(name: str) -> Iterator[None]:
 
         with mock.patch.object(W, "commit_completed_offloads", commit):
             yield
+    elif name == "reset-keeps-pending":  # a reset forgets the store's offloads but keeps waiting for their results
+        with mock.patch.object(W, "_release_pending_offloads", lambda self: None):
+            yield
     else:
-        raise ValueError(f"no plant {name!r}; one of {PLANTS}")
+        raise ValueError(f"no plant {name!r}; one of {PLANTS + RESET_PLANTS}")

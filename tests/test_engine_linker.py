@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _linker import RELOAD, conversation
+from _linker import RELOAD, conversation, flush_mid_offload
 
 from kvcert.conformance import engine_linker
 from kvcert.conformance.certification.certify import certify
@@ -42,3 +42,11 @@ def test_it_certifies_over_the_model_and_over_gpu(target: str) -> None:
     for c in cert.cells:
         ops.update(c.ops)
     assert ops["linker:load batch landed"] > 0 and ops["linker:offload stored"] > 0, ops
+
+
+def test_a_flush_resets_the_store_with_an_offload_in_flight() -> None:
+    """The client's flush once its request is done, its offload still held by the store: the engine unlocks the
+    offload's node and resets the store, which forgets it (INV-LINK-7's reset); nothing is left locked or owed."""
+    backend, h = flush_mid_offload(engine_linker.factory)
+    h.close()
+    assert backend.store.reached["reset with offloads in flight"] == 1, backend.store.reached

@@ -22,7 +22,7 @@ from _sglang import require_sglang
 
 require_sglang()
 
-from _linker import conversation  # noqa: E402
+from _linker import conversation, flush_mid_offload  # noqa: E402
 from sglang_linker_plants import PLANTS, planted  # noqa: E402
 
 from kvcert.conformance.adapters import sglang_linker  # noqa: E402
@@ -50,6 +50,18 @@ def test_a_hit_loads_back_and_a_failed_load_is_aborted_not_served() -> None:
     assert backend.failed_loads() == {"r99"}
     assert "r99" not in h.finished and "r99" not in h.in_flight()  # SGLang aborted it: 503, output discarded
     h.close()
+
+
+def test_a_flush_resets_the_linker_with_an_offload_in_flight() -> None:
+    """SGLang's deferred flush (`/flush_cache` with a timeout) once the request is done, its offload held by the store:
+    the wrapper resets the linker and releases the offload it waited on; the next request's offload is the first
+    result taken. With the wrapper still waiting on the forgotten offload (`reset-keeps-pending`), it fails."""
+    backend, h = flush_mid_offload(sglang_linker.factory)
+    h.close()
+    assert backend.linker.store.reached["reset with offloads in flight"] == 1, backend.linker.store.reached
+    with planted("reset-keeps-pending"), pytest.raises(ConformanceFailure) as caught:
+        flush_mid_offload(sglang_linker.factory)
+    assert {v.inv for v in caught.value.violations} == {"INV-LIVE-2"}, caught.value  # pending_offloads names dead nodes
 
 
 def test_a_failed_load_served_as_landed_is_caught() -> None:

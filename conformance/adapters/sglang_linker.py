@@ -29,6 +29,7 @@ from kvcert.spec.linker import FAULTS, LinkerLedger
 from kvcert.spec.types import CacheConfig, PendingCopy, Snapshot
 
 with _env.quiet_imports():
+    from sglang.srt.managers.io_struct import FlushCacheReqInput
     from sglang.srt.mem_cache.hicache_storage import PoolName
     from sglang.srt.mem_cache.unified_cache.linker_factory import (
         create_unified_cache_linker,
@@ -134,6 +135,10 @@ class KvcertLinker(UnifiedCacheLinker):
         self.reset()
 
 
+FLUSH_TIMEOUT_S = 3600.0
+"""The client's flush waits this long for idle: far past any run, so the wall clock never decides a verdict."""
+
+
 class SGLangLinkerPath(_rq.SGLangRequestPath):
     """`sglang_requests.SGLangRequestPath` over a device-only UnifiedRadixCache with the harness's store linked."""
 
@@ -177,6 +182,17 @@ class SGLangLinkerPath(_rq.SGLangRequestPath):
 
     def linker_fault(self, kind: str) -> None:
         self.linker.store.arm(kind)
+
+    def flush(self) -> None:
+        """SGLang's FlushCacheReqInput (`/flush_cache`) with a timeout, so SGLang defers it until the scheduler is
+        fully idle (`SchedulerFlushWrapper`; without one it refuses while the batch that just finished is still
+        filtered out): then `Scheduler.flush_cache` resets the tree cache, and the wrapper resets the linker and
+        releases the offloads it still waits on."""
+        self._send(FlushCacheReqInput(timeout_s=FLUSH_TIMEOUT_S))
+
+    def owes(self) -> bool:
+        """A flush SGLang deferred until idle and has not run yet: the harness steps until it has."""
+        return self.scheduler.flush_wrapper._pending is not None
 
     def reached(self) -> dict[str, int]:
         """What SGLang's calls reached in the store (lookup hits, loads landed and failed, offloads...)."""
@@ -249,12 +265,15 @@ factory.capabilities = dataclasses.replace(  # type: ignore[attr-defined]
     "(Python tree core)",
     write_policies=(),
     linker_faults=FAULTS,
+    flushes=True,
     loras=False,
     client=("distinct-ids",),
     notes=_rq._NOTES
     + (
         "clients leave request ids to SGLang (CLIENT_RULES distinct-ids) and send no LoRA requests, so the walk goes "
         "on past SG-ABORT and SG-LORA (sglang_requests:factory finds both)",
+        "a client's flush is FlushCacheReqInput(timeout_s=3600): SGLang defers it until the scheduler is fully idle, "
+        "then resets the tree cache and its linker, offloads in flight or not",
         "--enable-unified-cache-external-linker with --unified-cache-external-linker-backend dynamic: SGLang's "
         "create_unified_cache_linker imports the harness's KvcertLinker (this module) and init_cache_linker wraps it "
         "in UnifiedCacheLinkerWrapper; device only (no host tier, as the flag requires)",
@@ -268,7 +287,6 @@ factory.capabilities = dataclasses.replace(  # type: ignore[attr-defined]
         "tree core: Python (tree_core_backend=python); SGLang's default is the Rust core (factory_rust)",
         "layer-wise loading: the store's loads land inside start_layer_wise_loading and the scripted forward does not "
         "wait on the layer counter, so a forward that reads a layer before it landed is not seen",
-        "no flush: the request path sends no flush_cache, so the wrapper's reset with offloads in flight is not run",
     ),
 )
 factory.__doc__ = "SGLang's request path over UnifiedRadixCache with the harness's store as its direct linker."

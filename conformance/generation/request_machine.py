@@ -18,7 +18,7 @@ from kvcert.conformance.generation.draws import MAX_PAGES, Draws, draws, tokens_
 from kvcert.conformance.generation.machine import NAMESPACES, RunStats
 from kvcert.conformance.generation.runner import precondition, rule
 from kvcert.conformance.harness.requests import RequestHarness
-from kvcert.spec.ops import AbortRequest, CloseSession, LinkerFault, Op, PeerFault, Reprioritize, Step, Submit
+from kvcert.spec.ops import AbortRequest, CloseSession, Flush, LinkerFault, Op, PeerFault, Reprioritize, Step, Submit
 from kvcert.spec.types import CLIENT_RULES, CacheConfig, Capabilities
 
 __all__ = ["RequestMachine", "request_cells", "request_scope_gaps", "run_requests"]
@@ -264,6 +264,10 @@ class RequestMachine:
             self.do(Step())
         elif self.capabilities.peer_faults:
             self.do(PeerFault(data.choice(list(self.capabilities.peer_faults), "peer fault")))
+        elif self.capabilities.flushes and not data.integer(0, 2, "flush unless >0"):
+            self.do(Flush())  # a client's flush: refused or deferred while requests run, else offloads may still fly
+            for _ in range(3 if not self.h.in_flight() else 0):  # (INV-LINK-7) and the engine takes it when idle
+                self.do(Step())
         else:
             self.do(LinkerFault(data.choice(list(self.capabilities.linker_faults), "linker fault")))
 
@@ -332,6 +336,8 @@ def request_scope_gaps(capabilities: Capabilities, cells: Sequence[Any]) -> list
         ("decode transfers committed with a restored span (INV-DEC-4)", bool(capabilities.peer_faults),
          ops["decode:commit with a restore"] > 0),
         ("requests that can never fit the device (INV-DEC-6)", capabilities.never_fit, ops["never-fit:sent"] > 0),
+        ("cache flushes with the linker's work in flight (INV-LINK-7's reset)", capabilities.flushes,
+         ops["linker:reset"] > 0),
         ("sessions closed by the client (INV-RP-3)", capabilities.priority_refs, ops["CloseSession"] > 0),
         ("priority changes (INV-RP-4)", capabilities.priority_refs and "update" in capabilities.priority_parts,
          ops["Reprioritize"] > 0),

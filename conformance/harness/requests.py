@@ -27,7 +27,17 @@ from kvcert.conformance.harness.running import TraceInvalid
 from kvcert.conformance.harness.scheduler import KVModel
 from kvcert.spec import contracts, pages
 from kvcert.spec.invariants import Violation, check_snapshot
-from kvcert.spec.ops import AbortRequest, CloseSession, LinkerFault, Op, PeerFault, Reprioritize, Step, Submit
+from kvcert.spec.ops import (
+    AbortRequest,
+    CloseSession,
+    Flush,
+    LinkerFault,
+    Op,
+    PeerFault,
+    Reprioritize,
+    Step,
+    Submit,
+)
 from kvcert.spec.page_table import PageTable, check_pages, holders_exact
 from kvcert.spec.profiles import profile
 from kvcert.spec.requests import RequestView, kv_namespace, output_token
@@ -198,6 +208,8 @@ class RequestHarness:
             return "no-aborts"
         if isinstance(op, LinkerFault) and op.kind not in self.capabilities.linker_faults:
             return f"no linker fault {op.kind!r} (Capabilities.linker_faults)"
+        if isinstance(op, Flush) and not self.capabilities.flushes:
+            return "no cache flushes (Capabilities.flushes)"
         if isinstance(op, PeerFault) and op.kind not in self.capabilities.peer_faults:
             return f"no peer fault {op.kind!r} (Capabilities.peer_faults)"
         if isinstance(op, Submit) and self.never_fits(op) and not self.capabilities.never_fit:
@@ -232,6 +244,8 @@ class RequestHarness:
             b.linker_fault(op.kind)
         elif isinstance(op, PeerFault):
             b.peer_fault(op.kind)
+        elif isinstance(op, Flush):
+            b.flush()
         else:
             raise TypeError(f"{type(op).__name__} is not a request-path op (SPEC.md §12)")
 
@@ -460,9 +474,10 @@ class RequestHarness:
                              "still not refused: head of the line, it starves every request behind it")
                    for r in unfit[:2]],  # fmt: skip
             )
-        for _ in range(8):  # the closes are taken, and copies still moving land
+        owes = getattr(self.backend, "owes", None)  # work taken and held by no request: a deferred flush
+        for _ in range(8):  # the closes are taken, copies still moving land, and deferred work is done
             self.step(Step())
-            if not self.backend.snapshot().pending:
+            if not self.backend.snapshot().pending and not (owes is not None and owes()):
                 break
         self._idle(len(self.ops) - 1)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from kvcert.spec.ops import LinkerFault, Op, Step, Submit
+from kvcert.spec.ops import Flush, LinkerFault, Op, Step, Submit
 from kvcert.spec.types import CacheConfig
 
 __all__ = ["ENGINE_MUTANTS", "DirectedTrace", "EngineMutant"]
@@ -255,6 +255,19 @@ ENGINE_MUTANTS: tuple[EngineMutant, ...] = (
             ),
         ),
         frozenset({"INV-LINK-7", "INV-LIVE-1"}),
+    ),
+    EngineMutant(
+        "flush_keeps_offload_locks",
+        "a flush resets the store and forgets the offloads in flight, but never unlocks their nodes",
+        (("        for held, _ in self.offloads:  # their results will never be taken: the store forgets them\n"
+          "            self.cache.dec_lock_ref(held)\n", ""),),  # fmt: skip
+        frozenset({"INV-LINK-7", "INV-LIVE-1"}),
+        trace=DirectedTrace(
+            _CONFIG,
+            (LinkerFault("offload_hold"), Submit("r01", None, _PROMPT[:12], 0, 2), *[Step()] * 3, Flush(),
+             *[Step()] * 4),  # fmt: skip
+            "a flush while an offload is held: generation flushes mostly once every offload was taken",
+        ),
     ),
     EngineMutant(
         "dest_one_page_early",

@@ -24,7 +24,8 @@ What cannot be broken here, and why:
   needed. Breaking it takes a different scheduler (loads started a step later), not an edit of this one. Its other
   clause (every batch started with loads is finished, once) is broken by `batch_never_finished` and
   `batch_finished_per_request`.
-- **INV-LINK-7's reset clause**: the request path sends no flush, so the engine never resets its linker.
+- **INV-LINK-7's reset clause** is reached by a client's `Flush` only once no request is in flight, so a reset meets
+  offloads in flight, never loads; `flush_keeps_offload_locks` breaks it there.
 """
 
 from __future__ import annotations
