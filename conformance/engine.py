@@ -321,6 +321,24 @@ def _engine_over(make: Callable[[CacheConfig], Any], name: str) -> Callable[[Cac
     return factory
 
 
+def _variant(
+    make: Callable[[CacheConfig], Any], name: str, engine: type[ReferenceEngine], suffix: str, note: str, **caps: Any
+) -> Callable[[CacheConfig], Any]:
+    """A factory of `engine` (a `ReferenceEngine` subclass: `engine_linker`'s, `engine_decode`'s) over `make`'s
+    cache, its capabilities the reference engine's with `suffix` on the name, `note` among the notes and `caps`
+    replaced."""
+    base: Capabilities = _engine_over(make, name).capabilities  # type: ignore[attr-defined]
+
+    def factory(config: CacheConfig) -> Any:
+        return engine(make(config), config, base.priority_refs)
+
+    factory.capabilities = replace(  # type: ignore[attr-defined]
+        base, name=base.name + suffix, notes=base.notes + (note,), **caps
+    )
+    factory.__name__ = name
+    return factory
+
+
 def _refimpl(config: CacheConfig) -> Any:
     from kvcert.refimpl import RefCache
 

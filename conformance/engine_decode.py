@@ -28,7 +28,7 @@ from typing import Any, Optional
 
 from kvcert.conformance import engine as _engine
 from kvcert.spec import pages
-from kvcert.spec.decode import FAULTS, DecodeLedger
+from kvcert.spec.decode import FAULTS, DecodeLedger, tree_slots
 from kvcert.spec.invariants import Violation
 from kvcert.spec.types import CacheConfig
 
@@ -62,10 +62,7 @@ class DecodeEngine(_engine.ReferenceEngine):
     # ------------------------------------------------------------------ tree facts the ledger reads
 
     def _facts(self) -> tuple[set[int], set[int], set[int]]:
-        snap = self.cache.snapshot()
-        cached = {s for n in snap.nodes if n.slots for s in n.slots}
-        locked = {s for n in snap.nodes if n.slots and n.lock_ref > 0 for s in n.slots}
-        return set(snap.free_slots), cached, locked
+        return tree_slots(self.cache.snapshot())
 
     # ------------------------------------------------------------------ arrival and admission
 
@@ -172,9 +169,6 @@ class DecodeEngine(_engine.ReferenceEngine):
     def failed_loads(self) -> set[str]:
         return set(self.ledger.failed)
 
-    def refused(self) -> set[str]:
-        return set(self.ledger.refused)
-
     def reached(self) -> dict[str, int]:
         return dict(self.ledger.reached)
 
@@ -190,25 +184,17 @@ class DecodeEngine(_engine.ReferenceEngine):
 
 
 def _decode(make: Callable[[CacheConfig], Any], name: str) -> Callable[[CacheConfig], DecodeEngine]:
-    base = _engine._engine_over(make, name)
-
-    def factory(config: CacheConfig) -> DecodeEngine:
-        return DecodeEngine(make(config), config, base.capabilities.priority_refs)  # type: ignore[attr-defined]
-
-    factory.capabilities = dataclasses.replace(  # type: ignore[attr-defined]
-        base.capabilities,  # type: ignore[attr-defined]
-        name=base.capabilities.name + " as a PD decode server",  # type: ignore[attr-defined]
+    return _engine._variant(
+        make,
+        name,
+        DecodeEngine,
+        " as a PD decode server",
+        "PD decode server: two-phase admission (read-only match, then load-back, lock and allocation), the "
+        f"prefill peer in-process ({PREFILL_CHUNK_PAGES} pages a step), a request that can never fit refused "
+        "at arrival",
         peer_faults=FAULTS,
         never_fit=True,
-        notes=base.capabilities.notes  # type: ignore[attr-defined]
-        + (
-            "PD decode server: two-phase admission (read-only match, then load-back, lock and allocation), the "
-            f"prefill peer in-process ({PREFILL_CHUNK_PAGES} pages a step), a request that can never fit refused "
-            "at arrival",
-        ),
     )
-    factory.__name__ = name
-    return factory
 
 
 factory = _decode(_engine._refimpl, "factory")

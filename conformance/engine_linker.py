@@ -186,27 +186,19 @@ class LinkedEngine(_engine.ReferenceEngine):
 
 
 def _linked(make: Callable[[CacheConfig], Any], name: str) -> Callable[[CacheConfig], LinkedEngine]:
-    base = _engine._engine_over(make, name)
-
-    def factory(config: CacheConfig) -> LinkedEngine:
-        return LinkedEngine(make(config), config, base.capabilities.priority_refs)  # type: ignore[attr-defined]
-
-    factory.capabilities = dataclasses.replace(  # type: ignore[attr-defined]
-        base.capabilities,  # type: ignore[attr-defined]
-        name=base.capabilities.name + " + direct linker",  # type: ignore[attr-defined]
+    return _engine._variant(
+        make,
+        name,
+        LinkedEngine,
+        " + direct linker",
+        f"direct linker: the harness's store ({STORE_PAGES} x the device's pages) looked up at admission, loads "
+        "landing before the step's forwards (a failed one aborts its requests), offloads of newly cached pages "
+        "taken in order at the next step, their nodes locked meanwhile; device only; a flush (when no request is in "
+        "flight) unlocks the offloads in flight, resets the store, releases every session and evicts everything",
         write_policies=(),
         linker_faults=FAULTS,
         flushes=True,
-        notes=base.capabilities.notes  # type: ignore[attr-defined]
-        + (
-            f"direct linker: the harness's store ({STORE_PAGES} x the device's pages) looked up at admission, loads "
-            "landing before the step's forwards (a failed one aborts its requests), offloads of newly cached pages "
-            "taken in order at the next step, their nodes locked meanwhile; device only; a flush (when no request is in "
-            "flight) unlocks the offloads in flight, resets the store, releases every session and evicts everything",
-        ),
     )
-    factory.__name__ = name
-    return factory
 
 
 factory = _linked(_engine._refimpl, "factory")

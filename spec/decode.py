@@ -22,8 +22,9 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 from kvcert.spec.invariants import Violation
+from kvcert.spec.types import Snapshot
 
-__all__ = ["FAULTS", "RULES", "DecodeLedger", "Promise"]
+__all__ = ["FAULTS", "RULES", "DecodeLedger", "Promise", "tree_slots"]
 
 RULES: dict[str, str] = {
     "INV-DEC-1": "a promise's destination is one slot per prompt token past the promised prefix, distinct, "
@@ -46,6 +47,14 @@ FAULTS = ("transfer_fail",)
 """What the trace may cue a decode server's prefill peer to do (`PeerFault`): fail the oldest transfer in flight
 (the peer died, its write failed). A correct decode server fails that request, cleans up what it held wherever its
 admission stood (waiting on a prefetch, restoring, transferring), and serves every other request."""
+
+
+def tree_slots(snap: Snapshot) -> tuple[set[int], set[int], set[int]]:
+    """What the ledger judges a decode server's slots against: the allocator's free slots, the tree's device slots,
+    and those of its locked nodes."""
+    cached = {s for n in snap.nodes if n.slots for s in n.slots}
+    locked = {s for n in snap.nodes if n.slots and n.lock_ref > 0 for s in n.slots}
+    return set(snap.free_slots), cached, locked
 
 
 @dataclass

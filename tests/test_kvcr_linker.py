@@ -69,6 +69,9 @@ def test_loads_idle_removed_and_reset() -> None:
     side.hung("load batch 4")
     assert [v.inv for v in side.found] == ["INV-LINK-10"] * 3
     side = lk.LinkerSide()
+    side.hung("preparation of r1")  # a deadline that never makes the preparation ready
+    assert [v.inv for v in side.found] == ["INV-LINK-11"]
+    side = lk.LinkerSide()
     side.idle({"outstanding_claims": 0, "abandoned_bytes": 0}, 0)
     side.evicted([5, 7])
     side.taken_removed([5, 7])

@@ -43,7 +43,7 @@ from kvcert.conformance.adapters._sglang_kv import write_pool
 from kvcert.conformance.adapters.sglang_hicache_storage import Transfer
 from kvcert.spec import pages as _pages
 from kvcert.spec import storage as l3
-from kvcert.spec.decode import FAULTS, DecodeLedger
+from kvcert.spec.decode import FAULTS, DecodeLedger, tree_slots
 from kvcert.spec.invariants import Violation
 from kvcert.spec.requests import RequestView
 from kvcert.spec.types import CacheConfig, Capabilities, PendingCopy, PendingPrefetch, Snapshot
@@ -229,10 +229,7 @@ class SGLangDecodePath(_sr.SGLangRequestPath):
     # ------------------------------------------------------------------ decode admission (SPEC.md §15)
 
     def _tree_slots(self) -> tuple[set[int], set[int], set[int]]:
-        snap = self.snapshot()
-        cached = {s for n in snap.nodes if n.slots for s in n.slots}
-        locked = {s for n in snap.nodes if n.slots and n.lock_ref > 0 for s in n.slots}
-        return set(snap.free_slots), cached, locked
+        return tree_slots(self.snapshot())
 
     def _row_of(self, req: Any, upto: int) -> tuple[int, ...]:
         idx = req.kv.req_pool_idx if getattr(req, "kv", None) is not None else getattr(req, "req_pool_idx", None)
