@@ -30,7 +30,7 @@ from kvcert.conformance.harness.running import lent
 from kvcert.conformance.harness.windows import SHORT, WINDOWS
 from kvcert.sim.cli import policy_cmd
 from kvcert.spec.ops import Evict, Match, Op, RegisterRef, ReleaseRef, Trace, UpdateRef, op_to_json
-from kvcert.spec.types import CacheConfig, MatchOut
+from kvcert.spec.types import CacheConfig, InvalidPolicyConfig, MatchOut
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
 console = Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 160)
@@ -170,6 +170,13 @@ CORPUS_HELP = "shared failure corpus: every cell replays its traces first; new f
 PREFETCH_POLICY = typer.Option(None, "--prefetch-policy", help="storage cells: these prefetch stop policies")
 NO_STORAGE = typer.Option(False, "--no-storage", help="skip the storage cells")
 STORAGE_ONLY = typer.Option(False, "--storage-only", help="run only the storage cells")
+POLICY_CONFIG = typer.Option(
+    None,
+    "--policy-config",
+    metavar="JSON",
+    help="the eviction policy's parameters, as SGLang's --radix-eviction-policy-config (e.g. "
+    "'{\"threshold\": 64, \"next_prompt_estimate\": 16}'), for the cells whose policy takes them",
+)
 BAD_INPUT = typer.Option(
     None,
     "--bad-input/--no-bad-input",
@@ -183,13 +190,23 @@ def _cells(
     storage_only: bool,
     write_policy: Optional[list[str]],
     prefetch_policy: Optional[list[str]],
+    policy_config: Optional[str] = None,
 ) -> dict[str, Any]:
     """`certify`'s cell selection from the shared options: an empty list drops a kind of cell, None keeps all."""
+    config: Optional[dict[str, Any]] = None
+    if policy_config is not None:
+        try:
+            config = json.loads(policy_config)
+        except ValueError as e:
+            raise InvalidPolicyConfig(f"--policy-config is not JSON: {e}") from e
+        if not isinstance(config, dict):
+            raise InvalidPolicyConfig(f"--policy-config must be a JSON object, got {policy_config!r}")
     return dict(
         write_policies=[] if device_only else write_policy,
         prefetch_policies=[] if device_only or no_storage else prefetch_policy,
         device_cells=not storage_only,
         host_cells=not storage_only,
+        policy_config=config,
     )
 
 
@@ -213,6 +230,7 @@ def certify_cmd(
     no_storage: bool = NO_STORAGE,
     storage_only: bool = STORAGE_ONLY,
     bad_input: Optional[bool] = BAD_INPUT,
+    policy_config: Optional[str] = POLICY_CONFIG,
     profile: Optional[str] = typer.Option(
         None, "--profile", help="hold the backend to this profile (core, sglang-0.5.23) instead of the one it declares"
     ),
@@ -231,12 +249,21 @@ def certify_cmd(
         policies=policy,
         out_dir=out,
         bad_input=bad_input,
-        **_cells(device_only, no_storage, storage_only, write_policy, prefetch_policy),
+        **_checked_cells(device_only, no_storage, storage_only, write_policy, prefetch_policy, policy_config),
         profile=profile,
         jobs=jobs,
         ray=ray,
         corpus=corpus,
     )
+
+
+def _checked_cells(*args: Any) -> dict[str, Any]:
+    """`_cells`, or exit 2 with the reason on a `--policy-config` that is no JSON object."""
+    try:
+        return _cells(*args)
+    except InvalidPolicyConfig as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from e
 
 
 def _certify_and_report(
@@ -256,7 +283,7 @@ def _certify_and_report(
                 on_progress=_progress_json(json_path),
                 **kwargs,
             )
-        except (RayUnavailable, CorpusError) as e:
+        except (RayUnavailable, CorpusError, InvalidPolicyConfig) as e:
             typer.echo(f"error: {e}", err=True)
             raise typer.Exit(2) from e
     print_certificate(cert)
@@ -307,6 +334,7 @@ def fuzz_cmd(
     no_storage: bool = NO_STORAGE,
     storage_only: bool = STORAGE_ONLY,
     bad_input: Optional[bool] = BAD_INPUT,
+    policy_config: Optional[str] = POLICY_CONFIG,
     json_path: Optional[Path] = typer.Option(None, "--json", help="write the certificate as JSON"),
     junit_path: Optional[Path] = typer.Option(None, "--junit", help="write the certificate as JUnit XML"),
     markdown_path: Optional[Path] = typer.Option(None, "--markdown", help="write the certificate as Markdown"),
@@ -333,7 +361,7 @@ def fuzz_cmd(
         policies=policy,
         out_dir=out,
         bad_input=bad_input,
-        **_cells(device_only, no_storage, storage_only, write_policy, prefetch_policy),
+        **_checked_cells(device_only, no_storage, storage_only, write_policy, prefetch_policy, policy_config),
         profile=profile,
         driver="random",
         seconds=seconds,

@@ -29,7 +29,9 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Iterable, Sequence
-from typing import Optional
+from typing import Optional, Protocol
+
+import numpy as np
 
 FREE, LENT, HELD = 0, 1, 2
 
@@ -309,3 +311,84 @@ class PageAllocator:
 
     def release(self, slots: Sequence[int]) -> None:
         self.release_raw(array("q", slots).tobytes())
+
+
+class SlotSource(Protocol):
+    """An engine's own device-slot allocator, as `EngineSlots` needs it."""
+
+    def available(self) -> int:
+        """Slots the engine could allocate now."""
+        ...
+
+    def release(self, raw: bytes) -> None:
+        """Take back slots the tree held (int64 bytes): the tree evicted them."""
+        ...
+
+    def free_slots(self) -> tuple[int, ...]:
+        """Observation only: the engine's free slots."""
+        ...
+
+
+class EngineSlots(PageAllocator):
+    """The device allocator of a tree whose slots an engine allocates (SGLang's `token_to_kv_pool_allocator`).
+
+    The engine lends slots to its requests itself; the tree only records which slots it holds (a byte per slot),
+    so an insert can still refuse a slot the tree already holds, and gives a slot back to the engine when it
+    evicts it. A slot the tree does not hold counts as the caller's. Allocating through the tree (`lend_raw`,
+    `take_raw`) is the engine's job: those refuse.
+    """
+
+    def __init__(self, capacity: int, page_size: int, source: SlotSource) -> None:
+        if page_size < 1 or capacity % page_size:
+            raise ValueError("capacity must be whole pages")
+        self.capacity, self.page_size = capacity, page_size
+        self._width = 8 * page_size
+        self.source = source
+        self._held = np.zeros(capacity, dtype=np.bool_)
+        self.lent, self.held = set(), set()  # (unused: ownership is `_held`)
+        self.mixed = {}
+        self.failures = 0
+
+    def _ids(self, raw: bytes) -> Optional[np.ndarray]:
+        ids = np.frombuffer(raw, dtype=np.int64)
+        if ids.size and (ids.min() < 0 or ids.max() >= self.capacity):
+            return None
+        return ids
+
+    @property
+    def available(self) -> int:
+        return self.source.available()
+
+    def lend_raw(self, n: int) -> bytes:
+        raise NotImplementedError("the engine allocates device slots")
+
+    def take_raw(self, n: int) -> bytes:
+        raise NotImplementedError("the engine allocates device slots")
+
+    def lent_pages(self, raw: bytes) -> Optional[Sequence[int]]:
+        return None  # no fast case: `are_lent_raw` decides
+
+    def are_lent_raw(self, raw: bytes) -> bool:
+        ids = self._ids(raw)
+        return ids is not None and len(np.unique(ids)) == ids.size and not self._held[ids].any()
+
+    def give_back_checked(self, raw: bytes) -> bool:
+        return False  # the engine frees its requests' slots itself
+
+    def adopt_pages(self, firsts: Sequence[int]) -> None:
+        ps = self.page_size
+        for f in firsts:
+            self._held[f : f + ps] = True
+
+    def adopt_raw(self, raw: bytes) -> None:
+        self._held[np.frombuffer(raw, dtype=np.int64)] = True
+
+    def release_raw(self, raw: bytes) -> None:
+        self._held[np.frombuffer(raw, dtype=np.int64)] = False
+        self.source.release(raw)
+
+    def is_free(self, slot: int) -> bool:
+        return not self._held[slot] and slot in set(self.source.free_slots())
+
+    def free_slots(self) -> tuple[int, ...]:
+        return self.source.free_slots()

@@ -33,7 +33,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from kvcert.gpu.agreement import Agreement
-from kvcert.gpu.alloc import FREE, PageAllocator, to_bytes, to_tuple
+from kvcert.gpu.alloc import FREE, EngineSlots, PageAllocator, SlotSource, to_bytes, to_tuple
 from kvcert.gpu.copy_engine import make_engine
 from kvcert.gpu.host import HostTier
 from kvcert.gpu.kv import KVGeometry, KVPool, make_pool
@@ -67,6 +67,7 @@ from kvcert.spec.types import (
     SessionView,
     SlotNotOwned,
     Snapshot,
+    StaleHandle,
     UnknownCopy,
     UnknownFault,
     UnknownRetraction,
@@ -125,7 +126,10 @@ class GpuCache(RadixTree):
         engine: str = "deferred",
         device: Optional[torch.device] = None,
         agreement: Optional[Agreement] = None,
+        engine_slots: Optional[SlotSource] = None,
     ) -> None:
+        """`engine_slots`: an engine allocates the device slots and gets evicted ones back (`EngineSlots`); the
+        tree then holds the engine's slot ids, and `alloc` / `free` refuse (device tier only)."""
         if config.policy not in POLICIES:
             raise ValueError(f"unknown policy {config.policy!r}")
         ps = config.page_size
@@ -148,7 +152,13 @@ class GpuCache(RadixTree):
         if config.host_capacity:  # both pools before the engine (a threaded one starts a thread)
             host_kv = make_pool(host_layout, config.host_capacity, ps, self.geometry, torch.device("cpu"), cuda)
         write_back = self.write_policy == "write_back"
-        super().__init__(ps, config.policy, config.capacity, kv, make_engine(engine), write_back, host_kv is not None)
+        if engine_slots is not None and host_kv is not None:
+            raise ValueError("a tree over an engine's slots has no host tier")
+        alloc_dev = None if engine_slots is None else EngineSlots(config.capacity, ps, engine_slots)
+        super().__init__(
+            ps, config.policy, config.capacity, kv, make_engine(engine), write_back, host_kv is not None, alloc_dev
+        )
+        self.index.rank_with(config.policy_params())
         self.agreement = agreement if agreement is not None else Agreement()
         """Tensor-parallel ranks agree (MIN) on the acks they consume and the pages a prefetch keeps."""
         self.host = None if host_kv is None else HostTier(self, host_kv, self.write_policy, config.load_back_threshold)
@@ -264,6 +274,18 @@ class GpuCache(RadixTree):
         assert run is not None
         prefix_len, node = self._insert(namespace, key_r, size, run, priority, pages)
         return _tuple_new(Inserted, (prefix_len, node.id))
+
+    def path_slots(self, node: int) -> torch.Tensor:
+        """The device slots of the path from the root to `node`, as an int64 CPU tensor (an engine's row of a
+        prefix it holds a lock on). Refuses a node with a part off the device."""
+        n, parts = self._live(node), []
+        while n.parent is not None:
+            if n.slots is None:
+                raise StaleHandle(f"node {node}'s path is not all on the device")
+            parts.append(n.slots.raw)
+            n = n.parent
+        parts.reverse()
+        return tensor_of(bytearray().join(parts))
 
     def inc_lock_ref(self, node: int) -> None:
         n = self._live(node)
@@ -476,6 +498,7 @@ class GpuCache(RadixTree):
 
     def snapshot(self) -> Snapshot:
         """The whole state as the protocol's values: O(tree + pools), observation only."""
+        tlru = self.policy == "tlru"  # the only policy whose nodes keep a history (SPEC.md §4.7)
         views = tuple(
             NodeView(
                 id=n.id,
@@ -489,6 +512,7 @@ class GpuCache(RadixTree):
                 high_ref=n.high_ref,
                 low_ref=n.low_ref,
                 meta=(n.last_access, n.hit_count, n.creation, n.priority),
+                history=n.history if tlru else None,
             )
             for n in self.nodes.values()
         )

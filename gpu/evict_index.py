@@ -20,6 +20,12 @@ outnumber live ones 4:1 (amortised O(1) per push). The duplicates' heap is of id
 
 The index holds no node table: `pop_*` and `compact` take the tree's `nodes` (id -> node), so the
 tree stays the one owner of its nodes.
+
+Ranks are `kvcert.spec.pages.policy_rank`'s, with the policy's parameters (`rank_with`, from the config): slru
+reads a node's hit count like lfu, so the walk's refreshes re-rank it; tlru also reads the node's depth (`end`,
+fixed for life), its length and its branch's history, so the tree refreshes a node whose history rises
+(`made`) or whose edge a split shortens (`RadixTree.split`). Every other policy's entry is
+what it was before them.
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ from typing import Optional
 
 from kvcert.gpu.node import Node
 from kvcert.spec import pages
-from kvcert.spec.types import HIGH_REF, UNUSED
+from kvcert.spec.types import HIGH_REF, UNUSED, policy_params
 
 Entry = tuple[int, ...]
 """A heap entry: a rank, then the node id (flat ints: cheap to compare)."""
@@ -63,11 +69,61 @@ class EvictionIndex:
         """Write-back's settled duplicates."""
         self.dup_heap: list[int] = []
         """Their ids, oldest node first (lazy deletion)."""
-        self.entry: Callable[[Node], Entry] = _lru_entry if policy == "lru" else self._ranked_entry
+        self.entry: Callable[[Node], Entry] = {"lru": _lru_entry, "slru": self._slru_entry, "tlru": self._tlru_entry}.get(
+            policy, self._ranked_entry
+        )
         """`n`'s heap entry: its eviction rank (`kvcert.spec.pages.policy_rank`), then its id (LRU's inlined)."""
+        self.tlru = policy == "tlru"
+        """The tree keeps every node's history (`made`): only T-LRU reads it."""
+        self.params: dict[str, int] = {}
+        """The policy's parameters (SPEC.md §4.5): set by `rank_with` (a page of 1 token's defaults until then)."""
+        self.rank_with(policy_params(policy, 1))
+
+    def rank_with(self, params: dict[str, int]) -> None:
+        """Rank with these policy parameters (`CacheConfig.policy_params()`): call before any node is pushed."""
+        self.params = dict(params)
+        self._protected = params.get("protected_threshold", 0)
+        self._threshold = params.get("threshold", 0)
+        self._estimate = params.get("next_prompt_estimate", 0)
+
+    def made(self, n: Node) -> None:
+        """T-LRU's bookkeeping for a node new in the tree (SGLang's `_set_tlru_lens_and_raise_history`): its history
+        is its depth, and every ancestor whose history is below that is raised to it (SPEC.md §4.7) and re-ranked,
+        for one may be a candidate (a device leaf above a prefetch's new host-only node). The parent is the caller's
+        to refresh once it links `n` in (before, it may still look like a leaf)."""
+        end = n.history = n.end
+        parent = cur = n.parent
+        while cur is not None and cur.history < end:
+            cur.history = end
+            if cur is not parent:
+                self.refresh(cur)
+            cur = cur.parent
 
     def _ranked_entry(self, n: Node) -> Entry:
         return (*pages.policy_rank(self.policy, n.last_access, n.hit_count, n.creation, n.priority), n.id)
+
+    def _slru_entry(self, n: Node) -> Entry:
+        rank = pages.policy_rank(
+            "slru", n.last_access, n.hit_count, n.creation, n.priority, protected_threshold=self._protected
+        )
+        return (*rank, n.id)
+
+    def _tlru_entry(self, n: Node) -> Entry:
+        """T-LRU reads the node's place: its depth (`end`, fixed for life), its length and its branch's history. A
+        change to any of them re-ranks it: the tree refreshes a node whose history rises or whose edge is split."""
+        rank = pages.policy_rank(
+            "tlru",
+            n.last_access,
+            n.hit_count,
+            n.creation,
+            n.priority,
+            depth=n.end,
+            size=n.size,
+            history=n.history,
+            threshold=self._threshold,
+            next_prompt_estimate=self._estimate,
+        )
+        return (*rank, n.id)
 
     def tier_entry(self, n: Node) -> Entry:
         """A held node's entry in its ref tier's heap: `(low_ref, *rank, id)` or `(high_ref, low_ref, *rank, id)`."""

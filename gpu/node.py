@@ -44,6 +44,7 @@ class Node:
         "hit_count",
         "creation",
         "priority",
+        "history",
         "dev_pushed",
         "host_pushed",
         "copies",
@@ -76,6 +77,9 @@ class Node:
         self.hit_count = 0
         self.creation = 0
         self.priority = 0
+        self.history = 0
+        """T-LRU only: the branch's high-water depth in tokens, the deepest `end` any node made below it reached
+        (SPEC.md §4.7); kept by the tree under tlru, 0 otherwise."""
         self.dev_pushed: Optional[tuple[int, ...]] = None
         self.host_pushed: Optional[tuple[int, ...]] = None
         """This node's live entry in the device / host heap (None: none). Any other entry of it is

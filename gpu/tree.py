@@ -45,6 +45,7 @@ from kvcert.spec.types import (
     StaleHandle,
     UnalignedKey,
     check_count,
+    policy_params,
 )
 
 if TYPE_CHECKING:
@@ -68,11 +69,19 @@ class RadixTree:
     """Sessions and ref tiers (SPEC.md §11)."""
 
     def __init__(
-        self, page_size: int, policy: str, capacity: int, kv: KVPool, engine: CopyEngine, write_back: bool, host: bool
+        self,
+        page_size: int,
+        policy: str,
+        capacity: int,
+        kv: KVPool,
+        engine: CopyEngine,
+        write_back: bool,
+        host: bool,
+        alloc_dev: Optional[PageAllocator] = None,
     ) -> None:
         self.page_size, self.policy, self.capacity = page_size, policy, capacity
         self.kv = kv
-        self.alloc_dev = PageAllocator(capacity, page_size)
+        self.alloc_dev = alloc_dev if alloc_dev is not None else PageAllocator(capacity, page_size)
         self.engine = engine
         self.write_back = write_back
         self.now = 0
@@ -92,6 +101,7 @@ class RadixTree:
         """Device tokens of unlocked nodes by tier, kept for LOW_REF and HIGH_REF only (index 0 stays 0): UNUSED's
         is `evictable_size` less both (§11.2), so a node no session holds costs the counters nothing."""
         self.index = EvictionIndex(self.root, policy, write_back, host)
+        self.index.rank_with(policy_params(policy, page_size))  # the policy's defaults; GpuCache ranks with its config's
         self.refresh: Callable[[Node], None] = self.index.refresh
         """Re-derive a node's candidate memberships (`EvictionIndex.refresh`), bound here (no extra frame on the hot
         path; a test may wrap it): the tree and every tier call it wherever they change a node."""
@@ -116,11 +126,14 @@ class RadixTree:
 
     def new_node(self, parent: Node, ns: Namespace, key: Run, size: int) -> Node:
         """A new node for edge `key` of `size` tokens (`len(key)`, which the caller knows) below `parent`: the
-        storage tier hangs a prefetch's fetched pages as one (the caller links it in under `selector`)."""
+        storage tier hangs a prefetch's fetched pages as one (the caller links it in under `selector`, and
+        refreshes `parent`). Under tlru the index keeps its branch's history (`EvictionIndex.made`)."""
         n = Node(self._next_id, parent, ns, key, size)
         self._next_id += 1
         self.nodes[n.id] = n
         self._shape += 1
+        if self.index.tlru:
+            self.index.made(n)
         return n
 
     def forget(self, n: Node, heir: Node) -> None:
@@ -231,6 +244,7 @@ class RadixTree:
         head.lock_ref, head.host_lock_ref = child.lock_ref, child.host_lock_ref
         head.last_access, head.creation = self.now, self.now
         head.hit_count, head.priority = child.hit_count, child.priority
+        head.history = child.history  # a split adds no depth to the branch: the head takes its high-water mark
         # the head lies on every path the suffix lies on: it takes its refs (SPEC.md §11.1)
         head.high_ref, head.low_ref, head.tier = child.high_ref, child.low_ref, child.tier
         parent.children[self.selector(parent, child)] = head

@@ -109,6 +109,7 @@ class DeviceTier(Tree):
                 priority=priority,
             )
             node.children[self._selector(namespace, leaf.key)] = leaf
+            self._made(leaf)
             self.pool.adopt(leaf.slots or ())
             self._account(leaf, +1)
             path.append(leaf)

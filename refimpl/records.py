@@ -89,6 +89,9 @@ class Node:
     hit_count: int = 0
     creation: int = 0
     priority: int = 0
+    history: int = 0
+    """The branch's high-water depth in tokens: the deepest end any node made below this one reached (SPEC.md §4.7;
+    T-LRU's rank reads it)."""
     high_ref: int = 0
     """High-priority sessions whose path holds this node (SPEC.md §11.1)."""
     low_ref: int = 0

@@ -220,6 +220,7 @@ class StorageTier(Tree):
                     creation=self.now,
                 )
                 node.children[self._selector(p.namespace, leaf.key)] = leaf
+                self._made(leaf)
                 kept.update(leaf.host_slots or ())
                 added += end - at
                 break

@@ -52,6 +52,8 @@ class Tree:
             )
         self.page_size = config.page_size
         self.policy = config.policy
+        self.policy_params = config.policy_params()
+        """The policy's parameters (SPEC.md §4.5), passed to `pages.policy_rank` as they are."""
         self.pool = SlotPool(config.capacity, config.page_size)
         self.host = SlotPool(config.host_capacity, config.page_size) if config.host_capacity else None
         self.write_policy = config.write_policy if self.host else ""
@@ -155,6 +157,7 @@ class Tree:
             hit_count=child.hit_count,
             creation=self.now,
             priority=child.priority,
+            history=child.history,
             high_ref=child.high_ref,
             low_ref=child.low_ref,
         )
@@ -209,6 +212,17 @@ class Tree:
             node = child
         return tuple(out)
 
+    def _made(self, node: Node) -> None:
+        """A new node is in the tree: its history is its depth, and every ancestor's history reaches it (SPEC.md §4.7)."""
+        depth = self.depth(node)
+        node.history = depth
+        for n in self._path_to_root(node)[1:]:
+            n.history = max(n.history, depth)
+
+    def depth(self, node: Node) -> int:
+        """Tokens from the root to the end of `node`."""
+        return sum(len(n.key) for n in self._path_to_root(node))
+
     def _path_to_root(self, node: Node) -> list[Node]:
         out = []
         cur: Optional[Node] = node
@@ -243,7 +257,12 @@ class Tree:
 
     def rank(self, node: Node) -> tuple[int, ...]:
         """SPEC.md §11.3: tier and refs first (fewer sessions hurt first), then the policy."""
-        policy = pages.policy_rank(self.policy, node.last_access, node.hit_count, node.creation, node.priority)
+        shape = {}
+        if self.policy == "tlru":  # the only policy that reads the node's place in the tree
+            shape = {"depth": self.depth(node), "size": len(node.key), "history": node.history}
+        policy = pages.policy_rank(
+            self.policy, node.last_access, node.hit_count, node.creation, node.priority, **self.policy_params, **shape
+        )
         return (self.tier(node), node.high_ref, node.low_ref, *policy)
 
     def _pick(self, candidates: list[Node], choose: Optional[Chooser]) -> Node:

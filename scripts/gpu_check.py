@@ -1,19 +1,27 @@
 #!/usr/bin/env python
 # Over 600 lines: the one script a lent GPU runs, self-contained by design.
-"""One bounded check of kvcert.gpu on a real GPU: engine smoke, certification on CUDA, copy bandwidth.
+"""One bounded check of kvcert.gpu on a real GPU: engine smoke, SGLang with kvcert's cache, certification on CUDA,
+copy bandwidth.
 
-    python scripts/gpu_check.py            # on a CUDA machine: about 3 minutes, at most ~4
+    python scripts/gpu_check.py            # on a CUDA machine: about 3-4 minutes, at most ~5
     python scripts/gpu_check.py --cpu      # dry run: the same code paths on CPU, tiny sizes, seconds
 
-Three parts, each in its own subprocess with a soft budget (checked between units of work) and a
-hard timeout (the parent kills it), so a hung or crashed part (a poisoned CUDA context) costs its
-own budget only and the next part still runs. A part writes its results after every unit, so a
-killed part still reports what it finished.
+Four parts, each in its own subprocess (and process group) with a soft budget (checked between units
+of work) and a hard timeout (the parent kills the group), so a hung or crashed part (a poisoned CUDA
+context) costs its own budget only and the next part still runs. A part writes its results after
+every unit, so a killed part still reports what it finished.
 
 - smoke: the copy engine directly. Device -> host -> device round trips of scattered and partial
   pages, both layouts on each side, `dma` and `staged` plans, one event or one per layer
   (`wait_layer`), `copy_now`, an injected failure and its retry; every byte compared. Then a
   GpuCache on the engine: write-through backup, eviction to host, load-back, KV read back.
+- sglang: SGLang's offline `sglang.Engine` on a tiny random-weight Llama built
+  here (no download, no tokenizer), twice, each engine in its own subprocess: with SGLang's default
+  radix cache, then with `radix_cache_backend="kvcert"` (kvcert.integrations.sglang). The same
+  multi-turn, repeated-prefix workload of token ids, greedy; per request the output ids,
+  cached_tokens, prompt_tokens and time to first token of a streamed generate. Reports whether the
+  outputs are identical, both cached-token totals, and TTFT median / p90 side by side. Skipped, saying
+  why, without CUDA (the --cpu dry run) or when SGLang cannot be imported.
 - certify: the conformance suite (conformance/certification/certify.py's cells and `run_cell`) on caches whose
   device pool lives on CUDA and whose copies go through `CudaCopyEngine`; host-tier and storage
   cells first (the ones that copy), device-only cells while budget lasts. Counterexample traces
@@ -32,6 +40,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
+import signal
 import statistics
 import subprocess
 import sys
@@ -46,10 +56,12 @@ from typing import Any, Optional
 
 import torch
 
-PARTS = ("smoke", "certify", "bandwidth")
-BUDGET = {"smoke": 25.0, "certify": 85.0, "bandwidth": 85.0}
-"""Soft budgets (seconds) of each part on CUDA; the hard timeout adds GRACE. Worst case < 4 minutes."""
-CPU_BUDGET = {"smoke": 30.0, "certify": 8.0, "bandwidth": 20.0}
+PARTS = ("smoke", "sglang", "certify", "bandwidth")
+BUDGET = {"smoke": 20.0, "sglang": 140.0, "certify": 40.0, "bandwidth": 40.0}
+"""Soft budgets (seconds) of each part on CUDA; the hard timeout adds GRACE. 4 minutes, worst case 5 (with GRACE).
+sglang's 140 s (two engine startups) came from certify and bandwidth (85 s each before; their last H200 run took
+38 s and 36 s) and smoke (25 s; it took 5 s)."""
+CPU_BUDGET = {"smoke": 30.0, "sglang": 5.0, "certify": 8.0, "bandwidth": 20.0}
 GRACE = 15.0
 """Seconds past its soft budget before the parent kills a part (startup, CUDA init, one slow unit)."""
 
@@ -518,6 +530,408 @@ def run_bandwidth(ctx: Ctx) -> dict[str, Any]:
     return result
 
 
+# ---------------------------------------------------------------------------------------------- part: sglang
+
+SGLANG_MODEL: dict[str, Any] = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "vocab_size": 32000,
+    "hidden_size": 256,
+    "intermediate_size": 688,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "head_dim": 64,
+    "num_hidden_layers": 2,
+    "hidden_act": "silu",
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+"""The config.json of the tiny Llama both engines serve: SGLang builds it with random weights (`load_format="dummy"`,
+its fixed seed), so nothing is downloaded and there is no tokenizer (`skip_tokenizer_init`: token ids in and out)."""
+
+SGLANG_WORKLOAD = {
+    "conversations": 8,
+    "turns": 3,
+    "system_tokens": 1024,
+    "first_tokens": 256,
+    "turn_tokens": 64,
+    "unrelated": 4,
+    "unrelated_tokens": 512,
+    "max_new_tokens": 16,
+}
+"""8 conversations sharing a 1024-token system prompt, 3 turns each (a turn's prompt is the previous prompt, its
+output and 64 new tokens), 2 unrelated prompts after each of the first two rounds: 28 measured requests, one at a
+time, after 2 warm-up requests."""
+
+SGLANG_SAMPLING = {"temperature": 0.0, "max_new_tokens": SGLANG_WORKLOAD["max_new_tokens"], "ignore_eos": True}
+
+SGLANG_ENGINE: dict[str, Any] = {
+    "load_format": "dummy",
+    "skip_tokenizer_init": True,
+    "dtype": "bfloat16",
+    "mem_fraction_static": 0.25,
+    "max_total_tokens": 32768,
+    "context_length": 4096,
+    "disable_prefill_cuda_graph": True,
+    "disable_decode_cuda_graph": True,
+    "log_level": "error",
+}
+"""ServerArgs of both engines (the kvcert run adds `radix_cache_backend="kvcert"`): a 32k-token KV pool, far more
+than the workload's ~7k distinct tokens, so nothing is evicted; no CUDA graphs to capture at startup."""
+
+SGLANG_ENTRY_POINT = ("sglang.srt.plugins", "kvcert", "kvcert.integrations.sglang:register")
+"""pyproject.toml's entry point (group, name, value), written beside a checkout that is not installed."""
+
+
+def _sglang_engine_args(model_dir: str, backend: str, seed: int) -> dict[str, Any]:
+    args = dict(SGLANG_ENGINE, model_path=model_dir, random_seed=seed)
+    if backend == "kvcert":
+        args["radix_cache_backend"] = "kvcert"
+    return args
+
+
+def _sglang_model_dir(parent: Path) -> str:
+    path = parent / "tiny-llama"
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(SGLANG_MODEL, indent=1))
+    return str(path)
+
+
+def _sglang_installed() -> str:
+    """'SGLang <version> is installed' or why not (cheap: metadata only, no import)."""
+    import importlib.metadata
+    import importlib.util
+
+    if importlib.util.find_spec("sglang") is None:
+        return "SGLang is not installed (no module named 'sglang')"
+    try:
+        return f"SGLang {importlib.metadata.version('sglang')} is installed"
+    except importlib.metadata.PackageNotFoundError:
+        return "SGLang is importable (no package metadata)"
+
+
+def _sglang_unavailable(ctx: Ctx) -> Optional[str]:
+    """Why this part cannot run here, or None. (Whether SGLang imports is found out by the first engine's process.)"""
+    installed = _sglang_installed()
+    if ctx.cpu:
+        return f"the --cpu dry run starts no SGLang engine (SGLang's Engine needs CUDA); {installed} here"
+    if not torch.cuda.is_available():
+        return f"no CUDA device; {installed} here"
+    if "not installed" in installed:
+        return f"{installed}; the part needs SGLang 0.5.23 in this Python (requirements/sglang.txt)"
+    return None
+
+
+def _pct(xs: list[float], q: float) -> Optional[float]:
+    """The q-quantile of xs, interpolated between the closest ranks (numpy's default); None if empty."""
+    if not xs:
+        return None
+    s = sorted(xs)
+    at = q * (len(s) - 1)
+    lo = int(at)
+    hi = min(lo + 1, len(s) - 1)
+    return round(s[lo] + (s[hi] - s[lo]) * (at - lo), 3)
+
+
+def _sglang_request(stream: Callable[[list[int]], Any], label: str, prompt: list[int]) -> dict[str, Any]:
+    """One streamed request: TTFT is the time from the call to its first chunk; the last chunk holds every output
+    id (SGLang's default, non-incremental streaming) and the request's meta_info."""
+    t0 = time.perf_counter()
+    first: Optional[float] = None
+    last: Any = None
+    for chunk in stream(prompt):
+        if first is None:
+            first = time.perf_counter()
+        last = chunk
+    end = time.perf_counter()
+    if last is None or first is None:
+        raise RuntimeError(f"{label}: the stream yielded nothing")
+    meta = last.get("meta_info") or {}
+    e2e = meta.get("e2e_latency")
+    return {
+        "request": label,
+        "prompt_len": len(prompt),
+        "prompt_tokens": meta.get("prompt_tokens"),
+        "cached_tokens": meta.get("cached_tokens"),
+        "output_ids": [int(t) for t in last.get("output_ids") or []],
+        "finish_reason": meta.get("finish_reason"),
+        "ttft_ms": round((first - t0) * 1e3, 3),
+        "e2e_ms": round((end - t0) * 1e3, 3),
+        "sglang_e2e_ms": None if e2e is None else round(float(e2e) * 1e3, 3),
+    }
+
+
+def _sglang_drive(
+    stream: Callable[[list[int]], Any], seed: int, deadline: float, rows: list[dict[str, Any]], sink: Callable[[], None]
+) -> dict[str, Any]:
+    """SGLANG_WORKLOAD through `stream` (a prompt's token ids in, the chunks of a streamed generate out), one request
+    at a time, appending a row per measured request. Every random token is drawn before the first request, so two
+    engines get the same new tokens whatever they answer; a turn's prompt carries the engine's own previous output."""
+    w = SGLANG_WORKLOAD
+    rng = random.Random(seed)
+    vocab = SGLANG_MODEL["vocab_size"]
+
+    def toks(n: int) -> list[int]:
+        return [rng.randrange(3, vocab) for _ in range(n)]  # 0-2: pad, bos, eos
+
+    convs, turns = w["conversations"], w["turns"]
+    warm = toks(256)
+    warm_more = warm + toks(64)
+    system = toks(w["system_tokens"])
+    prompts = [system + toks(w["first_tokens"]) for _ in range(convs)]
+    added = [[toks(w["turn_tokens"]) for _ in range(turns - 1)] for _ in range(convs)]
+    others = [toks(w["unrelated_tokens"]) for _ in range(w["unrelated"])]
+    per_round = -(-len(others) // max(1, turns - 1))
+    schedule: list[tuple[str, int, int]] = []
+    for turn in range(turns):
+        schedule += [("conv", c, turn) for c in range(convs)]
+        if turn < turns - 1:
+            schedule += [("other", i, turn) for i in range(turn * per_round, min(len(others), (turn + 1) * per_round))]
+    info: dict[str, Any] = {"requests_planned": len(schedule), "warmup_ttft_ms": [], "note": ""}
+    for prompt in (warm, warm_more):  # not measured: first kernels, and a first prefill over a cached prefix
+        info["warmup_ttft_ms"].append(_sglang_request(stream, "warm-up", prompt)["ttft_ms"])
+    sink()
+    for kind, i, turn in schedule:
+        if time.perf_counter() > deadline:
+            info["note"] = f"stopped after {len(rows)} of {len(schedule)} requests: out of budget"
+            break
+        if kind == "other":
+            rows.append(_sglang_request(stream, f"other {i}", others[i]))
+        else:
+            row = _sglang_request(stream, f"conv {i} turn {turn}", prompts[i])
+            rows.append(row)
+            if turn < turns - 1:
+                prompts[i] = prompts[i] + row["output_ids"] + added[i][turn]
+        sink()
+    return info
+
+
+def _sglang_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    ttft = [r["ttft_ms"] for r in rows]
+    return {
+        "requests": len(rows),
+        "cached_tokens": sum(r["cached_tokens"] or 0 for r in rows),
+        "prompt_tokens": sum(r["prompt_tokens"] if r["prompt_tokens"] is not None else r["prompt_len"] for r in rows),
+        "ttft_median_ms": _pct(ttft, 0.5),
+        "ttft_p90_ms": _pct(ttft, 0.9),
+        "e2e_median_ms": _pct([r["e2e_ms"] for r in rows], 0.5),
+    }
+
+
+def _ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
+    return None if a is None or not b else float(f"{a / b:.4g}")
+
+
+def _sglang_compare(default: list[dict[str, Any]], kvcert: list[dict[str, Any]]) -> dict[str, Any]:
+    """The two runs side by side over the requests both finished (the same requests, in the same order)."""
+    n = min(len(default), len(kvcert))
+    a, b = default[:n], kvcert[:n]
+    if any(x["request"] != y["request"] for x, y in zip(a, b)):
+        raise ValueError("the two runs did not send the same requests")
+    diff = next((i for i in range(n) if a[i]["output_ids"] != b[i]["output_ids"]), None)
+    cached = [i for i in range(n) if a[i]["cached_tokens"] != b[i]["cached_tokens"]]
+    sa, sb = _sglang_summary(a), _sglang_summary(b)
+    out: dict[str, Any] = {
+        "compared": n,
+        "outputs_identical": None if not n else diff is None,
+        "first_difference": None,
+        "cached_tokens": {"default": sa["cached_tokens"], "kvcert": sb["cached_tokens"]},
+        "prompt_tokens": sa["prompt_tokens"],
+        "requests_with_other_cached_tokens": len(cached),
+        "first_other_cached_tokens": None if not cached else a[cached[0]]["request"],
+        "ttft_median_ms": {"default": sa["ttft_median_ms"], "kvcert": sb["ttft_median_ms"]},
+        "ttft_p90_ms": {"default": sa["ttft_p90_ms"], "kvcert": sb["ttft_p90_ms"]},
+        "ttft_median_ratio": _ratio(sb["ttft_median_ms"], sa["ttft_median_ms"]),
+        "ttft_p90_ratio": _ratio(sb["ttft_p90_ms"], sa["ttft_p90_ms"]),
+    }
+    if diff is not None:
+        x, y = a[diff]["output_ids"], b[diff]["output_ids"]
+        at = next((k for k in range(min(len(x), len(y))) if x[k] != y[k]), min(len(x), len(y)))
+        out["first_difference"] = {
+            "index": diff,
+            "request": a[diff]["request"],
+            "at_output_token": at,
+            "default_output": x,
+            "kvcert_output": y,
+            "cached_tokens": {"default": a[diff]["cached_tokens"], "kvcert": b[diff]["cached_tokens"]},
+        }
+    return out
+
+
+def _sglang_engine_child(args: argparse.Namespace) -> int:
+    """Engine process: import SGLang, start one Engine, run the workload, write the record after every step."""
+    out = Path(args.result)
+    backend = args.sglang_engine
+    start = time.perf_counter()
+    deadline = start + args.sglang_deadline
+    rows: list[dict[str, Any]] = []
+    rec: dict[str, Any] = {"backend": backend, "stage": "import", "rows": rows}
+
+    def sink() -> None:
+        rec["seconds"] = round(time.perf_counter() - start, 2)
+        tmp = out.with_suffix(".tmp")
+        tmp.write_text(json.dumps(rec, default=str))
+        tmp.replace(out)
+
+    sink()
+    try:
+        import sglang
+        from sglang.srt.entrypoints.engine import Engine
+    except Exception as err:  # not installed here, or a hard dependency (sgl_kernel, flashinfer, ...) missing
+        rec["import_error"] = f"{type(err).__name__}: {err}"
+        sink()
+        return 0
+    rec["sglang_version"] = str(getattr(sglang, "__version__", "?"))
+    rec["import_s"] = round(time.perf_counter() - start, 2)
+    if backend == "kvcert":
+        import importlib.metadata
+
+        group, name, _ = SGLANG_ENTRY_POINT
+        if not any(ep.name == name for ep in importlib.metadata.entry_points(group=group)):
+            rec["error"] = f"no '{name}' entry point in group {group}: SGLang's plugin loader cannot register kvcert"
+            sink()
+            return 0
+    rec["stage"] = "start"
+    sink()
+    t0 = time.perf_counter()
+    try:
+        engine = Engine(**_sglang_engine_args(args.model_dir, backend, args.seed))
+    except Exception as err:
+        rec["error"] = f"the engine did not start: {type(err).__name__}: {err}"
+        traceback.print_exc()
+        sink()
+        return 0
+    rec["started_s"] = round(time.perf_counter() - t0, 2)
+    rec["stage"] = "workload"
+    sink()
+
+    def stream(prompt: list[int]) -> Any:
+        return engine.generate(input_ids=prompt, sampling_params=dict(SGLANG_SAMPLING), stream=True)
+
+    try:
+        rec.update(_sglang_drive(stream, args.seed, deadline, rows, sink))
+        rec["stage"] = "done"
+    except Exception as err:
+        rec["error"] = f"{type(err).__name__}: {err}"
+        traceback.print_exc()
+    sink()
+    t1 = time.perf_counter()
+    engine.shutdown()
+    rec["shutdown_s"] = round(time.perf_counter() - t1, 2)
+    sink()
+    return 0
+
+
+def _kill_tree(proc: subprocess.Popen[Any]) -> None:
+    """Kill an engine's process and everything it started (SGLang's scheduler and detokenizer processes)."""
+    try:
+        import psutil  # an SGLang dependency: present wherever an engine was started
+
+        kids = psutil.Process(proc.pid).children(recursive=True)
+    except Exception:
+        kids = []
+    for p in kids:
+        try:
+            p.kill()
+        except Exception:
+            pass
+    proc.kill()
+    proc.wait()
+
+
+def _log_tail(path: Path, chars: int = 2000) -> str:
+    try:
+        return path.read_text(errors="replace")[-chars:]
+    except OSError:
+        return ""
+
+
+def _sglang_engine(ctx: Ctx, backend: str, model_dir: str, work: Path, limit: float) -> dict[str, Any]:
+    """Run one engine's process (killed, with its children, past `limit` seconds); its record, with what went wrong."""
+    result = work / f"{backend}.json"
+    log = work / f"{backend}.log"
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--sglang-engine", backend, "--result", str(result)]
+    cmd += ["--model-dir", model_dir, "--seed", str(ctx.args.seed), "--sglang-deadline", f"{max(1.0, limit - 15):.1f}"]
+    t0 = time.perf_counter()
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT)
+        try:
+            rc = proc.wait(timeout=limit)
+            ended = "exit 0" if rc == 0 else f"exit {rc}"
+        except subprocess.TimeoutExpired:
+            _kill_tree(proc)
+            ended = f"killed after {limit:.0f} s"
+        except BaseException:
+            _kill_tree(proc)
+            raise
+    rec: dict[str, Any] = json.loads(result.read_text()) if result.exists() else {"stage": "launch", "rows": []}
+    rec.update(backend=backend, ended=ended, wall_s=round(time.perf_counter() - t0, 2), log=str(log))
+    if "import_error" not in rec and "error" not in rec and rec.get("stage") != "done":
+        rec["error"] = f"the engine's process ended ({ended}) during {rec.get('stage', 'launch')}"
+    if "error" in rec or "import_error" in rec:
+        rec["log_tail"] = _log_tail(log)
+        print(f"-- sglang {backend} engine: {rec.get('error') or rec.get('import_error')}; its log ends:", flush=True)
+        print("\n".join(rec["log_tail"].splitlines()[-25:]), flush=True)
+    rec["summary"] = _sglang_summary(rec["rows"])
+    return rec
+
+
+def run_sglang(ctx: Ctx) -> dict[str, Any]:
+    engines: dict[str, Any] = {}
+    result: dict[str, Any] = {
+        "skipped": None,
+        "model": {k: SGLANG_MODEL[k] for k in ("num_hidden_layers", "hidden_size", "num_attention_heads", "vocab_size")}
+        | {"dtype": SGLANG_ENGINE["dtype"]},
+        "workload": dict(SGLANG_WORKLOAD),
+        "sampling": dict(SGLANG_SAMPLING),
+        "engine_args": dict(SGLANG_ENGINE),
+        "seed": ctx.args.seed,
+        "engines": engines,
+        "comparison": None,
+    }
+    why = _sglang_unavailable(ctx)
+    if why:
+        result["skipped"] = why
+        print(f"-- sglang: skipped: {why}", flush=True)
+        return result
+    work = Path(os.environ["OUT"]) / "gpu_check_sglang" if os.environ.get("OUT") else Path(tempfile.mkdtemp())
+    work.mkdir(parents=True, exist_ok=True)
+    model_dir = _sglang_model_dir(work)
+    ctx.sink(result)
+    for backend in ("default", "kvcert"):
+        left = ctx.left() - 5  # the last kill and this part's own exit
+        limit = left / 2 if backend == "default" else left  # the second engine gets what the first left
+        if limit < 30:
+            engines[backend] = {"backend": backend, "rows": [], "note": f"not started: {max(0.0, limit):.0f} s left"}
+            if backend == "default":
+                result["skipped"] = f"out of budget: {max(0.0, left):.0f} s left for two engines"
+            break
+        print(f"-- sglang: {backend} cache: one engine process, at most {limit:.0f} s", flush=True)
+        rec = engines[backend] = _sglang_engine(ctx, backend, model_dir, work, limit)
+        if rec.get("sglang_version"):
+            result["sglang_version"] = rec["sglang_version"]
+        ctx.sink(result)
+        if backend == "default" and "import_error" in rec:
+            result["skipped"] = f"SGLang cannot be imported here: {rec['import_error']}"
+            break
+        if backend == "default" and not rec["rows"]:
+            result["skipped"] = (
+                f"SGLang's engine with its default cache ran no request here ({rec.get('error')}), "
+                "so there is nothing to compare kvcert's with"
+            )
+            break
+    if result["skipped"]:
+        print(f"-- sglang: skipped: {result['skipped']}", flush=True)
+    if engines.get("default", {}).get("rows") and engines.get("kvcert", {}).get("rows"):
+        result["comparison"] = _sglang_compare(engines["default"]["rows"], engines["kvcert"]["rows"])
+    return result
+
+
 # ---------------------------------------------------------------------------------------------- rendering
 
 
@@ -526,6 +940,66 @@ def _size(n: float) -> str:
         if n >= scale:
             return f"{n / scale:.1f} {unit}"
     return f"{int(n)} B"
+
+
+def _ms(x: Optional[float]) -> str:
+    return "" if x is None else f"{x:.1f}"
+
+
+def _render_sglang(console: Any, sg: dict[str, Any]) -> None:
+    from rich.table import Table
+
+    if not sg:
+        return
+    if sg.get("skipped"):
+        console.print(f"[bold]sglang[/bold]: skipped: {sg['skipped']}")
+        return
+    m, w = sg["model"], sg["workload"]
+    title = (
+        f"sglang {sg.get('sglang_version', '?')}: offline Engine, tiny Llama ({m['num_hidden_layers']} layers x "
+        f"{m['hidden_size']}, {m['dtype']}, random weights), {w['conversations']} conversations x {w['turns']} turns "
+        f"+ {w['unrelated']} other prompts, {w['max_new_tokens']} new tokens, greedy; TTFT of a streamed generate"
+    )
+    t = Table(title=title)
+    for col in ("cache", "import s", "start s", "requests", "cached / prompt tokens", "TTFT median ms", "TTFT p90 ms",
+                "e2e median ms", "note"):  # fmt: skip
+        t.add_column(col, justify="left" if col in ("cache", "note") else "right")
+    for backend, e in sg["engines"].items():
+        s = e.get("summary") or _sglang_summary(e.get("rows") or [])
+        note = e.get("error") or e.get("import_error") or e.get("note") or ""
+        t.add_row(
+            "SGLang default" if backend == "default" else "kvcert",
+            _ms(e.get("import_s")),
+            _ms(e.get("started_s")),
+            f"{s['requests']}/{e.get('requests_planned', s['requests'])}",
+            f"{s['cached_tokens']} / {s['prompt_tokens']}",
+            _ms(s["ttft_median_ms"]),
+            _ms(s["ttft_p90_ms"]),
+            _ms(s["e2e_median_ms"]),
+            ("[red]" if e.get("error") else "") + note[:70],
+        )
+    console.print(t)
+    c = sg.get("comparison")
+    if not c:
+        console.print("  no comparison: the two engines did not both finish requests")
+        return
+    first = c["first_difference"]
+    same = (
+        "[green]yes"
+        if c["outputs_identical"]
+        else f"[red]NO[/red], first at '{first['request']}' output token {first['at_output_token']} "
+        f"(cached tokens there: default {first['cached_tokens']['default']}, kvcert {first['cached_tokens']['kvcert']})"
+    )
+    console.print(f"  outputs identical over {c['compared']} requests: {same}")
+    console.print(
+        f"  cached tokens: default {c['cached_tokens']['default']}, kvcert {c['cached_tokens']['kvcert']} "
+        f"(of {c['prompt_tokens']} prompt tokens; {c['requests_with_other_cached_tokens']} requests differ)"
+    )
+    console.print(
+        f"  TTFT kvcert / default: median {c['ttft_median_ratio']} "
+        f"({_ms(c['ttft_median_ms']['kvcert'])} / {_ms(c['ttft_median_ms']['default'])} ms), "
+        f"p90 {c['ttft_p90_ratio']} ({_ms(c['ttft_p90_ms']['kvcert'])} / {_ms(c['ttft_p90_ms']['default'])} ms)"
+    )
 
 
 def render(report: dict[str, Any]) -> None:
@@ -546,6 +1020,7 @@ def render(report: dict[str, Any]) -> None:
             ok = {True: "[green]yes", False: "[red]NO", None: "-"}[c["ok"]]
             t.add_row(c["case"], ok, f"{c['seconds']:.2f}", c["error"] or "")
         console.print(t)
+    _render_sglang(console, parts.get("sglang") or {})
     cert = parts.get("certify") or {}
     if cert.get("targets"):
         t = Table(title=f"certify: {cert['examples']} examples x {cert['steps']} steps per cell, seed {cert['seed']}")
@@ -651,7 +1126,7 @@ def _run_part(part: str, args: argparse.Namespace) -> None:
         tmp.replace(out)
 
     ctx = Ctx(cpu, device, time.perf_counter() + budget, sink, args)
-    fn = {"smoke": run_smoke, "certify": run_certify, "bandwidth": run_bandwidth}[part]
+    fn = {"smoke": run_smoke, "sglang": run_sglang, "certify": run_certify, "bandwidth": run_bandwidth}[part]
     sink(fn(ctx))
 
 
@@ -664,6 +1139,16 @@ def _problems(report: dict[str, Any]) -> list[str]:
             out.append(f"smoke {c['case']}: {c['error']}")
     for e in (parts.get("certify") or {}).get("targets", []):
         out += [f"certify {e['target']} {f['cell']}" for f in e["failed"]]
+    sg = parts.get("sglang") or {}
+    if not sg.get("skipped"):
+        kv = (sg.get("engines") or {}).get("kvcert") or {}
+        if kv.get("error"):
+            out.append(f"sglang kvcert engine: {kv['error'][:300]}")
+        first = (sg.get("comparison") or {}).get("first_difference")
+        if first:
+            out.append(
+                f"sglang: kvcert's outputs differ from SGLang's default cache's from request '{first['request']}'"
+            )
     for r in (parts.get("bandwidth") or {}).get("rows", []):
         if r.get("error") or (r.get("bytes_ok") is False and r["strategy"] != "copy_from"):
             out.append(
@@ -675,12 +1160,23 @@ def _problems(report: dict[str, Any]) -> list[str]:
     return out
 
 
+def _write_entry_point(folder: Path) -> None:
+    """Distribution metadata in `folder` (a sys.path entry) carrying kvcert's SGLang entry point, so that SGLang's
+    plugin loader (`load_plugins`, in every SGLang process) registers `--radix-cache-backend kvcert` from a checkout
+    that is not installed, as it would from an installed kvcert."""
+    group, name, value = SGLANG_ENTRY_POINT
+    info = folder / "kvcert_checkout-0.0.0.dist-info"
+    info.mkdir(exist_ok=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: kvcert-checkout\nVersion: 0.0.0\n")
+    (info / "entry_points.txt").write_text(f"[{group}]\n{name} = {value}\n")
+
+
 def _make_kvcert_importable() -> None:
     """On a bare GPU machine (its own python, kvcert not installed), import kvcert from this checkout.
 
     The package maps top-level folders onto `kvcert.*` (pyproject's package-dir), so the checkout itself
-    is not importable as `kvcert`; a temporary folder of links gives the same namespace, and PYTHONPATH
-    carries it into the parts' subprocesses.
+    is not importable as `kvcert`; a temporary folder of links gives the same namespace (with kvcert's
+    SGLang entry point beside it), and PYTHONPATH carries it into the parts' subprocesses, SGLang's too.
     """
     import importlib.util
 
@@ -689,10 +1185,28 @@ def _make_kvcert_importable() -> None:
     root = Path(__file__).resolve().parent.parent
     shim = Path(tempfile.mkdtemp(prefix="kvcert-path-"))
     (shim / "kvcert").mkdir()
-    for sub in ("spec", "refimpl", "gpu", "conformance", "sim"):
-        (shim / "kvcert" / sub).symlink_to(root / sub, target_is_directory=True)
+    for sub in ("spec", "refimpl", "gpu", "conformance", "sim", "integrations"):
+        if (root / sub).is_dir():
+            (shim / "kvcert" / sub).symlink_to(root / sub, target_is_directory=True)
+    _write_entry_point(shim)
     sys.path.insert(0, str(shim))
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(shim), os.environ.get("PYTHONPATH", "")]))
+
+
+def _run_group(cmd: list[str], limit: float) -> Optional[int]:
+    """Run a part in its own process group; past `limit` seconds kill the whole group (an SGLang engine's scheduler
+    processes too, which a hung part would leave holding the GPU). The exit status, None when killed."""
+    proc = subprocess.Popen(cmd, start_new_session=True)
+    try:
+        return proc.wait(timeout=limit)
+    except subprocess.TimeoutExpired:
+        return None
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # stragglers of a finished part too; none is the usual case
+        except (ProcessLookupError, PermissionError):
+            pass
+        proc.wait()
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -711,11 +1225,16 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--budget-scale", type=float, default=1.0, help="multiply every part's budget")
     ap.add_argument("--part", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--result", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--sglang-engine", default=None, choices=("default", "kvcert"), help=argparse.SUPPRESS)
+    ap.add_argument("--sglang-deadline", type=float, default=60.0, help=argparse.SUPPRESS)
+    ap.add_argument("--model-dir", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     args.pages = [int(x) for x in str(args.pages).split(",") if x]
     args.examples = args.examples if args.examples is not None else (4 if args.cpu else 10)
     args.steps = args.steps if args.steps is not None else (12 if args.cpu else 20)
     _make_kvcert_importable()
+    if args.sglang_engine:
+        return _sglang_engine_child(args)
     if args.part:
         _run_part(args.part, args)
         return 0
@@ -750,11 +1269,10 @@ def main(argv: Optional[list[str]] = None) -> int:
                 f"== gpu_check: {part} (budget {budgets[part] * args.budget_scale:.0f} s, killed at {limit:.0f} s)",
                 flush=True,
             )
-            try:
-                proc = subprocess.run(cmd, timeout=limit)
-                status = "ok" if proc.returncode == 0 else f"exit {proc.returncode}"
-            except subprocess.TimeoutExpired:
-                status = f"killed after {limit:.0f} s (partial results)"
+            rc = _run_group(cmd, limit)
+            status = (
+                f"killed after {limit:.0f} s (partial results)" if rc is None else "ok" if rc == 0 else f"exit {rc}"
+            )
             seconds = time.perf_counter() - t0
             report["elapsed"][part] = {"seconds": round(seconds, 2), "status": status}
             report["parts"][part] = json.loads(result.read_text()) if result.exists() else None

@@ -4,6 +4,6 @@
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 mkdir -p "$1/kvcert"
-for package in spec refimpl gpu conformance sim; do
+for package in spec refimpl gpu conformance sim integrations; do
     ln -s "$ROOT/$package" "$1/kvcert/$package"
 done

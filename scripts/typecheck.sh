@@ -10,4 +10,4 @@ tree="$(mktemp -d)"
 trap 'rm -rf "$tree"' EXIT
 "$ROOT/scripts/package_tree.sh" "$tree"
 cd "$tree"
-"$MYPY" --config-file "$ROOT/pyproject.toml" -p kvcert.spec -p kvcert.refimpl -p kvcert.gpu -p kvcert.conformance -p kvcert.sim
+"$MYPY" --config-file "$ROOT/pyproject.toml" -p kvcert.spec -p kvcert.refimpl -p kvcert.gpu -p kvcert.conformance -p kvcert.sim -p kvcert.integrations

@@ -383,6 +383,17 @@ def op_from_json(obj: dict[str, Any]) -> Op:
     return op
 
 
+def config_to_json(config: CacheConfig) -> dict[str, Any]:
+    """A config as a trace records it: every field, but `policy_config` only when it is not the default (as a JSON
+    object, SGLang's `--radix-eviction-policy-config`), so a trace of a config without one reads as before."""
+    body = asdict(config)
+    if config.policy_config:
+        body["policy_config"] = dict(config.policy_config)
+    else:
+        del body["policy_config"]
+    return body
+
+
 @dataclass(frozen=True)
 class Trace:
     """A replayable run: which backend, under which config, doing what."""
@@ -399,7 +410,7 @@ class Trace:
             {
                 "format": TRACE_FORMAT,
                 "target": self.target,
-                "config": asdict(self.config),
+                "config": config_to_json(self.config),
                 "note": self.note,
                 **({"profile": self.profile} if self.profile else {}),
                 "ops": [op_to_json(op) for op in self.ops],

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 # Policy-metadata positions inside a rank tuple are spelled out in SPEC.md §4.5.
-RANKED_POLICIES = ("lru", "lfu", "fifo", "mru", "priority")
+RANKED_POLICIES = ("lru", "lfu", "fifo", "mru", "priority", "slru", "tlru")
 
 
 def page_floor(n: int, page_size: int) -> int:
@@ -97,23 +97,47 @@ def first_page(key: Sequence[int], page_size: int) -> tuple[int, ...]:
     return tuple(key[:page_size])
 
 
-def policy_rank(policy: str, last_access: int, hit_count: int, creation: int, priority: int) -> tuple[int, ...]:
+def policy_rank(
+    policy: str,
+    last_access: int,
+    hit_count: int,
+    creation: int,
+    priority: int,
+    *,
+    protected_threshold: int = 2,
+    depth: int = 0,
+    size: int = 0,
+    history: int = 0,
+    threshold: int = 0,
+    next_prompt_estimate: int = 0,
+) -> tuple[int, ...]:
     """Eviction rank of a leaf under `policy`: the smallest rank goes first.
 
     Mirrors SGLang's `evict_policy.py` with a logical clock in place of
-    `time.monotonic()`.
+    `time.monotonic()`. The keyword arguments matter to one policy each (SPEC.md §4.5):
+    `protected_threshold` to slru (its `SLRUStrategy` parameter); to tlru the node's
+    structure, `depth` (tokens from the root to the node's end) and `size` (its own
+    tokens), its branch's `history` (the high-water depth, §4.7), and its parameters
+    `threshold` and `next_prompt_estimate` (`TLRUStrategy`'s, in tokens).
 
     The postconditions say what each policy means without restating the
     tuples: which metadata a rank may read, and which way each one pushes.
 
     pre: policy in RANKED_POLICIES
+    pre: policy != "tlru" or 0 <= size <= depth
     post: len(__return__) >= 1
-    post: __return__ == policy_rank(policy, 0 if policy == "fifo" else last_access, hit_count if policy == "lfu" else 0, creation if policy == "fifo" else 0, priority if policy == "priority" else 0)
+    post: __return__ == policy_rank(policy, 0 if policy == "fifo" else last_access, hit_count if policy in ("lfu", "slru") else 0, creation if policy == "fifo" else 0, priority if policy == "priority" else 0, protected_threshold=protected_threshold if policy == "slru" else 2, depth=depth if policy == "tlru" else 0, size=size if policy == "tlru" else 0, history=history if policy == "tlru" else 0, threshold=threshold if policy == "tlru" else 0, next_prompt_estimate=next_prompt_estimate if policy == "tlru" else 0)
     post: policy not in ("lru", "lfu", "priority") or __return__ < policy_rank(policy, last_access + 1, hit_count, creation, priority)
     post: policy != "mru" or __return__ > policy_rank(policy, last_access + 1, hit_count, creation, priority)
     post: policy != "fifo" or __return__ < policy_rank(policy, last_access, hit_count, creation + 1, priority)
     post: policy != "lfu" or __return__ < policy_rank(policy, last_access - 1, hit_count + 1, creation, priority)
     post: policy != "priority" or __return__ < policy_rank(policy, last_access - 1, hit_count, creation, priority + 1)
+    post: policy != "slru" or __return__ < policy_rank(policy, last_access + 1, hit_count, creation, priority, protected_threshold=protected_threshold)
+    post: policy != "slru" or __return__ <= policy_rank(policy, last_access, hit_count + 1, creation, priority, protected_threshold=protected_threshold)
+    post: policy != "slru" or hit_count < protected_threshold or __return__ > policy_rank(policy, last_access + 1, protected_threshold - 1, creation, priority, protected_threshold=protected_threshold)
+    post: policy != "tlru" or __return__[1:] == (last_access,)
+    post: policy != "tlru" or (__return__[0] < 0) == (depth - size >= history + next_prompt_estimate - threshold)
+    post: policy != "tlru" or __return__ <= policy_rank(policy, last_access, hit_count, creation, priority, depth=depth, size=size, history=history + 1, threshold=threshold, next_prompt_estimate=next_prompt_estimate)
     """
     if policy == "lru":
         return (last_access,)
@@ -123,7 +147,15 @@ def policy_rank(policy: str, last_access: int, hit_count: int, creation: int, pr
         return (creation,)
     if policy == "mru":
         return (-last_access,)
-    return (priority, last_access)
+    if policy == "priority":
+        return (priority, last_access)
+    if policy == "slru":
+        # Two segments: probationary (fewer hits than the threshold) before protected, each in recency order.
+        return (1 if hit_count >= protected_threshold else 0, last_access)
+    # T-LRU: a node whose ancestors already hold the branch's budget (history + next_prompt_estimate -
+    # threshold tokens) is "TEL-safe" and goes before every other node; within each class, recency.
+    budget = max(history + next_prompt_estimate - threshold, 0)
+    return (-1 if depth - size >= budget else 0, last_access)
 
 
 def min_rank_ids(candidates: Sequence[tuple[tuple[int, ...], int]]) -> list[int]:

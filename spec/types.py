@@ -1,3 +1,4 @@
+# Over 600 lines: the one vocabulary every layer shares (errors, snapshot, capabilities, config), read as one reference.
 """Observable state, errors and capabilities shared by every layer.
 
 Everything a checker needs is a plain value here: a backend is judged only by
@@ -6,7 +7,7 @@ the `Snapshot` it exposes and the results it returns, never by its internals.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional, TypeVar
 
@@ -17,8 +18,12 @@ Namespace = Optional[str]
 
 Tokens = tuple[int, ...]
 
-POLICIES: tuple[str, ...] = ("lru", "lfu", "fifo", "mru", "priority")
+POLICIES: tuple[str, ...] = ("lru", "lfu", "fifo", "mru", "priority", "slru", "tlru")
 """Eviction policies the spec defines (SPEC.md §4.5)."""
+
+POLICY_PARAMETERS: dict[str, tuple[str, ...]] = {"slru": ("protected_threshold",), "tlru": ("threshold", "next_prompt_estimate")}
+"""The parameters each policy takes (`CacheConfig.policy_config`, SGLang's `--radix-eviction-policy-config` keys); a
+policy not listed takes none."""
 
 WRITE_POLICIES: tuple[str, ...] = ("write_through", "write_through_selective", "write_back")
 """Host-tier write policies (SPEC.md §9.2)."""
@@ -193,6 +198,38 @@ class PoolExhausted(KVCertError):
     """The slot pool has fewer free slots than asked for; nothing was allocated."""
 
 
+class InvalidPolicyConfig(KVCertError, ValueError):
+    """A `CacheConfig.policy_config` its policy does not take (SPEC.md §4.5): a key the policy has no parameter
+    for, a value that is not a non-negative int, or T-LRU's threshold not above its next-prompt estimate. Raised
+    when the config is made, so no cache is ever built from it."""
+
+
+def policy_params(policy: str, page_size: int, config: Sequence[tuple[str, int]] = ()) -> dict[str, int]:
+    """The parameters `policy` ranks with (SPEC.md §4.5): its defaults, overridden by `config`'s (key, value) pairs.
+
+    Defaults: slru's `protected_threshold` 2 (SGLang's); tlru's `threshold` 3 pages and `next_prompt_estimate`
+    1 page, in tokens (kvcert's: a tail of 2 pages is TEL-safe, which the suite's keys of 1-5 pages reach; SGLang's
+    own 0 and 0 are refused by SGLang). `InvalidPolicyConfig` for a key the policy does not take, a value that is not
+    a non-negative int (never a bool), or a T-LRU threshold not above its estimate (SGLang's startup check)."""
+    keys = POLICY_PARAMETERS.get(policy, ())
+    out = {"slru": {"protected_threshold": 2}, "tlru": {"threshold": 3 * page_size, "next_prompt_estimate": page_size}}.get(
+        policy, {}
+    )
+    for key, value in config:
+        if key not in keys:
+            takes = ", ".join(keys) if keys else "no parameters"
+            raise InvalidPolicyConfig(f"policy {policy!r} takes {takes}, not {key!r}")
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise InvalidPolicyConfig(f"{policy} {key} must be a non-negative int, got {value!r}")
+        out[key] = value
+    if policy == "tlru" and out["threshold"] <= out["next_prompt_estimate"]:
+        raise InvalidPolicyConfig(
+            f"tlru threshold must be above next_prompt_estimate, got {out['threshold']} <= "
+            f"{out['next_prompt_estimate']} (no token would ever be TEL-safe: T-LRU would be LRU)"
+        )
+    return out
+
+
 # --------------------------------------------------------------------------- snapshot
 
 
@@ -223,6 +260,9 @@ class NodeView:
     """(last_access, hit_count, creation, priority): the policy metadata (SPEC.md §4.7), from a backend that exposes
     it; under a profile that pins RANK the order it ranks the nodes in must refine the spec's, and with
     `Capabilities.metadata_exact` each node's rank must equal the spec's (INV-META-1)."""
+    history: Optional[int] = None
+    """Under tlru, with `meta`: the node's history, its branch's high-water depth in tokens (SPEC.md §4.7, SGLang's
+    `_tlru_history_len`), which T-LRU's rank reads and the tree does not show; None otherwise."""
 
 
 @dataclass(frozen=True)
@@ -493,6 +533,28 @@ class CacheConfig:
     """Layers of synthetic KV per token in stored pages (`kvcert.spec.storage.page_payload`)."""
     high_priority_threshold: int = 1
     """Session priorities at or above this are high (SPEC.md §11.1)."""
+    policy_config: tuple[tuple[str, int], ...] = ()
+    """The policy's parameters as (key, value) pairs, sorted by key (SGLang's `--radix-eviction-policy-config`; a
+    mapping is taken and sorted); () for every default (`policy_params`). Checked when the config is made
+    (`InvalidPolicyConfig`); a trace records it only when it is not ()."""
+
+    def __post_init__(self) -> None:
+        raw: Any = self.policy_config
+        if raw == ():
+            return
+        try:
+            pairs = raw.items() if isinstance(raw, Mapping) else raw
+            items = tuple(sorted((key, value) for key, value in pairs))
+        except (TypeError, ValueError) as e:
+            raise InvalidPolicyConfig(f"policy_config must be (key, value) pairs, got {raw!r}") from e
+        if len({key for key, _ in items}) != len(items):
+            raise InvalidPolicyConfig(f"policy_config names a key twice: {raw!r}")
+        policy_params(self.policy, max(self.page_size, 1) if isinstance(self.page_size, int) else 1, items)
+        object.__setattr__(self, "policy_config", items)
+
+    def policy_params(self) -> dict[str, int]:
+        """This config's policy parameters, defaults filled in (`policy_params`)."""
+        return policy_params(self.policy, self.page_size, self.policy_config)
 
 
 @dataclass(frozen=True)
@@ -544,8 +606,9 @@ class Capabilities:
     """True: every snapshot lists the last operation's eviction choices in order (`Snapshot.choices`), and
     under a profile that leaves them open the oracle follows them instead of searching for an order."""
     reports_metadata: bool = False
-    """True: every node's `NodeView.meta` holds its policy metadata, and under a profile that pins RANK each
-    node's rank from it is compared with the spec's every step (INV-META-1, SPEC.md §4.7)."""
+    """True: every node's `NodeView.meta` holds its policy metadata (under tlru `NodeView.history` too), and under a
+    profile that pins RANK each node's rank from it is compared with the spec's every step (INV-META-1, SPEC.md
+    §4.7)."""
     metadata_exact: bool = False
     """True (with `reports_metadata`): `NodeView.meta` is in the spec's units (the harness's clock from `set_clock`,
     one hit per counted access), so INV-META-1 holds each node's rank equal to the spec's, not only in its order."""

@@ -189,7 +189,7 @@ def test_a_certificate_says_what_it_did_not_check(tmp_path: Path) -> None:
     for part in ("KV bytes", "host tier", "storage tier", "retraction", "priority tiers", "bad input"):
         assert f"{part}" in gaps and "not declared" in gaps, part
     assert "injected host_alloc faults" in gaps and "injected copy faults" in gaps
-    assert "eviction policies lfu, fifo, mru, priority: not declared" in gaps
+    assert "eviction policies lfu, fifo, mru, priority, slru, tlru: not declared" in gaps
     full = certify(
         "kvcert.refimpl:factory",
         examples=5,

@@ -20,7 +20,7 @@ def test_gpu_is_certified_on_every_cell(tmp_path: Path) -> None:
         f"P={c.page_size} {c.policy} {c.write_policy or 'device'}: {c.failure}" for c in cert.cells if not c.passed
     ]
     assert not failures, "\n".join(failures)
-    assert len(cert.cells) == 67 and cert.strict_input
+    assert len(cert.cells) == 77 and cert.strict_input
     assert {c.write_policy.split("+")[0] for c in cert.cells} == {
         "",
         "write_through",

@@ -1,13 +1,16 @@
 """scripts/gpu_check.py and the CUDA engine's copy plans.
 
-On CPU: the script's --cpu dry run end to end (tables, JSON with measured numbers), and the copy
-plans (`kvcert.gpu.kv.plan_copy`, run by `PlannedCopyEngine`) against the CPU engines' `copy_from`.
+On CPU: the script's --cpu dry run end to end (tables, JSON with measured numbers, the sglang part
+skipped with its reason), the sglang part's engine processes and comparison against a stand-in
+`sglang.Engine`, and the copy plans (`kvcert.gpu.kv.plan_copy`, run by `PlannedCopyEngine`) against
+the CPU engines' `copy_from`.
 With CUDA: `CudaCopyEngine` itself — every strategy and layout, per-layer events, copy_now, a
 retried failure, and a GpuCache certified on it (test_gpu_kv.py keeps the basic both-ways test).
 """
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 import os
@@ -63,11 +66,15 @@ def test_cpu_dry_run_prints_tables_and_writes_measured_json(tmp_path: Path) -> N
         timeout=150,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    for title in ("smoke:", "certify:", "bandwidth:", "elapsed"):
+    for title in ("smoke:", "sglang: skipped: the --cpu dry run", "certify:", "bandwidth:", "elapsed"):
         assert title in proc.stdout
     report = json.loads(out.read_text())
     assert report["mode"] == "cpu" and report["problems"] == []
-    assert set(report["parts"]) == {"smoke", "certify", "bandwidth"}
+    assert list(report["parts"]) == ["smoke", "sglang", "certify", "bandwidth"]
+    sglang = report["parts"]["sglang"]
+    assert sglang["skipped"].startswith("the --cpu dry run starts no SGLang engine"), sglang["skipped"]
+    assert sglang["engines"] == {} and sglang["comparison"] is None
+    assert report["elapsed"]["sglang"]["seconds"] < 15
     assert all(info["status"] == "ok" and info["seconds"] > 0 for info in report["elapsed"].values())
     cases = report["parts"]["smoke"]["cases"]
     assert len(cases) == 17 and all(c["ok"] for c in cases)
@@ -93,6 +100,164 @@ def test_cpu_dry_run_prints_tables_and_writes_measured_json(tmp_path: Path) -> N
 def test_without_cuda_or_cpu_flag_it_says_so_and_exits_0() -> None:
     proc = subprocess.run([sys.executable, str(SCRIPT)], capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert proc.returncode == 0 and "no CUDA device" in proc.stdout
+
+
+# ---------------------------------------------------------------------------------------------- the sglang part, on CPU
+
+FAKE_ENGINE = """
+import json, os
+
+class Engine:
+    \"\"\"Stands in for sglang.Engine: outputs a function of the prompt, cached_tokens from the prompts it saw.\"\"\"
+
+    def __init__(self, **kwargs):
+        self.backend = kwargs.get("radix_cache_backend") or "default"
+        with open(os.path.join(os.environ["FAKE_SGLANG_DIR"], self.backend + ".args.json"), "w") as f:
+            json.dump(kwargs, f)
+        self.seen = []
+
+    def generate(self, input_ids, sampling_params, stream):
+        assert stream and sampling_params["temperature"] == 0.0
+        n = sampling_params["max_new_tokens"]
+        out = [(sum(input_ids) * 31 + k) % 32000 for k in range(n)]
+        if self.backend == os.environ.get("FAKE_SGLANG_DIFFERS") and len(self.seen) == 9:
+            out[3] += 1
+        lcp = max([next((i for i, (a, b) in enumerate(zip(s, input_ids)) if a != b), min(len(s), len(input_ids)))
+                   for s in self.seen] or [0])
+        self.seen.append(list(input_ids) + out[:-1])
+        meta = {"prompt_tokens": len(input_ids), "cached_tokens": min(lcp, len(input_ids) - 1), "e2e_latency": 1e-3}
+        return ({"output_ids": out[:k], "meta_info": meta} for k in range(1, n + 1))
+
+    def shutdown(self):
+        pass
+"""
+
+
+def _fake_sglang(root: Path) -> Path:
+    pkg = root / "fake" / "sglang"
+    (pkg / "srt" / "entrypoints").mkdir(parents=True)
+    (pkg / "__init__.py").write_text('__version__ = "0.0.fake"\n')
+    (pkg / "srt" / "__init__.py").write_text("")
+    (pkg / "srt" / "entrypoints" / "__init__.py").write_text("")
+    (pkg / "srt" / "entrypoints" / "engine.py").write_text(FAKE_ENGINE)
+    return root / "fake"
+
+
+def _run_sglang_part(gc: Any, tmp_path: Path, monkeypatch: Any, differs: str = "") -> dict[str, Any]:
+    monkeypatch.setattr(gc, "_sglang_unavailable", lambda ctx: None)  # as if on CUDA with SGLang installed
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(_fake_sglang(tmp_path)), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv("FAKE_SGLANG_DIR", str(tmp_path))
+    monkeypatch.setenv("FAKE_SGLANG_DIFFERS", differs)
+    monkeypatch.setenv("OUT", str(tmp_path / "out"))
+    ctx = gc.Ctx(False, CPU, time.perf_counter() + 140, lambda r: None, argparse.Namespace(seed=3))
+    return gc.run_sglang(ctx)
+
+
+def test_sglang_part_runs_both_engines_in_their_own_processes_and_compares(tmp_path: Path, monkeypatch: Any) -> None:
+    """The part's path on a GPU machine, with a stand-in `sglang.Engine`: two engine processes, the kvcert one with
+    radix_cache_backend="kvcert", the same workload (each turn extends the previous prompt and output), rows with
+    TTFT and cached tokens, the comparison, the table and no problem."""
+    gc = _script()
+    result = _run_sglang_part(gc, tmp_path, monkeypatch)
+    assert result["skipped"] is None and result["sglang_version"] == "0.0.fake"
+    args = {b: json.loads((tmp_path / f"{b}.args.json").read_text()) for b in ("default", "kvcert")}
+    assert "radix_cache_backend" not in args["default"] and args["kvcert"]["radix_cache_backend"] == "kvcert"
+    assert args["default"] | {"radix_cache_backend": "kvcert"} == args["kvcert"]
+    assert args["default"]["load_format"] == "dummy" and args["default"]["random_seed"] == 3
+    assert json.loads(Path(args["default"]["model_path"], "config.json").read_text()) == gc.SGLANG_MODEL
+    w = gc.SGLANG_WORKLOAD
+    planned = w["conversations"] * w["turns"] + w["unrelated"]
+    for backend in ("default", "kvcert"):
+        e = result["engines"][backend]
+        assert e["stage"] == "done" and e["ended"] == "exit 0" and "error" not in e, e
+        assert e["requests_planned"] == planned and len(e["rows"]) == planned and len(e["warmup_ttft_ms"]) == 2
+        by = {r["request"]: r for r in e["rows"]}
+        first, second = by["conv 0 turn 0"], by["conv 0 turn 1"]
+        assert second["prompt_len"] == first["prompt_len"] + w["max_new_tokens"] + w["turn_tokens"]
+        assert second["cached_tokens"] == first["prompt_len"] + w["max_new_tokens"] - 1
+        assert by["conv 1 turn 0"]["cached_tokens"] == w["system_tokens"]
+        assert all(len(r["output_ids"]) == w["max_new_tokens"] and r["ttft_ms"] > 0 for r in e["rows"])
+    c = result["comparison"]
+    assert c["compared"] == planned and c["outputs_identical"] is True and c["first_difference"] is None
+    assert c["cached_tokens"]["default"] == c["cached_tokens"]["kvcert"] > 0
+    assert c["ttft_median_ratio"] > 0 and c["ttft_p90_ratio"] > 0
+    report = {
+        "parts": {"sglang": result},
+        "elapsed": {"sglang": {"seconds": 1.0, "status": "ok"}},
+        "total_seconds": 1.0,
+    }
+    assert gc._problems(report) == []
+    gc.render(report | {"device": "cpu", "torch": torch.__version__, "mode": "cuda"})
+
+
+def test_sglang_part_reports_kvcerts_first_differing_output(tmp_path: Path, monkeypatch: Any) -> None:
+    gc = _script()
+    result = _run_sglang_part(gc, tmp_path, monkeypatch, differs="kvcert")
+    first = result["comparison"]["first_difference"]
+    assert result["comparison"]["outputs_identical"] is False
+    assert first["index"] == 7 and first["at_output_token"] == 3, first  # the 10th request, after 2 warm-ups
+    report = {"parts": {"sglang": result}, "elapsed": {}}
+    assert gc._problems(report) == [
+        f"sglang: kvcert's outputs differ from SGLang's default cache's from request '{first['request']}'"
+    ]
+
+
+def test_sglang_part_skips_when_sglang_does_not_import(tmp_path: Path, monkeypatch: Any) -> None:
+    gc = _script()
+    (tmp_path / "fake" / "sglang").mkdir(parents=True)
+    (tmp_path / "fake" / "sglang" / "__init__.py").write_text("raise ImportError('no sgl_kernel here')\n")
+    monkeypatch.setattr(gc, "_sglang_unavailable", lambda ctx: None)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path / "fake"), os.environ.get("PYTHONPATH", "")]))
+    ctx = gc.Ctx(False, CPU, time.perf_counter() + 140, lambda r: None, argparse.Namespace(seed=0))
+    result = gc.run_sglang(ctx)
+    assert result["skipped"] == "SGLang cannot be imported here: ImportError: no sgl_kernel here"
+    assert list(result["engines"]) == ["default"] and result["comparison"] is None
+    assert gc._problems({"parts": {"sglang": result}, "elapsed": {}}) == []
+
+
+def test_the_entry_point_beside_a_checkout_is_pyprojects(tmp_path: Path) -> None:
+    """On a machine where kvcert is not installed the script writes kvcert's SGLang entry point beside its links;
+    importlib.metadata (what SGLang's plugin loader reads) finds it, and it is the one pyproject.toml declares."""
+    import importlib.metadata
+
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    gc = _script()
+    gc._write_entry_point(tmp_path)
+    group, name, value = gc.SGLANG_ENTRY_POINT
+    eps = [ep for d in importlib.metadata.distributions(path=[str(tmp_path)]) for ep in d.entry_points]
+    assert [(ep.group, ep.name, ep.value) for ep in eps] == [(group, name, value)]
+    declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"][group]
+    assert declared == {name: value}
+
+
+SERVER_ARGS = """
+import importlib.util, sys, tempfile
+from pathlib import Path
+spec = importlib.util.spec_from_file_location("gpu_check", sys.argv[1])
+gc = importlib.util.module_from_spec(spec); sys.modules["gpu_check"] = gc; spec.loader.exec_module(gc)
+from kvcert.conformance.adapters import _sglang_env as env
+env.install_shims()
+with env.quiet_imports():
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.sampling.sampling_params import SamplingParams
+    from sglang.srt.server_args import ServerArgs
+args = ServerArgs(**gc._sglang_engine_args(gc._sglang_model_dir(Path(tempfile.mkdtemp())), "kvcert", 0))
+model = ModelConfig.from_server_args(args)
+SamplingParams(**gc.SGLANG_SAMPLING).verify(32000)
+print(args.radix_cache_backend, args.load_format, model.num_hidden_layers, model.head_dim, model.context_len)
+"""
+
+
+@pytest.mark.sglang
+def test_the_engine_args_are_sglangs_server_args() -> None:
+    """Every option the part passes `sglang.Engine` is a field of SGLang 0.5.23's ServerArgs, and SGLang's
+    ModelConfig reads the tiny Llama's config.json (built through kvcert's CPU import shims, no engine)."""
+    if importlib.util.find_spec("sglang") is None:
+        pytest.skip("sglang not installed")
+    proc = subprocess.run([sys.executable, "-c", SERVER_ARGS, str(SCRIPT)], capture_output=True, text=True,
+                          cwd=ROOT, timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split()[-5:] == ["kvcert", "dummy", "2", "64", "4096"], proc.stdout
 
 
 # ---------------------------------------------------------------------------------------------- copy plans, on CPU

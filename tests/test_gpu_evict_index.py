@@ -154,6 +154,7 @@ def test_entries_rank_as_the_spec_says(policy: str) -> None:
     t = Tree(policy)
     n = t.leaf(7, 4)
     n.hit_count, n.creation, n.priority = 3, 2, 5
-    assert t.index.entry(n) == (*pages.policy_rank(policy, 4, 3, 2, 5), 7)
+    shape = {"depth": n.end, "size": n.size, "history": n.history} if policy == "tlru" else {}
+    assert t.index.entry(n) == (*pages.policy_rank(policy, 4, 3, 2, 5, **t.index.params, **shape), 7)
     n.low_ref = 2
     assert t.index.tier_entry(n) == (2, *t.index.entry(n))

@@ -273,7 +273,9 @@ def test_heap_entries_rank_as_the_spec_says(policy: str) -> None:
         cache.match_prefix_fast(None, array("q", (rng.randrange(6), 1)))
     for n in cache.nodes.values():
         if n is not cache.root:
-            rank = pages.policy_rank(policy, n.last_access, n.hit_count, n.creation, n.priority)
+            shape = {"depth": n.end, "size": n.size, "history": n.history} if policy == "tlru" else {}
+            params = cache.config.policy_params()
+            rank = pages.policy_rank(policy, n.last_access, n.hit_count, n.creation, n.priority, **params, **shape)
             assert cache._entry(n) == (*rank, n.id)
 
 

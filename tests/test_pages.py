@@ -69,6 +69,12 @@ STRATEGIES: dict[str, st.SearchStrategy[dict[str, Any]]] = {
             "hit_count": small,
             "creation": small,
             "priority": small,
+            "protected_threshold": st.integers(0, 4),
+            "depth": st.integers(0, 24),
+            "size": st.integers(0, 12),
+            "history": st.integers(0, 30),
+            "threshold": st.integers(0, 12),
+            "next_prompt_estimate": st.integers(0, 8),
         }
     ),
     "min_rank_ids": st.fixed_dictionaries(
@@ -151,6 +157,28 @@ FIRST_VICTIM = {"fifo": "W", "lru": "X", "lfu": "Y", "mru": "Z", "priority": "V"
 def test_policy_rank_orders_leaves_as_the_policy_says(policy: str) -> None:
     ranks = [(policy_rank(policy, la, hits, c, prio), name) for name, (c, la, hits, prio) in LEAVES.items()]
     assert min(ranks)[1] == FIRST_VICTIM[policy]
+
+
+def test_slru_protects_nodes_hit_often_enough() -> None:
+    # SGLang's SLRUStrategy: (hit_count >= protected_threshold, last_access); the threshold is SGLang's 2 by default.
+    assert policy_rank("slru", 9, 1, 0, 0) < policy_rank("slru", 1, 2, 0, 0)  # probationary before protected
+    assert policy_rank("slru", 1, 2, 0, 0) < policy_rank("slru", 2, 5, 0, 0)  # recency within a segment
+    assert policy_rank("slru", 9, 2, 0, 0, protected_threshold=3) < policy_rank("slru", 1, 3, 0, 0, protected_threshold=3)
+
+
+def test_tlru_evicts_the_tel_safe_tail_first() -> None:
+    # A branch 12 tokens deep (history 12), threshold 6, next prompt 2: 12 + 2 - 6 = 8 tokens must stay cached, so
+    # a node whose ancestors hold 8 or more (it starts at 8 or deeper) is TEL-safe and goes before any other.
+    def rank(last_access: int, depth: int, size: int) -> tuple[int, ...]:
+        return policy_rank(
+            "tlru", last_access, 0, 0, 0, depth=depth, size=size, history=12, threshold=6, next_prompt_estimate=2
+        )
+
+    assert rank(9, 12, 4) < rank(1, 8, 4)  # starts at 8: safe, though used later
+    assert rank(1, 8, 4) == (0, 1)  # starts at 4: not safe
+    assert rank(9, 12, 4) == (-1, 9)
+    # the history sets the budget: the same node on a branch only 8 deep (budget 4) is safe
+    assert policy_rank("tlru", 1, 0, 0, 0, depth=8, size=4, history=8, threshold=6, next_prompt_estimate=2)[0] == -1
 
 
 def test_policy_rank_tie_breaks() -> None:

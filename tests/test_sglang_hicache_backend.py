@@ -91,7 +91,7 @@ def _insert(b: SGLangHiCacheBackend, tokens: list[int]) -> int:
 def test_protocols_and_capabilities(core: str, layout: str) -> None:
     make = tracked(core, layout)
     caps = make.capabilities  # type: ignore[attr-defined]
-    assert caps.page_sizes == (1, 4) and caps.policies == ("lru",) and not caps.strict_input
+    assert caps.page_sizes == (1, 4) and caps.policies == ("lru", "slru", "tlru") and not caps.strict_input
     assert caps.write_policies and f"{core} tree core, {layout}" in caps.name
     b = make(_config(1))
     assert isinstance(b, Backend) and isinstance(b, HostTierBackend)

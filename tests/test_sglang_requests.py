@@ -10,6 +10,7 @@ tokens; once every request finished nothing is locked, lent, pending or leaked. 
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Sequence
 from typing import Any, Optional
 
@@ -42,6 +43,8 @@ CELLS = [
     ("factory_radix", 4, 0, ""),
     ("factory_sessions", 1, 0, ""),
     ("factory_sessions", 4, HOST, "write_through"),
+    ("sglang_kvcert:factory", 1, 0, ""),  # kvcert's own cache as SGLang's --radix-cache-backend kvcert
+    ("sglang_kvcert:factory_sessions", 4, 0, ""),
 ]
 PER_REQUEST = (
     "scheduler.waiting_queue",
@@ -61,6 +64,13 @@ PER_REQUEST = (
     "cache_controller.ack_load_queue",
 )
 """Bookkeeping that must be empty once the engine is idle (session generations and tombstones outlive requests)."""
+
+
+def adapter_factory(name: str) -> Any:
+    """A factory of this module's adapter, or "module:factory" of another adapter module (sglang_kvcert)."""
+    module, _, attr = name.rpartition(":")
+    adapters = importlib.import_module(f"kvcert.conformance.adapters.{module}") if module else sglang_requests
+    return getattr(adapters, attr)
 
 
 class Model:
@@ -83,7 +93,7 @@ class Driver:
         self.config = CacheConfig(
             page_size=page_size, capacity=CAPACITY, host_capacity=host, write_policy=write_policy or "write_through"
         )
-        self.target = getattr(sglang_requests, name)(self.config)
+        self.target = adapter_factory(name)(self.config)
         self.target.attach_model(Model(self.config.kv_layers))
         self.seen: list[RequestView] = []
         self.snaps: list[Snapshot] = []
@@ -188,7 +198,7 @@ def test_scenario(name: str, page_size: int, host: int, write_policy: str) -> No
     d = Driver(name, page_size, host, write_policy)
     t = d.target
     assert isinstance(t, RequestPathBackend)
-    sessions = name == "factory_sessions"
+    sessions = name.endswith("factory_sessions")
     ps, chunk = page_size, 2 * page_size
 
     # A conversation's first turn (chunked: longer than the 2-page chunk) beside a one-shot request.
@@ -318,11 +328,12 @@ def test_clients_that_leave_ids_to_sglang_walk_past_sg_abort(tmp_path: Any) -> N
     assert cert.passed and cert.total_steps > 0, cert
 
 
-def test_a_burst_of_long_answers_makes_sglang_retract_and_resume(monkeypatch: Any) -> None:
+@pytest.mark.parametrize("target", ["factory_engine_ids", "sglang_kvcert:factory"])
+def test_a_burst_of_long_answers_makes_sglang_retract_and_resume(target: str, monkeypatch: Any) -> None:
     """Clients leave ignore_eos off, so SGLang admits on an estimate of each running request's remaining output:
     three one-token questions with 24-token answers outgrow the 64-token pool while decoding. SGLang's own
     update_running_batch retracts one (retract_decode) and resumes it later, and every step's checks hold (every
-    request finishing, INV-LIVE-3, among them)."""
+    request finishing, INV-LIVE-3, among them); on SGLang's tree and on kvcert's backend."""
     from sglang.srt.managers import schedule_batch
 
     from kvcert.conformance.certification.certify import replay
@@ -338,7 +349,7 @@ def test_a_burst_of_long_answers_makes_sglang_retract_and_resume(monkeypatch: An
         return out
 
     monkeypatch.setattr(schedule_batch.ScheduleBatch, "retract_decode", counting)
-    make = sglang_requests.factory_engine_ids
+    make = adapter_factory(target)
     caps = make.capabilities  # type: ignore[attr-defined]
     (config,) = request_cells([CacheConfig(page_size=1, capacity=8)], caps)
     assert config.capacity == 64

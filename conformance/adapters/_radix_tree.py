@@ -13,7 +13,13 @@ from typing import Any, Optional
 
 import torch
 
-from kvcert.spec.types import POLICIES, CacheConfig, Capabilities, NodeView, PoolExhausted, Snapshot, StaleHandle
+from kvcert.spec.types import CacheConfig, Capabilities, NodeView, PoolExhausted, Snapshot, StaleHandle
+
+RADIX_POLICIES = ("lru", "lfu", "fifo", "mru", "priority")
+"""What every adapter over an SGLang-style RadixCache declares: the policies SGLang 0.5.10's and 0.5.23's
+`RadixCache` rank by a node's own metadata. `slru` only where the engine's build takes its parameter (0.5.23's
+`eviction_policy_config`); never `tlru`, which needs UnifiedRadixCache's per-node depths and histories (0.5.23's
+registry refuses it on any other tree cache)."""
 
 POOL_NOTES = (
     "real MHATokenToKVPool + (Paged)TokenToKVPoolAllocator on CPU; slot 0 / page 0 is reserved padding",
@@ -29,12 +35,12 @@ INSERTION_ORDERED_TIES = (
 
 
 def radix_capabilities(name: str, **fields: Any) -> Capabilities:
-    """What an adapter over an SGLang-style RadixCache declares alike (pages of 1, 4 and 16 tokens, every policy,
+    """What an adapter over an SGLang-style RadixCache declares alike (pages of 1, 4 and 16 tokens, `RADIX_POLICIES`,
     namespaces, lenient input, KV reads, exact metadata, `POOL_NOTES`), with `fields` on top."""
     base = Capabilities(
         name=name,
         page_sizes=(1, 4, 16),
-        policies=POLICIES,
+        policies=RADIX_POLICIES,
         namespaces=True,
         strict_input=False,
         kv_reads=True,

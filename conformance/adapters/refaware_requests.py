@@ -67,7 +67,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
-from kvcert.conformance.adapters._radix_tree import LogicalTime, RadixTreeAdapter
+from kvcert.conformance.adapters._radix_tree import RADIX_POLICIES, LogicalTime, RadixTreeAdapter
 from kvcert.conformance.adapters._refaware_env import (
     REFAWARE_SGLANG_VERSION,
     import_refaware_scheduler,
@@ -87,7 +87,6 @@ from kvcert.conformance.adapters.refaware_radix import (
 )
 from kvcert.spec.requests import RequestView
 from kvcert.spec.types import (
-    POLICIES,
     CacheConfig,
     Capabilities,
     NodeView,
@@ -335,8 +334,8 @@ class RefAwareRequestPath(RadixTreeAdapter):
     def __init__(self, config: CacheConfig) -> None:
         if config.page_size not in PAGE_SIZES:
             raise ValueError(f"page_size must be one of {PAGE_SIZES}")
-        if config.policy not in POLICIES:
-            raise ValueError(f"policy must be one of {POLICIES}")
+        if config.policy not in RADIX_POLICIES:
+            raise ValueError(f"policy must be one of {RADIX_POLICIES}")
         self.host = config.host_capacity > 0
         if self.host and config.write_policy not in WRITE_POLICIES:
             raise ValueError(f"write_policy must be one of {WRITE_POLICIES}")
@@ -900,7 +899,7 @@ factory.capabilities = Capabilities(  # type: ignore[attr-defined]
     name=f"refaware.Scheduler + RefAware(Hi)RadixCache {REFAWARE_SGLANG_VERSION} ({FORK}), request path",
     kind="request-path",
     page_sizes=PAGE_SIZES,
-    policies=POLICIES,
+    policies=RADIX_POLICIES,
     namespaces=False,
     write_policies=WRITE_POLICIES,
     kv_reads=True,

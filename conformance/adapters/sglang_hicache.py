@@ -250,6 +250,8 @@ class HiCacheConfig:
     core: str = "python"
     layout: str = "layer_first"
     eviction_policy: str = "lru"
+    eviction_policy_config: tuple[tuple[str, int], ...] = ()
+    """--radix-eviction-policy-config as (key, value) pairs; () passes none (each parameter's SGLang default)."""
     layer_num: int = 2
     head_num: int = 1
     head_dim: int = 4
@@ -348,6 +350,8 @@ class SGLangHiCache:
             hicache_storage_prefetch_policy=config.prefetch_policy,
             # The operator's knob (SGLang's default is 256 tokens): prefetch a request of one page or more.
             hicache_storage_backend_extra_config=json.dumps({"prefetch_threshold": config.page_size}),
+            radix_eviction_policy=config.eviction_policy,
+            radix_eviction_policy_config=dict(config.eviction_policy_config) or None,
         )
         self.kv_pool = SG.MHATokenToKVPool(
             size=self.capacity,
@@ -379,6 +383,7 @@ class SGLangHiCache:
             token_to_kv_pool_allocator=self.allocator,
             page_size=config.page_size,
             eviction_policy=config.eviction_policy,
+            eviction_policy_config=dict(config.eviction_policy_config) or None,
             tree_components=(FULL,),
             tree_core_backend=config.core,
         )
@@ -743,6 +748,7 @@ class SGLangHiCache:
                 "hash": list(node.hash_value) if node.hash_value else None,
                 "last_access_time": float(node.last_access_time),
                 "hit_count": int(node.hit_count),
+                "tlru_history_len": int(node._tlru_history_len),  # T-LRU's branch high-water depth (0 otherwise)
             }
             stack.extend(reversed(list(node.children.values())))
         return out
@@ -806,6 +812,7 @@ class SGLangHiCache:
                 "hash": None,
                 "last_access_time": None,  # not exposed by the Rust core
                 "hit_count": None,  # not exposed by the Rust core
+                "tlru_history_len": None,  # not exposed by the Rust core
             }
             out[nid] = view
             if nid == root:

@@ -195,6 +195,7 @@ class SGLangHiCacheBackend:
                 core=core,
                 layout=layout,
                 eviction_policy=config.policy,
+                eviction_policy_config=tuple(config.policy_params().items()),
                 host_tier=self.host,
                 **geometry,
             )
@@ -532,6 +533,7 @@ class SGLangHiCacheBackend:
                     host_slots=None if v["host"] is None else tuple(v["host"]),
                     host_lock_ref=v["host_lock_ref"],
                     meta=_meta(v),
+                    history=v["tlru_history_len"] if self.config.policy == "tlru" else None,
                 )
             )
         host_free: tuple[int, ...] = ()
@@ -624,7 +626,7 @@ def make_factory(
     factory.capabilities = Capabilities(  # type: ignore[attr-defined]
         name=f"sglang.UnifiedRadixCache+HiCache {SGLANG_VERSION} ({core} tree core, {layout})",
         page_sizes=(1, 4),
-        policies=("lru",),
+        policies=("lru", "slru", "tlru"),
         namespaces=True,
         strict_input=False,
         write_policies=("write_through", "write_through_selective", "write_back"),

@@ -37,6 +37,7 @@ import torch
 from kvcert.conformance.adapters._radix_tree import (
     INSERTION_ORDERED_TIES,
     POOL_NOTES,
+    RADIX_POLICIES,
     LogicalTime,
     RadixTreeAdapter,
     radix_capabilities,
@@ -57,10 +58,35 @@ from kvcert.spec.types import (
     Snapshot,
 )
 
-__all__ = ["SGLangRadixBackend", "factory", "factory_need_sort"]
+__all__ = ["SGLangRadixBackend", "cpu_pools", "factory", "factory_need_sort"]
 
 SG = import_sglang()
 """SGLang's classes; importing this module fails here, with an install hint, when sglang is missing."""
+
+
+def cpu_pools(config: CacheConfig, need_sort: bool = False) -> tuple[Any, Any]:
+    """SGLang's MHA device pool in the spec's KV geometry (entries are bytes of it) and its token (page 1) or paged
+    allocator, on CPU: (kv_pool, allocator)."""
+    kv = SG.MHATokenToKVPool(
+        size=config.capacity,
+        page_size=config.page_size,
+        dtype=KV_DTYPE,
+        head_num=HEAD_NUM,
+        head_dim=HEAD_DIM,
+        layer_num=config.kv_layers,
+        device="cpu",
+        enable_memory_saver=False,
+        enable_alt_stream=False,
+    )
+    if config.page_size == 1:
+        allocator = SG.TokenToKVPoolAllocator(
+            config.capacity, dtype=torch.float32, device="cpu", kvcache=kv, need_sort=need_sort
+        )
+    else:
+        allocator = SG.PagedTokenToKVPoolAllocator(
+            config.capacity, config.page_size, dtype=torch.float32, device="cpu", kvcache=kv, need_sort=need_sort
+        )
+    return kv, allocator
 
 
 class _Namespace:
@@ -86,31 +112,14 @@ class SGLangRadixBackend(RadixTreeAdapter):
         """Every TreeNode the adapter has handed out or seen in the tree, by id."""
         self._records: dict[int, Any] = {}
         """Each running request's SGLang `kv` record, by the harness's request handle: it outlives a checkpoint."""
-        self.kv_pool = kv = self.sg.MHATokenToKVPool(  # the spec's KV geometry: entries are bytes of it
-            size=config.capacity,
-            page_size=config.page_size,
-            dtype=KV_DTYPE,
-            head_num=HEAD_NUM,
-            head_dim=HEAD_DIM,
-            layer_num=config.kv_layers,
-            device="cpu",
-            enable_memory_saver=False,
-            enable_alt_stream=False,
-        )
-        if config.page_size == 1:
-            self.allocator = self.sg.TokenToKVPoolAllocator(
-                config.capacity, dtype=torch.float32, device="cpu", kvcache=kv, need_sort=need_sort
-            )
-        else:
-            self.allocator = self.sg.PagedTokenToKVPoolAllocator(
-                config.capacity, config.page_size, dtype=torch.float32, device="cpu", kvcache=kv, need_sort=need_sort
-            )
+        self.kv_pool, self.allocator = cpu_pools(config, need_sort)
         params = self.sg.CacheInitParams(
             disable=False,
             req_to_token_pool=None,  # only the request-level helpers (cache_finished_req, ...) read it
             token_to_kv_pool_allocator=self.allocator,
             page_size=config.page_size,
             eviction_policy=config.policy,
+            eviction_policy_config=config.policy_params() or None,  # --radix-eviction-policy-config
         )
         with self._in_engine():
             self.cache = self.sg.RadixCache(params)
@@ -283,6 +292,7 @@ def factory_need_sort(config: CacheConfig) -> SGLangRadixBackend:
 
 factory.capabilities = radix_capabilities(  # type: ignore[attr-defined]
     f"sglang.RadixCache {SGLANG_VERSION}",
+    policies=(*RADIX_POLICIES, "slru"),  # tlru: UnifiedRadixCache only (0.5.23's registry refuses it here)
     aligns_keys=True,
     checkpoints=True,
     profile="sglang-0.5.23",

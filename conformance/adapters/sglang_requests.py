@@ -139,7 +139,7 @@ from kvcert.conformance.adapters.sglang_hicache_backend import SGLangHiCacheBack
 from kvcert.conformance.adapters.sglang_radix import SGLangRadixBackend  # noqa: E402
 from kvcert.conformance.adapters.sglang_session import SGLangSessionBackend  # noqa: E402
 from kvcert.spec.requests import RequestView, kv_namespace  # noqa: E402
-from kvcert.spec.types import POLICIES, CacheConfig, Capabilities, Snapshot  # noqa: E402
+from kvcert.spec.types import CacheConfig, Capabilities, Snapshot  # noqa: E402
 
 with _env.quiet_imports():
     import zmq
@@ -337,14 +337,20 @@ class _Submitted:
 class SGLangRequestPath:
     """SGLang's Scheduler over one cache; the RequestPathBackend protocol (conformance/backend.py)."""
 
-    def __init__(self, config: CacheConfig, kind: str = "unified", core: str = "python") -> None:
-        if kind not in ("unified", "radix", "sessions"):
-            raise ValueError(f"kind must be unified, radix or sessions, not {kind!r}")
+    def __init__(self, config: CacheConfig, kind: str = "unified", core: str = "python", pools: Any = None) -> None:
+        """`kind` kvcert: the cache is the one SGLang's registry builds for `--radix-cache-backend kvcert` over
+        `pools` (`sglang_kvcert.KvcertPools`)."""
+        if kind not in ("unified", "radix", "sessions", "kvcert"):
+            raise ValueError(f"kind must be unified, radix, sessions or kvcert, not {kind!r}")
+        if (kind == "kvcert") != (pools is not None):
+            raise ValueError("pools come with kind kvcert, and only with it")
         if config.capacity % config.page_size:
             raise ValueError("capacity must be whole pages")
         self.config, self.kind, self.core = config, kind, core
         self.page_size = config.page_size
-        self.host = kind != "radix" and config.host_capacity > 0
+        self.host = kind not in ("radix", "kvcert") and config.host_capacity > 0
+        self.sessions = kind == "sessions" or (kind == "kvcert" and pools.sessions)
+        """Requests carry their session (--enable-session-radix-cache) and a close reaches SGLang."""
         self._model: Any = None
         self._now = 0
         self._step = 0
@@ -362,13 +368,15 @@ class SGLangRequestPath:
         # The cache, built by kvcert's API adapter for it, in a throwaway context (the HiCache driver publishes
         # its own ServerArgs into whichever context is active).
         with _rc.use_context(_rc.RuntimeContext(parallel=_rc.ParallelContext())):
-            if kind == "radix":
-                self.backend: Any = SGLangRadixBackend(config)
+            if kind == "kvcert":
+                self.backend: Any = pools
+            elif kind == "radix":
+                self.backend = SGLangRadixBackend(config)
             elif kind == "sessions":
                 self.backend = SGLangSessionBackend(config)
             else:
                 self.backend = SGLangHiCacheBackend(config, core=core)
-        self._driver: Any = None if kind == "radix" else self.backend.h
+        self._driver: Any = None if kind in ("radix", "kvcert") else self.backend.h
         if self._driver is not None and self.host:
             self._release_copies_at_submission()
 
@@ -397,10 +405,13 @@ class SGLangRequestPath:
             "skip_tokenizer_init": True,
             "skip_server_warmup": True,
             "radix_eviction_policy": c.policy,
+            "radix_eviction_policy_config": c.policy_params() or None,
             "context_length": max(4 * c.capacity, 64),
         }
-        if self.kind == "sessions":
+        if self.sessions:
             args["enable_session_radix_cache"] = True
+        if self.kind == "kvcert":
+            args["radix_cache_backend"] = "kvcert"
         if self.host:
             args |= {
                 "enable_hierarchical_cache": True,
@@ -553,16 +564,17 @@ class SGLangRequestPath:
         """init_model_worker without a model: the pools come from kvcert's cache adapter, the worker is scripted,
         the worker info is what `TpModelWorker.get_worker_info` reports for them."""
         g = _rc
-        self._allocator = self.backend.allocator if self.kind == "radix" else self._driver.allocator
+        self._allocator = self._driver.allocator if self._driver is not None else self.backend.allocator
         self._kv_pool = self._allocator.get_kvcache()
-        self.cache = self.backend.cache if self.kind == "radix" else self._driver.cache
+        self.cache = self._driver.cache if self._driver is not None else self.backend.cache
         self._req_pool = ReqToTokenPool(
             size=MAX_RUNNING,
             max_context_len=s.model_config.context_len + get_req_to_token_extra_context_len(),
             device="cpu",
             enable_memory_saver=False,
         )
-        self.cache.req_to_token_pool = self._req_pool  # CacheInitParams(req_to_token_pool=...) in build_kv_cache
+        if self.kind != "kvcert":
+            self.cache.req_to_token_pool = self._req_pool  # CacheInitParams(req_to_token_pool=...) in build_kv_cache
         runner = types.SimpleNamespace(
             attn_backend=types.SimpleNamespace(),
             prefill_aware_swa=False,
@@ -589,6 +601,8 @@ class SGLangRequestPath:
             get_pad_input_ids_func=lambda: None,
             register_hicache_layer_transfer_counter=lambda counter: None,
         )
+        if self.kind == "kvcert":  # built by SGLang's registry now that the row pool exists, as build_kv_cache does
+            self.cache = self.backend.build_cache(self._req_pool, s.tp_worker, s.model_config, self.args)
         s.maybe_init_draft_worker()
         kv_cache_builder.resolve_decode_retraction_backup(tp_worker=s.tp_worker)
         s.schedule_stream = torch.get_device_module("cpu").Stream(priority=0)
@@ -683,7 +697,7 @@ class SGLangRequestPath:
             rid=request,
             priority=priority,
             extra_key=namespace,
-            session_id=session if self.kind == "sessions" else None,
+            session_id=session if self.sessions else None,
             lora_id=LoRARef.deterministic_id(*lora) if lora is not None else None,
             cache_salt=cache_salt,
         )
@@ -750,7 +764,7 @@ class SGLangRequestPath:
     def close_session(self, session: str) -> None:
         """Sessions factory: SGLang's CloseSessionReqInput (`Scheduler.close_session` -> `release_radix_session`),
         processed at the next step. Elsewhere SGLang has no session: nothing is sent, the call is recorded."""
-        if self.kind != "sessions":
+        if not self.sessions:
             self._noop_closes.append(session)
             return
         self._send(CloseSessionReqInput(session_id=session))
@@ -873,7 +887,7 @@ class SGLangRequestPath:
         put("scheduler.grammar_manager.grammar_queue", len(s.grammar_manager.grammar_queue))
         held = [r for r in self._live_reqs() if r.kv.holds_kv]
         put("req_to_token_pool.rows_in_use", MAX_RUNNING - self._req_pool.available_size(), _locked(held))
-        if self.kind == "radix":
+        if self.kind in ("radix", "kvcert"):
             return out
         put(
             "cache.ongoing_write_through",
@@ -1007,7 +1021,7 @@ def _make(kind: str, core: str = "python") -> Any:
         )
         extra: tuple[str, ...] = ()
         write_policies: tuple[str, ...] = ()
-        policies = POLICIES
+        policies: tuple[str, ...] = ("lru", "lfu", "fifo", "mru", "priority", "slru")  # not tlru: Unified only
     else:
         core_note = (
             "Python tree core (tree_core_backend=python)"
@@ -1023,7 +1037,7 @@ def _make(kind: str, core: str = "python") -> Any:
         if core == "python":
             extra += ("tree core: Python (tree_core_backend=python); SGLang's default is the Rust core (factory_rust)",)
         write_policies = ("write_through", "write_through_selective", "write_back")
-        policies = ("lru",)
+        policies = ("lru",) if kind == "sessions" else ("lru", "slru", "tlru")
         if kind == "sessions":
             name = f"sglang {version} request path, UnifiedRadixCache radix-native sessions (Python tree core)"
             notes += (

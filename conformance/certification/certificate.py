@@ -123,6 +123,8 @@ class Certificate:
 def config_name(config: CacheConfig) -> str:
     """A cell's coordinates as reports name it: page size, policy, and its tiers' policies."""
     parts = [f"page_size={config.page_size}", f"policy={config.policy}"]
+    if config.policy_config:
+        parts.append("policy_config=" + ",".join(f"{k}:{v}" for k, v in config.policy_config))
     if config.host_capacity:
         parts.append(f"write_policy={config.write_policy}")
     if config.prefetch_policy:

@@ -39,8 +39,10 @@ from kvcert.spec import profiles
 from kvcert.spec.ops import Op, Trace, op_to_json
 from kvcert.spec.types import (
     ONE_CLASS_THRESHOLD,
+    POLICY_PARAMETERS,
     CacheConfig,
     Capabilities,
+    InvalidPolicyConfig,
 )
 
 CAPACITY_PAGES = 16
@@ -350,13 +352,15 @@ def cells_for(
     device_cells: bool = True,
     prefetch_policies: Optional[Iterable[str]] = None,
     host_cells: bool = True,
+    policy_config: Optional[dict[str, int]] = None,
 ) -> tuple[list[CacheConfig], list[str]]:
     """The cells to run, and what was asked for but not declared.
 
     Device-only cells: every page size x policy. Host-tier cells (backends that declare
     write policies): every page size x write policy, under LRU unless policies are named.
     Storage cells (backends that declare prefetch policies): write policy x prefetch policy x
-    page size in STORAGE_PAGE_SIZES, faults on.
+    page size in STORAGE_PAGE_SIZES, faults on. `policy_config` (SGLang's `--radix-eviction-policy-config`) goes
+    to the cells whose policy takes its keys; `InvalidPolicyConfig` if none does, or its values are refused.
     """
     want_ps = [p for p in (page_sizes or capabilities.page_sizes)]
     want_pol = list(policies) if policies else list(capabilities.policies)
@@ -392,6 +396,11 @@ def cells_for(
         if pf in capabilities.prefetch_policies
         for pol in host_pols
     ]
+    if policy_config:
+        takes = [c for c in configs if set(policy_config) <= set(POLICY_PARAMETERS.get(c.policy, ()))]
+        if not takes:
+            raise InvalidPolicyConfig(f"no cell's policy takes {sorted(policy_config)} (POLICY_PARAMETERS)")
+        configs = [replace(c, policy_config=tuple(policy_config.items())) if c in takes else c for c in configs]
     if capabilities.priority_refs and "high" not in capabilities.priority_parts:  # one ref class: every session low
         configs = [replace(c, high_priority_threshold=ONE_CLASS_THRESHOLD) for c in configs]
     if capabilities.kind == "request-path":
@@ -434,6 +443,7 @@ def certify(
     ray: Optional[str] = None,
     corpus: Optional[Path] = None,
     on_example: Optional[Callable[[CacheConfig, int, int], None]] = None,
+    policy_config: Optional[dict[str, int]] = None,
 ) -> Certificate:
     """Run every cell; the certificate passes only if every cell does. `fail_fast` stops at the first failing cell.
     `profile` holds the backend to that profile instead of the one it declares (SPEC.md §6). `driver` "random"
@@ -453,7 +463,7 @@ def certify(
     if hasattr(factory, "walk"):  # an API-level target with its own operations (a block pool, an offload tier)
         return certify_walk(target, factory, caps, examples=examples, steps=steps, seed=seed, out_dir=out_dir, on_cell=on_cell)
     configs, skipped = cells_for(
-        caps, page_sizes, policies, bad_input, write_policies, device_cells, prefetch_policies, host_cells
+        caps, page_sizes, policies, bad_input, write_policies, device_cells, prefetch_policies, host_cells, policy_config
     )
     cert = Certificate(
         target,

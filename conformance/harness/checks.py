@@ -266,43 +266,67 @@ class Checks:
         this sees it at once. The root's metadata is never read, and is not compared."""
         if not self.capabilities.reports_metadata or not profile(self.capabilities.profile).pinned(RANK):
             return []
-        policy, nodes = self.config.policy, oracle.nodes
+        policy, nodes, params = self.config.policy, oracle.nodes, self.config.policy_params()
+        tlru = policy == "tlru"  # its rank also reads the node's place in its tree, and its history (SPEC.md §4.5)
         theirs = {  # the oracle's snapshot (`spec`) names its nodes by id, its paths derived once
-            p: (n.last_access, n.hit_count, n.creation, n.priority)
+            p: ((n.last_access, n.hit_count, n.creation, n.priority), len(n.key), n.history)
             for i, p in contracts.node_paths(spec).items()
             if i != spec.root
             for n in (nodes[i],)
         }
         paths = contracts.node_paths(snap)
         seen = [
-            (paths[n.id], n.meta, want)
+            (paths[n.id], n.meta, n.history, len(n.key), want)
             for n in snap.nodes
             if n.id != snap.root and n.meta is not None
             for want in (theirs.get(paths.get(n.id)),)  # type: ignore[arg-type]
             if want is not None
         ]
-        ranks = [(pages.policy_rank(policy, *w), pages.policy_rank(policy, *m)) for _, m, w in seen]
+        if tlru:
+            lacking = next((path for path, _, history, _, _ in seen if history is None), None)
+            if lacking is not None:
+                return [
+                    Violation(
+                        "INV-META-1",
+                        f"tlru: the node at {lacking[1][-4:]}@{len(lacking[1])} reports metadata but no history "
+                        "(NodeView.history): its T-LRU rank cannot be computed without it, and the check does not guess it",
+                    )
+                ]
+
+        def rank(meta: tuple[int, int, int, int], depth: int, size: int, history: Optional[int]) -> tuple[int, ...]:
+            if not tlru:
+                return pages.policy_rank(policy, *meta, **params)
+            return pages.policy_rank(policy, *meta, **params, depth=depth, size=size, history=history or 0)
+
+        ranks = [
+            (rank(w[0], len(path[1]), w[1], w[2]), rank(m, len(path[1]), size, h)) for path, m, h, size, w in seen
+        ]
+
+        def shown(meta: tuple[int, int, int, int], history: Optional[int]) -> str:
+            return f"{meta} history {history}" if tlru else str(meta)
+
+        what = "(last_access, hit_count, creation, priority)"
         if self.capabilities.metadata_exact:
-            for (path, meta, want), (theirs_rank, mine_rank) in zip(seen, ranks):
+            for (path, meta, history, _, want), (theirs_rank, mine_rank) in zip(seen, ranks):
                 if mine_rank != theirs_rank:
                     return [
                         Violation(
                             "INV-META-1",
-                            f"node at {path[1][-4:]}@{len(path[1])} has {policy} metadata (last_access, hit_count, "
-                            f"creation, priority) {meta}, the spec's {want}",
+                            f"node at {path[1][-4:]}@{len(path[1])} has {policy} metadata {what} "
+                            f"{shown(meta, history)}, the spec's {shown(want[0], want[2])}",
                         )
                     ]
             return []
         breach = contracts.order_breach(ranks)
         if breach is None:
             return []
-        (a, a_meta, a_want), (b, b_meta, b_want) = seen[breach[0]], seen[breach[1]]
+        (a, a_meta, a_hist, _, a_want), (b, b_meta, b_hist, _, b_want) = seen[breach[0]], seen[breach[1]]
         return [
             Violation(
                 "INV-META-1",
                 f"{policy}: the spec ranks the node at {a[1][-4:]}@{len(a[1])} before the one at {b[1][-4:]}@{len(b[1])} "
-                f"(metadata (last_access, hit_count, creation, priority) {a_want}, {b_want}); the backend's {a_meta}, "
-                f"{b_meta} do not",
+                f"(metadata {what} {shown(a_want[0], a_want[2])}, {shown(b_want[0], b_want[2])}); the backend's "
+                f"{shown(a_meta, a_hist)}, {shown(b_meta, b_hist)} do not",
             )
         ]
 

@@ -1,0 +1,186 @@
+"""kvcert's own cache as SGLang 0.5.23 runs it: `--radix-cache-backend kvcert`, judged through SGLang's scheduler.
+
+    kvcert certify kvcert.conformance.adapters.sglang_kvcert:factory            # device tier, priorities
+    kvcert certify kvcert.conformance.adapters.sglang_kvcert:factory_sessions   # + --enable-session-radix-cache
+
+The target is what a user runs: SGLang's plugin loader (`load_plugins`, as `run_scheduler_process` calls it)
+imports kvcert's entry point, which registers the backend; SGLang's `create_tree_cache` picks it by
+`--radix-cache-backend kvcert` and builds it from the same `TreeCacheBuildContext` `build_kv_cache` builds.
+Everything after that is `sglang_requests`' request path: SGLang's own scheduler, `Req` objects and pools.
+This module never imports kvcert's caches: the snapshot reads the object SGLang's registry returned.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from kvcert.conformance.adapters import _sglang_env as _env
+from kvcert.conformance.adapters import sglang_requests as _requests
+from kvcert.conformance.adapters._sglang_kv import read_pool, write_pool
+from kvcert.conformance.adapters.sglang_radix import cpu_pools
+from kvcert.spec.types import POLICIES, CacheConfig, Capabilities, Snapshot
+
+with _env.quiet_imports():
+    from sglang.srt.mem_cache import registry as _registry
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.plugins import load_plugins
+
+__all__ = ["KvcertPools", "factory", "factory_sessions", "tree_context"]
+
+BACKEND = "kvcert"
+HIGH_PRIORITY_ENV = "KVCERT_HIGH_PRIORITY_THRESHOLD"
+"""The backend's setting for §11's high-priority threshold (docs/sglang-plugin.md)."""
+
+
+class KvcertPools:
+    """SGLang's pools and allocator for the request path, and the cache SGLang's registry builds over them."""
+
+    def __init__(self, config: CacheConfig, sessions: bool = False) -> None:
+        self.config, self.page_size, self.sessions = config, config.page_size, sessions
+        self.kv_pool, self.allocator = cpu_pools(config)
+        self.cache: Any = None
+
+    def build_cache(self, req_pool: Any, tp_worker: Any, model_config: Any, server_args: Any) -> Any:
+        """`load_plugins()`, then SGLang's `create_tree_cache` on the context `build_kv_cache` builds (one rank)."""
+        load_plugins()
+        params = CacheInitParams(
+            disable=False,
+            req_to_token_pool=req_pool,
+            token_to_kv_pool_allocator=self.allocator,
+            page_size=self.page_size,
+            eviction_policy=server_args.radix_eviction_policy,
+            eviction_policy_config=server_args.radix_eviction_policy_config,
+            enable_session_radix_cache=self.sessions,
+        )
+        ctx = tree_context(params, server_args, tp_worker=tp_worker, model_config=model_config)
+        # What an operator sets for §11's two ref classes (SGLang has no flag for it): the cell's threshold.
+        saved = os.environ.get(HIGH_PRIORITY_ENV)
+        os.environ[HIGH_PRIORITY_ENV] = str(self.config.high_priority_threshold)
+        try:
+            self.cache = _registry.create_tree_cache(ctx)
+        finally:
+            if saved is None:
+                del os.environ[HIGH_PRIORITY_ENV]
+            else:
+                os.environ[HIGH_PRIORITY_ENV] = saved
+        return self.cache
+
+    # ------------------------------------------------------------------ what sglang_requests reads
+
+    def set_clock(self, now: int) -> None:
+        """The backend keeps its own logical clock (a tick a call); the harness's is not pushed into it."""
+
+    @contextlib.contextmanager
+    def _in_engine(self) -> Iterator[None]:
+        yield
+
+    def write_kv(self, slots: Sequence[int], entries: Sequence[bytes]) -> None:
+        write_pool(self.kv_pool, slots, entries, self.config.kv_layers)
+
+    def read_kv(self, slots: Sequence[int]) -> list[bytes]:
+        return read_pool(self.kv_pool, slots, self.config.kv_layers)
+
+    def read_host_kv(self, host_slots: Sequence[int]) -> list[bytes]:
+        return []
+
+    def snapshot(self) -> Snapshot:
+        """The backend's own snapshot (its tree, and SGLang's allocator's free slots), namespaces as sent."""
+        base = self.cache.cache.snapshot()
+        nodes = tuple(dataclasses.replace(n, namespace=_sent(n.namespace)) for n in base.nodes)
+        ps = self.page_size
+        return dataclasses.replace(base, nodes=nodes, capacity=self.config.capacity, slot_limit=self.config.capacity + ps)
+
+
+def tree_context(params: Any, server_args: Any, **fields: Any) -> Any:
+    """The `TreeCacheBuildContext` `build_kv_cache` passes the registry for a one-rank, full-attention model with no
+    host tier; `fields` override any of its fields."""
+    return _registry.TreeCacheBuildContext(
+        **{
+            "server_args": server_args,
+            "params": params,
+            "is_hybrid_swa": False,
+            "is_hybrid_ssm": False,
+            "enable_hierarchical_cache": False,
+            "disable_radix_cache": False,
+            "tp_worker": None,
+            "model_config": None,
+            "tp_size": 1,
+            "tp_rank": 0,
+            "tp_group": None,
+        }
+        | fields
+    )
+
+
+def _sent(namespace: Any) -> Any:
+    """The backend files a key under JSON [extra_key, cache_salt]; the suite's namespace is the extra_key."""
+    if namespace is None:
+        return None
+    extra, salt = json.loads(namespace)
+    return extra if salt is None else namespace
+
+
+def _capabilities(sessions: bool) -> Capabilities:
+    version = _env.SGLANG_VERSION
+    name = f"kvcert backend in sglang {version}, request path (--radix-cache-backend kvcert)"
+    notes: tuple[str, ...] = _requests._NOTES + (
+        "the cache is kvcert's KvcertRadixCache (kvcert.integrations.sglang) over kvcert.gpu, registered by SGLang's "
+        "plugin loader from kvcert's entry point and built by SGLang's create_tree_cache; device tier only",
+        "a request's priority reaches the tree's insert (the priority policy's rank); --enable-session-radix-cache "
+        "makes a request's session_id hold its path between turns at its priority (SPEC.md §11), released when SGLang "
+        "closes the session",
+    )
+    sglang_tree = ("stand-in Scheduler", "clock: SGLang's tree counters", "eviction ties: SGLang's sets")
+    deviations = tuple(d for d in _requests._DEVIATIONS if not d.startswith(sglang_tree)) + (
+        "stand-in Scheduler: object.__new__(Scheduler) with __init__'s init_* methods run in its order; replaced: "
+        "init_model_worker (no TpModelWorker), kv_cache_builder.build_kv_cache (pools and allocator built here with "
+        "build_kv_cache's CacheInitParams fields for this configuration; the tree cache is SGLang's "
+        "create_tree_cache(TreeCacheBuildContext) after load_plugins()), init_ipc_channels, the watchdog thread "
+        "(none), init_rank_consensus_checker (not run)",
+        "clock: the backend stamps its tree with its own logical clock (a tick a call), not the harness's",
+    )
+    notes += (
+        "clients leave request ids to SGLang (CLIENT_RULES distinct-ids) and send no LoRA requests: SG-ABORT and "
+        "SG-LORA are SGLang's scheduler's and tokenizer's, logged against sglang_requests, whatever the cache",
+    )
+    if sessions:
+        name += ", radix-native sessions"
+        notes += ("--enable-session-radix-cache: close_session = CloseSessionReqInput -> release_radix_session",)
+    else:
+        notes += ("no session refs in this build: a session is the client's conversation only",)
+    return Capabilities(
+        name=name,
+        page_sizes=(1, 4),
+        policies=tuple(p for p in POLICIES if p != "tlru"),  # SGLang admits tlru for UnifiedRadixCache only
+        namespaces=True,
+        strict_input=False,
+        kv_reads=True,
+        priority_refs=sessions,
+        priority_parts=("high", "move") if sessions else (),
+        profile="sglang-0.5.23",
+        notes=notes,
+        deviations=deviations,
+        kind="request-path",
+        loras=False,
+        client=("distinct-ids",),
+    )
+
+
+def _make(sessions: bool) -> Any:
+    name = "factory_sessions" if sessions else "factory"
+
+    def factory(config: CacheConfig) -> Any:
+        return _requests.SGLangRequestPath(config, kind="kvcert", pools=KvcertPools(config, sessions=sessions))
+
+    factory.__name__ = factory.__qualname__ = name
+    factory.capabilities = _capabilities(sessions)  # type: ignore[attr-defined]
+    return factory
+
+
+factory = _make(False)
+factory_sessions = _make(True)

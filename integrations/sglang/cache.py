@@ -1,0 +1,260 @@
+"""`KvcertRadixCache`: SGLang 0.5.23's `BasePrefixCache`, implemented over `kvcert.gpu.GpuCache`.
+
+What SGLang's scheduler calls, and what it becomes here:
+
+- `match_prefix` -> `GpuCache.match_prefix_fast` under the key's namespace; `path_device_indices` reads
+  the matched path's slots (`GpuCache.path_slots`), which `prefix_device_indices` cuts to the hit.
+- `checkpoint(req, up_to)` -> `insert_fast` of the request's row; the duplicates the insert exposes go back
+  to SGLang's allocator, the row is repointed onto the tree's slots and the request's lock moves to the
+  insert's node (what `RadixCache.checkpoint` does). `release_kv_cache` (SGLang's) frees the rest.
+- `evict` / `evict_for_alloc` -> `GpuCache.evict`: the tree picks victims by its policy and §11's tiers and
+  hands their slots back to SGLang's allocator (`kvcert.gpu.alloc.EngineSlots`).
+- `inc_lock_ref` / `dec_lock_ref` -> the tree's locks; sizes -> the tree's counters.
+- with `--enable-session-radix-cache`: a request's `session_id` holds the path its checkpoint ended on at
+  the request's priority (`register_ref`), until SGLang closes the session (`release_radix_session`).
+
+SGLang's allocator owns the device slots and their KV; the tree records which slots it holds, so a slot
+is never both the tree's and a request's. Node handles are the tree's node ids (ints; the root is 0).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any, Optional
+
+import torch
+from sglang.srt.mem_cache.base_prefix_cache import (
+    BasePrefixCache,
+    DecLockRefParams,
+    DecLockRefResult,
+    EvictParams,
+    EvictResult,
+    IncLockRefResult,
+    MatchPrefixParams,
+    MatchResult,
+)
+
+from kvcert.gpu import GpuCache
+from kvcert.integrations.sglang.options import BackendOptions
+from kvcert.spec.types import CacheConfig, Namespace
+
+__all__ = ["KvcertRadixCache", "namespace_of"]
+
+
+def namespace_of(extra_key: Optional[str], cache_salt: Optional[str]) -> Namespace:
+    """The tree namespace of SGLang's key parts: None for neither, else both as one JSON pair (injective: no
+    `extra_key` can spell another request's pair)."""
+    if extra_key is None and cache_salt is None:
+        return None
+    return json.dumps([extra_key, cache_salt])
+
+
+class _Slots:
+    """SGLang's token allocator as `kvcert.gpu.alloc.SlotSource`: it lends slots; the tree gives evicted ones back."""
+
+    def __init__(self, allocator: Any) -> None:
+        self.allocator = allocator
+        self.device = torch.device(allocator.device) if isinstance(allocator.device, (str, torch.device)) else None
+
+    def available(self) -> int:
+        return int(self.allocator.available_size())
+
+    def release(self, raw: bytes) -> None:
+        if raw:
+            slots = torch.frombuffer(bytearray(raw), dtype=torch.int64)
+            self.allocator.free(slots.to(self.device) if self.device is not None else slots)
+
+    def free_slots(self) -> tuple[int, ...]:
+        pages = self.allocator.get_all_free_pages()
+        if pages is None:
+            return ()
+        ps = self.allocator.page_size
+        return tuple(sorted(int(p) * ps + i for p in pages.tolist() for i in range(ps)))
+
+
+class KvcertRadixCache(BasePrefixCache):
+    """kvcert's priority-aware radix tree behind SGLang's tree-cache interface (device tier)."""
+
+    def __init__(self, params: Any, options: BackendOptions) -> None:
+        self.disable = False
+        self.req_to_token_pool = params.req_to_token_pool
+        self.token_to_kv_pool_allocator = params.token_to_kv_pool_allocator
+        self.page_size = params.page_size
+        self.options = options
+        self.enable_session_radix_cache = options.sessions
+        self._slots = _Slots(self.token_to_kv_pool_allocator)
+        self.device = self._slots.device or torch.device("cpu")
+        if options.metrics:
+            self.init_metrics_collector()
+        self._tick = 0
+        self._epochs: dict[str, int] = {}
+        """Open sessions -> their epoch (`ensure_session_generation`)."""
+        self._next_epoch = 0
+        self.cache = self._new_tree()
+        self.root_node = self.cache.root.id
+
+    def _new_tree(self) -> GpuCache:
+        allocator, ps = self.token_to_kv_pool_allocator, self.page_size
+        # SGLang's slot ids run from one page in (slot 0 pads) to size + page_size.
+        capacity = allocator.size + ps
+        config = CacheConfig(
+            page_size=ps,
+            policy=self.options.policy,
+            capacity=capacity - capacity % ps,
+            kv_layers=1,
+            high_priority_threshold=self.options.high_priority_threshold,
+            policy_config=tuple(self.options.policy_config.items()),
+        )
+        # The KV lives in SGLang's pools; the tree's own pool is a placeholder of one layer on the CPU.
+        return GpuCache(config, device=torch.device("cpu"), engine="deferred", engine_slots=self._slots)
+
+    def _stamp(self) -> None:
+        """The tree's logical clock: one tick a call, the same on every tensor-parallel rank."""
+        self._tick += 1
+        self.cache.set_clock(self._tick)
+
+    # ------------------------------------------------------------------ BasePrefixCache
+
+    def reset(self) -> None:
+        """A new, empty tree; SGLang clears its allocator itself right after (`Scheduler.flush_cache`)."""
+        self.cache.close()
+        self._epochs.clear()
+        self.cache = self._new_tree()
+        self.root_node = self.cache.root.id
+
+    def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
+        key = params.key
+        size = len(key) - len(key) % self.page_size
+        root = self.root_node
+        if size <= 0:
+            return MatchResult(device_prefix_len=0, last_device_node=root, last_host_node=root, best_match_node=root)
+        self._stamp()
+        got = self.cache.match_prefix_fast(namespace_of(key.extra_key, key.cache_salt), key.token_ids[:size])
+        n = len(got.slots)
+        return MatchResult(
+            device_prefix_len=n,
+            last_device_node=got.node,
+            last_host_node=got.node,
+            best_match_node=got.node,
+            full_kv_hit_length=n,
+        )
+
+    def touch_prefix(self, key: Any) -> None:
+        """A waiting request's prefix is used again: stamp its cached path (a match whose answer is dropped)."""
+        self.match_prefix(MatchPrefixParams(key=key))
+
+    def path_device_indices(self, node: Any) -> torch.Tensor:
+        return self.cache.path_slots(int(node)).to(self.device)
+
+    def checkpoint(self, req: Any, *, up_to: int, **kwargs: Any) -> None:
+        kv = req.kv
+        tokens = req.full_untruncated_fill_ids[:up_to]
+        size = len(tokens) - len(tokens) % self.page_size
+        priority = req.priority or 0
+        if size > kv.cache_protected_len:
+            self._insert_row(req, tokens, size, priority)
+        session = req.session_id
+        if (
+            self.enable_session_radix_cache
+            and session is not None
+            and req.last_node != self.root_node
+            and self._epochs.get(session) == getattr(req, "session_generation", None)
+        ):  # a turn that finishes after its session closed holds nothing
+            self.cache.register_ref(session, int(req.last_node), priority)
+
+    def _insert_row(self, req: Any, tokens: Any, size: int, priority: int) -> None:
+        """Insert the row's first `size` tokens; repoint the row and move the lock (RadixCache.checkpoint's steps)."""
+        kv = req.kv
+        row = self.req_to_token_pool.req_to_token[kv.req_pool_idx, :size].to(dtype=torch.int64, copy=True)
+        self._stamp()
+        out = self.cache.insert_fast(namespace_of(req.extra_key, req.cache_salt), tokens[:size], row.cpu(), priority)
+        kv.cache_inserted_len = max(kv.cache_inserted_len, size)
+        protected = kv.cache_protected_len
+        if out.prefix_len > protected:  # the request computed KV the tree already had: its copies go back
+            self.token_to_kv_pool_allocator.free_segment(row[protected : out.prefix_len], start_pos=protected)
+        tree = self.path_device_indices(out.node)
+        self.req_to_token_pool.write((kv.req_pool_idx, slice(protected, size)), tree[protected:size])
+        kv.cache_protected_len = size
+        self.unlock(req.lock)
+        req.lock = self.lock(out.node)
+        req.last_node = out.node
+
+    def evict(self, params: EvictParams) -> EvictResult:
+        if params.num_tokens <= 0:
+            return EvictResult()
+        start = time.perf_counter()
+        self._stamp()
+        freed = self.cache.evict(params.num_tokens)
+        self.update_eviction_metrics(freed, start)
+        return EvictResult(num_tokens_evicted=freed)
+
+    def inc_lock_ref(self, node: Any) -> IncLockRefResult:
+        node = int(node)
+        if node == self.root_node:
+            return IncLockRefResult(delta=0, node_id=node)
+        before = self.cache.evictable_size
+        self.cache.inc_lock_ref(node)
+        return IncLockRefResult(delta=self.cache.evictable_size - before, node_id=node)
+
+    def dec_lock_ref(self, node: Any, params: Optional[DecLockRefParams] = None) -> DecLockRefResult:
+        node = int(node)
+        if node == self.root_node:
+            return DecLockRefResult(delta=0)
+        before = self.cache.evictable_size
+        self.cache.dec_lock_ref(node)
+        return DecLockRefResult(delta=self.cache.evictable_size - before)
+
+    # ------------------------------------------------------------------ sizes
+
+    def evictable_size(self) -> int:
+        return self.cache.evictable_size
+
+    def full_evictable_size(self) -> int:
+        return self.cache.evictable_size
+
+    def protected_size(self) -> int:
+        return self.cache.protected_size
+
+    def full_protected_size(self) -> int:
+        return self.cache.protected_size
+
+    def total_size(self) -> int:
+        return self.cache.evictable_size + self.cache.protected_size
+
+    def pretty_print(self) -> None:
+        for view in self.cache.snapshot().nodes:
+            print(view.id, view.parent, len(view.key), view.lock_ref, view.meta)
+        print(f"#tokens: {self.total_size()}")
+
+    # ------------------------------------------------------------------ radix-native sessions (§11)
+
+    def open_radix_session(self, session_id: str) -> Optional[int]:
+        return self.ensure_session_generation(session_id)
+
+    def ensure_session_generation(self, session_id: Optional[str]) -> int:
+        """The session's epoch, stamped on each arriving request (`Req.session_generation`): a turn registers its
+        path only while its epoch is the session's, so a turn still running when its session closes holds
+        nothing afterwards. Epochs come from one counter; only open sessions keep one."""
+        if session_id is None:
+            return 0
+        epoch = self._epochs.get(session_id)
+        if epoch is None:
+            self._next_epoch += 1
+            epoch = self._epochs[session_id] = self._next_epoch
+        return epoch
+
+    def release_radix_session(self, session_id: str) -> int:
+        """SGLang closes the session: its path is no longer held, and its turns still running will hold nothing."""
+        self._epochs.pop(session_id, None)
+        if session_id in self.cache.sessions:
+            self.cache.release_ref(session_id)
+        return 0
+
+    def reprioritize(self, session_id: str, priority: int) -> None:
+        """A session's new priority (§11.3); SGLang 0.5.23 has no request path that calls it."""
+        self.cache.update_ref(session_id, priority)
+
+    def plan_admission(self, *args: Any, **kwargs: Any) -> Any:
+        """§11.5's admission plan (`GpuCache.plan_admission`); SGLang 0.5.23's scheduler does not ask for one."""
+        return self.cache.plan_admission(*args, **kwargs)

@@ -1,0 +1,136 @@
+"""Which SGLang 0.5.23 server options the kvcert backend runs under, checked when SGLang builds its tree cache.
+
+An option the backend does not implement stops the server at startup with `UnsupportedOption`, whose
+message names the option, instead of serving with a cache that ignores it. Everything here reads SGLang's
+`TreeCacheBuildContext` and `ServerArgs`; nothing is patched.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from kvcert.spec.types import POLICIES, InvalidPolicyConfig, policy_params
+
+__all__ = ["HIGH_PRIORITY_ENV", "BackendOptions", "UnsupportedOption", "backend_options"]
+
+HIGH_PRIORITY_ENV = "KVCERT_HIGH_PRIORITY_THRESHOLD"
+"""Session priorities at or above this are high (SPEC.md §11.1); SGLang has no flag for it. Default 1."""
+
+
+class UnsupportedOption(ValueError):
+    """A server option (or a model property) the kvcert backend does not implement; raised at startup."""
+
+
+@dataclass(frozen=True)
+class BackendOptions:
+    """What the backend takes from the server: the eviction policy and its parameters, §11's threshold, switches."""
+
+    policy: str = "lru"
+    policy_config: dict[str, Any] = field(default_factory=dict)
+    high_priority_threshold: int = 1
+    sessions: bool = False
+    """`--enable-session-radix-cache`: a request's `session_id` holds its path between turns (SPEC.md §11)."""
+    metrics: bool = False
+
+
+def _arg(server_args: Any, name: str, default: Any = None) -> Any:
+    return getattr(server_args, name, default)
+
+
+def _refuse(option: str, why: str) -> UnsupportedOption:
+    return UnsupportedOption(f"--radix-cache-backend kvcert does not support {option}: {why}")
+
+
+def check_supported(ctx: Any) -> None:
+    """Raise `UnsupportedOption` for the first option or model property the backend cannot serve."""
+    args = ctx.server_args
+    params = ctx.params
+    model = (
+        (ctx.is_hybrid_swa, "a sliding-window attention model (hybrid SWA pools)"),
+        (ctx.is_hybrid_ssm, "a Mamba / linear-attention model (hybrid SSM pools)"),
+        (getattr(ctx, "is_dsa", False), "a DSA sparse-attention model"),
+    )
+    for present, what in model:
+        if present:
+            raise _refuse(what, "kvcert's tree keeps full-attention KV only; serve it without --radix-cache-backend")
+    flags: tuple[tuple[bool, str, str], ...] = (
+        (ctx.disable_radix_cache, "--disable-radix-cache", "the backend is a prefix cache; drop one of the two"),
+        (
+            ctx.enable_hierarchical_cache,
+            "--enable-hierarchical-cache",
+            "the host tier is not wired to SGLang's HiCache controller yet",
+        ),
+        (bool(_arg(args, "hicache_storage_backend")), "--hicache-storage-backend", "no storage tier through SGLang"),
+        (
+            bool(_arg(args, "enable_unified_cache_external_linker")),
+            "--enable-unified-cache-external-linker",
+            "a linker needs SGLang's UnifiedRadixCache",
+        ),
+        (bool(_arg(args, "enable_lmcache")), "--enable-lmcache", "LMCache needs SGLang's UnifiedRadixCache"),
+        (bool(_arg(args, "enable_flexkv")), "--enable-flexkv", "FlexKV is its own radix cache"),
+        (bool(_arg(args, "enable_hisparse")), "--enable-hisparse", "hierarchical sparse attention is not supported"),
+        (
+            _arg(args, "disaggregation_decode_retraction_backup") == "host_pool",
+            "--disaggregation-decode-retraction-backup host_pool",
+            "it needs a host tier through SGLang's HiCache controller",
+        ),
+        (
+            bool(params.is_eagle) or _arg(args, "speculative_algorithm") is not None,
+            "--speculative-algorithm",
+            "speculative decoding keys the tree by token pairs (EAGLE) and adds draft pools",
+        ),
+        ((_arg(args, "dcp_size", 1) or 1) > 1, "--dcp-size > 1", "decode context parallelism widens pages"),
+        ((_arg(args, "pp_size", 1) or 1) > 1, "--pp-size > 1", "pipeline parallelism is not tested"),
+        (
+            bool(params.enable_kv_cache_events),
+            "--kv-events-config",
+            "KV cache events are not published by the backend yet",
+        ),
+        (
+            _arg(args, "schedule_policy") == "dfs-weight",
+            "--schedule-policy dfs-weight",
+            "it walks SGLang's own tree nodes",
+        ),
+    )
+    for present, option, why in flags:
+        if present:
+            raise _refuse(option, why)
+    if params.page_size != params.token_to_kv_pool_allocator.page_size:
+        raise _refuse("a tree page size unlike the allocator's", "the tree holds the allocator's pages")
+    policy = (params.eviction_policy or "lru").lower()
+    if policy == "tlru":
+        raise _refuse(
+            "--radix-eviction-policy tlru",
+            "SGLang 0.5.23 admits T-LRU only for its UnifiedRadixCache (create_tree_cache checks the class)",
+        )
+    if policy not in POLICIES:
+        raise _refuse(f"--radix-eviction-policy {policy}", f"kvcert implements {', '.join(POLICIES)}")
+    try:
+        policy_params(policy, params.page_size, sorted((params.eviction_policy_config or {}).items()))
+    except InvalidPolicyConfig as e:
+        raise _refuse(f"--radix-eviction-policy-config {params.eviction_policy_config!r}", str(e)) from None
+
+
+def _threshold() -> int:
+    raw: Optional[str] = os.environ.get(HIGH_PRIORITY_ENV)
+    if raw is None:
+        return 1
+    try:
+        return int(raw)
+    except ValueError:
+        raise UnsupportedOption(f"{HIGH_PRIORITY_ENV}={raw!r} is not an integer") from None
+
+
+def backend_options(ctx: Any) -> BackendOptions:
+    """Check the context (`check_supported`) and read the backend's options from it."""
+    check_supported(ctx)
+    params = ctx.params
+    return BackendOptions(
+        policy=(params.eviction_policy or "lru").lower(),
+        policy_config=dict(params.eviction_policy_config or {}),
+        high_priority_threshold=_threshold(),
+        sessions=bool(params.enable_session_radix_cache),
+        metrics=bool(params.enable_metrics),
+    )

@@ -1,0 +1,243 @@
+"""kvcert's cache as SGLang 0.5.23's `--radix-cache-backend kvcert` (kvcert.integrations.sglang).
+
+SGLang's plugin loader registers it from kvcert's entry point; SGLang's own `create_tree_cache` builds it; an
+option it does not implement stops the server at startup naming the option; SGLang's scheduler runs its
+requests through it (tests/test_sglang_requests.py's scenario runs on it too); and defects planted in it are
+caught by certifying it through SGLang's request path (`sglang_kvcert`), so the certificate can fail.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import types
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from _sglang import require_sglang
+
+require_sglang()
+
+from test_sglang_requests import Model  # noqa: E402
+
+from kvcert.conformance.adapters import sglang_kvcert  # noqa: E402
+from kvcert.integrations import sglang as plugin  # noqa: E402
+from kvcert.integrations.sglang import cache as backend  # noqa: E402
+from kvcert.integrations.sglang.options import HIGH_PRIORITY_ENV, UnsupportedOption  # noqa: E402
+from kvcert.spec.types import CacheConfig  # noqa: E402
+
+pytestmark = pytest.mark.sglang
+
+ROOT = Path(__file__).resolve().parents[1]
+
+REGISTERS = """
+from kvcert.conformance.adapters import _sglang_env as env
+env.install_shims()
+with env.quiet_imports():
+    from sglang.srt.mem_cache import registry
+    from sglang.srt.plugins import GENERAL_PLUGINS_GROUP, load_plugins, load_plugins_by_group
+assert "kvcert" not in registry.registered_radix_cache_backends()
+load_plugins()
+print(sorted(registry.registered_radix_cache_backends()))
+import os
+os.environ["SGLANG_PLUGINS"] = "someone-else"
+print(sorted(load_plugins_by_group(GENERAL_PLUGINS_GROUP)))
+"""
+
+
+def test_sglang_plugin_loader_registers_the_backend() -> None:
+    """In a fresh process that imports SGLang's registry, `load_plugins()` (what SGLang's scheduler process runs
+    first) finds kvcert's entry point and registers `kvcert`; `SGLANG_PLUGINS` naming another plugin leaves it out."""
+    env = {k: v for k, v in os.environ.items() if k != "SGLANG_PLUGINS"}
+    out = subprocess.run(
+        [sys.executable, "-c", REGISTERS], capture_output=True, text=True, timeout=300, cwd=ROOT, env=env
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    registered, filtered = out.stdout.strip().splitlines()[-2:]
+    assert "'kvcert'" in registered and filtered == "[]", out.stdout
+
+
+def _context(**overrides: Any) -> Any:
+    """The `TreeCacheBuildContext` SGLang's `build_kv_cache` passes a factory, over a real allocator and params."""
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+
+    pools = sglang_kvcert.KvcertPools(CacheConfig(capacity=16))
+    params = CacheInitParams(
+        disable=False,
+        req_to_token_pool=None,
+        token_to_kv_pool_allocator=pools.allocator,
+        page_size=1,
+        eviction_policy=overrides.pop("policy", "lru"),
+        eviction_policy_config=overrides.pop("policy_config", None),
+        is_eagle=overrides.pop("is_eagle", False),
+        enable_kv_cache_events=overrides.pop("events", False),
+    )
+    args = types.SimpleNamespace(**overrides.pop("args", {}))
+    return sglang_kvcert.tree_context(params, args, **overrides)
+
+
+UNSUPPORTED = [
+    ({"is_hybrid_swa": True}, "sliding-window"),
+    ({"is_hybrid_ssm": True}, "Mamba"),
+    ({"is_dsa": True}, "DSA"),
+    ({"disable_radix_cache": True}, "--disable-radix-cache"),
+    ({"enable_hierarchical_cache": True}, "--enable-hierarchical-cache"),
+    ({"args": {"hicache_storage_backend": "file"}}, "--hicache-storage-backend"),
+    ({"args": {"enable_unified_cache_external_linker": True}}, "--enable-unified-cache-external-linker"),
+    ({"args": {"enable_lmcache": True}}, "--enable-lmcache"),
+    ({"args": {"disaggregation_decode_retraction_backup": "host_pool"}}, "--disaggregation-decode-retraction-backup"),
+    ({"args": {"speculative_algorithm": "EAGLE"}}, "--speculative-algorithm"),
+    ({"is_eagle": True}, "--speculative-algorithm"),
+    ({"args": {"dcp_size": 2}}, "--dcp-size"),
+    ({"args": {"pp_size": 2}}, "--pp-size"),
+    ({"events": True}, "--kv-events-config"),
+    ({"args": {"schedule_policy": "dfs-weight"}}, "--schedule-policy dfs-weight"),
+    ({"policy": "filo"}, "--radix-eviction-policy filo"),
+    ({"policy": "tlru"}, "--radix-eviction-policy tlru"),
+    ({"policy": "slru", "policy_config": {"threshold": 4}}, "--radix-eviction-policy-config"),
+]
+
+
+@pytest.mark.parametrize(("overrides", "named"), UNSUPPORTED, ids=[n for _, n in UNSUPPORTED])
+def test_an_unsupported_option_stops_the_server_at_startup(overrides: dict[str, Any], named: str) -> None:
+    """The factory SGLang calls while the scheduler builds its tree cache refuses, naming the option."""
+    with pytest.raises(UnsupportedOption, match=named.replace("-", r"\-")):
+        plugin.factory(_context(**overrides))
+
+
+def test_the_high_priority_threshold_is_read_at_startup(monkeypatch: Any) -> None:
+    monkeypatch.setenv(HIGH_PRIORITY_ENV, "2")
+    cache = plugin.factory(_context())
+    assert isinstance(cache, backend.KvcertRadixCache) and cache.cache.high_threshold == 2
+    monkeypatch.setenv(HIGH_PRIORITY_ENV, "high")
+    with pytest.raises(UnsupportedOption, match=HIGH_PRIORITY_ENV):
+        plugin.factory(_context())
+
+
+def test_namespaces_keep_extra_key_and_cache_salt_apart() -> None:
+    """SG-LORA's class: no extra_key may spell another request's (extra_key, cache_salt)."""
+    keys = [(None, None), ("a", None), (None, "a"), ("a", "b"), ('["a", "b"]', None), ("a\0b", None)]
+    spelled = {backend.namespace_of(*k) for k in keys}
+    assert len(spelled) == len(keys) and backend.namespace_of(None, None) is None
+
+
+# ---------------------------------------------------------------------------------------------- planted defects
+
+
+def _leaks_duplicates(original: Callable[..., None]) -> Callable[..., None]:
+    """Checkpoint without giving the duplicates back to SGLang's allocator: their slots are nobody's."""
+
+    def insert_row(cache: Any, req: Any, *args: Any) -> None:
+        allocator = cache.token_to_kv_pool_allocator
+        allocator.free_segment = lambda *_, **__: None
+        try:
+            original(cache, req, *args)
+        finally:
+            del allocator.free_segment
+
+    return insert_row
+
+
+def _keeps_the_old_lock(original: Callable[..., None]) -> Callable[..., None]:
+    def insert_row(cache: Any, req: Any, *args: Any) -> None:
+        req.lock = None  # the request's lock on its old node is dropped without a release
+        original(cache, req, *args)
+
+    return insert_row
+
+
+def _forgets_the_close(cache: Any, session_id: str) -> int:
+    """Releases the path but keeps the session's epoch: a turn still running registers it again."""
+    if session_id in cache.cache.sessions:
+        cache.cache.release_ref(session_id)
+    return 0
+
+
+def _never_releases(cache: Any, session_id: str) -> int:
+    cache._epochs.pop(session_id, None)
+    return 0
+
+
+PLANTS = {
+    "checkpoint leaks the duplicates": ("_insert_row", _leaks_duplicates(backend.KvcertRadixCache._insert_row), "factory", 4),
+    "checkpoint keeps the old lock": ("_insert_row", _keeps_the_old_lock(backend.KvcertRadixCache._insert_row), "factory", 1),
+    "closing a session releases nothing": ("release_radix_session", _never_releases, "factory_sessions", 1),
+    "a turn after its session's close holds it again": ("release_radix_session", _forgets_the_close, "factory_sessions", 4),
+}
+
+
+@pytest.mark.parametrize("plant", sorted(PLANTS))
+def test_a_planted_defect_fails_certification(plant: str, monkeypatch: Any, tmp_path: Path) -> None:
+    from kvcert.conformance.certification.certify import certify
+
+    method, replacement, name, page_size = PLANTS[plant]
+    monkeypatch.setattr(backend.KvcertRadixCache, method, replacement)
+    target = f"kvcert.conformance.adapters.sglang_kvcert:{name}"
+    cert = certify(target, examples=30, steps=30, page_sizes=[page_size], policies=["lru"], out_dir=tmp_path)
+    assert not cert.passed, f"{plant}: certified"
+
+
+def test_slots_evicted_go_back_to_sglangs_allocator() -> None:
+    """The tree holds SGLang's slot ids; what it evicts SGLang can allocate again, and a slot the tree holds is
+    refused as a request's (SlotNotOwned), changing nothing."""
+    from kvcert.spec.types import SlotNotOwned
+
+    ctx = _context()
+    cache = plugin.factory(ctx)
+    allocator = ctx.params.token_to_kv_pool_allocator
+    slots = allocator.alloc(8)
+    free = allocator.available_size()
+    out = cache.cache.insert_fast(None, list(range(8)), slots.to(backend.torch.int64))
+    before = cache.cache.snapshot()
+    with pytest.raises(SlotNotOwned):
+        cache.cache.insert_fast(None, [9, 9], slots[:2].to(backend.torch.int64))
+    assert cache.cache.snapshot() == before
+    assert cache.evictable_size() == 8 and cache.path_device_indices(out.node).tolist() == slots.tolist()
+    assert cache.evict(backend.EvictParams(num_tokens=8)).num_tokens_evicted == 8
+    assert allocator.available_size() == free + 8 and cache.total_size() == 0
+
+
+def _cached(target: Any) -> set[tuple[int, ...]]:
+    snap, paths, out = target.snapshot(), {}, set()
+    for node in snap.nodes:
+        paths[node.id] = () if node.parent is None else paths[node.parent] + node.key
+        out.add(paths[node.id])
+    return out
+
+
+def _run(target: Any, limit: int = 40) -> None:
+    for _ in range(limit):
+        target.step()
+        if all(v.state in ("finished", "aborted") for v in target.requests()):
+            return
+    raise AssertionError(target.requests())
+
+
+@pytest.mark.parametrize("sessions", [False, True])
+def test_a_high_priority_session_outlives_pressure_that_lru_alone_would_evict_it_under(sessions: bool) -> None:
+    """Through SGLang's scheduler: an older conversation held by a high-priority session survives the pressure of
+    a new prompt, which evicts a newer request's unheld prefix instead (§11's tiers: unused before high). Without
+    sessions the same requests under LRU lose the older prefix: the tiers, not the order of arrival, decide."""
+    config = CacheConfig(page_size=1, capacity=32, policy="lru", high_priority_threshold=1)
+    make = sglang_kvcert.factory_sessions if sessions else sglang_kvcert.factory
+    target = make(config)
+    target.attach_model(Model(config.kv_layers))
+    old, new = (1, 2, 3, 1, 2, 3, 1, 2), (3, 3, 2, 2, 1, 1, 0, 0)
+    target.submit("old", "vip", None, list(old), 2, 2)
+    _run(target)
+    target.submit("new", None, None, list(new), 0, 2)
+    _run(target)
+    assert {old, new} <= _cached(target)
+    target.submit("big", None, None, [0, 1, 2, 3, 0] * 4, 0, 2)
+    _run(target)
+    cached = _cached(target)
+    if sessions:
+        assert old in cached and new not in cached, "the unheld prefix goes first"
+        (view,) = target.snapshot().sessions
+        assert view.id == "vip" and view.high
+    else:
+        assert old not in cached, "LRU evicts the older prefix"
+
