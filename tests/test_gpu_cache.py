@@ -190,7 +190,7 @@ def test_small_certificate_page_first_and_threaded(tmp_path: Path) -> None:
     ):
         cert = certify(f"kvcert.gpu:{name}", factory=build, examples=6, steps=20, page_sizes=sizes, out_dir=tmp_path)
         assert cert.passed, [c.failure for c in cert.cells if not c.passed]
-        assert len(cert.cells) == 5 + 3 + 9
+        assert len(cert.cells) == len(CAPABILITIES.policies) + 3 + 9
 
 
 class CountingDict(dict):  # type: ignore[type-arg]
