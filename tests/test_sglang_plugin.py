@@ -216,12 +216,13 @@ def _run(target: Any, limit: int = 40) -> None:
     raise AssertionError(target.requests())
 
 
-@pytest.mark.parametrize("sessions", [False, True])
-def test_a_high_priority_session_outlives_pressure_that_lru_alone_would_evict_it_under(sessions: bool) -> None:
-    """Through SGLang's scheduler: an older conversation held by a high-priority session survives the pressure of
-    a new prompt, which evicts a newer request's unheld prefix instead (§11's tiers: unused before high). Without
-    sessions the same requests under LRU lose the older prefix: the tiers, not the order of arrival, decide."""
-    config = CacheConfig(page_size=1, capacity=32, policy="lru", high_priority_threshold=1)
+@pytest.mark.parametrize(("sessions", "policy"), [(False, "lru"), (True, "lru"), (False, "priority")])
+def test_a_high_priority_prefix_outlives_pressure_that_lru_alone_would_evict_it_under(sessions: bool, policy: str) -> None:
+    """Through SGLang's scheduler: an older prefix of a priority-2 request survives the pressure of a new prompt,
+    which evicts a newer priority-0 request's prefix instead: held by a high-priority session (§11's tiers: unused
+    before high), or ranked by the `priority` policy (the request's priority reaches the insert). Under plain LRU
+    without sessions the older prefix goes: the priority, not the order of arrival, decides."""
+    config = CacheConfig(page_size=1, capacity=32, policy=policy, high_priority_threshold=1)
     make = sglang_kvcert.factory_sessions if sessions else sglang_kvcert.factory
     target = make(config)
     target.attach_model(Model(config.kv_layers))
@@ -234,10 +235,11 @@ def test_a_high_priority_session_outlives_pressure_that_lru_alone_would_evict_it
     target.submit("big", None, None, [0, 1, 2, 3, 0] * 4, 0, 2)
     _run(target)
     cached = _cached(target)
-    if sessions:
-        assert old in cached and new not in cached, "the unheld prefix goes first"
-        (view,) = target.snapshot().sessions
-        assert view.id == "vip" and view.high
+    if sessions or policy == "priority":
+        assert old in cached and new not in cached, "the low-priority prefix goes first"
     else:
         assert old not in cached, "LRU evicts the older prefix"
+    if sessions:
+        (view,) = target.snapshot().sessions
+        assert view.id == "vip" and view.high
 
