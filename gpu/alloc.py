@@ -324,6 +324,10 @@ class SlotSource(Protocol):
         """Take back slots the tree held (int64 bytes): the tree evicted them."""
         ...
 
+    def take(self, n: int) -> bytes:
+        """`n` slots (whole pages) for the tree itself (a load-back's destination), as int64 bytes."""
+        ...
+
     def free_slots(self) -> tuple[int, ...]:
         """Observation only: the engine's free slots."""
         ...
@@ -334,8 +338,8 @@ class EngineSlots(PageAllocator):
 
     The engine lends slots to its requests itself; the tree only records which slots it holds (a byte per slot),
     so an insert can still refuse a slot the tree already holds, and gives a slot back to the engine when it
-    evicts it. A slot the tree does not hold counts as the caller's. Allocating through the tree (`lend_raw`,
-    `take_raw`) is the engine's job: those refuse.
+    evicts it. A slot the tree does not hold counts as the caller's. Lending slots to callers (`lend_raw`) is the
+    engine's job: it refuses; the tree's own slots (`take_raw`, a load-back's) come from the engine too.
     """
 
     def __init__(self, capacity: int, page_size: int, source: SlotSource) -> None:
@@ -363,7 +367,10 @@ class EngineSlots(PageAllocator):
         raise NotImplementedError("the engine allocates device slots")
 
     def take_raw(self, n: int) -> bytes:
-        raise NotImplementedError("the engine allocates device slots")
+        """`n` slots the engine allocates for the tree itself (a load-back): held from here on."""
+        raw = self.source.take(n)
+        self.adopt_raw(raw)
+        return raw
 
     def lent_pages(self, raw: bytes) -> Optional[Sequence[int]]:
         return None  # no fast case: `are_lent_raw` decides

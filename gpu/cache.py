@@ -127,9 +127,11 @@ class GpuCache(RadixTree):
         device: Optional[torch.device] = None,
         agreement: Optional[Agreement] = None,
         engine_slots: Optional[SlotSource] = None,
+        kv: Optional[KVPool] = None,
     ) -> None:
         """`engine_slots`: an engine allocates the device slots and gets evicted ones back (`EngineSlots`); the
-        tree then holds the engine's slot ids, and `alloc` / `free` refuse (device tier only)."""
+        tree then holds the engine's slot ids, and `alloc` / `free` refuse. `kv`: the device pool, when an engine
+        owns it (its geometry is the cache's; host copies move its bytes)."""
         if config.policy not in POLICIES:
             raise ValueError(f"unknown policy {config.policy!r}")
         ps = config.page_size
@@ -147,13 +149,14 @@ class GpuCache(RadixTree):
         self.config = config
         self.host_capacity, self.kv_layers = config.host_capacity, config.kv_layers
         self.write_policy = config.write_policy if config.host_capacity else ""
-        kv = make_pool(layout, config.capacity, ps, self.geometry, self.device)
+        if kv is None:
+            kv = make_pool(layout, config.capacity, ps, self.geometry, self.device)
+        elif kv.capacity != config.capacity or kv.geometry != self.geometry:
+            raise ValueError("an engine's device pool must have the config's capacity and the cache's geometry")
         host_kv = None
         if config.host_capacity:  # both pools before the engine (a threaded one starts a thread)
             host_kv = make_pool(host_layout, config.host_capacity, ps, self.geometry, torch.device("cpu"), cuda)
         write_back = self.write_policy == "write_back"
-        if engine_slots is not None and host_kv is not None:
-            raise ValueError("a tree over an engine's slots has no host tier")
         alloc_dev = None if engine_slots is None else EngineSlots(config.capacity, ps, engine_slots)
         super().__init__(
             ps, config.policy, config.capacity, kv, make_engine(engine), write_back, host_kv is not None, alloc_dev

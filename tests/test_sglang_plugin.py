@@ -84,7 +84,7 @@ UNSUPPORTED = [
     ({"is_hybrid_ssm": True}, "Mamba"),
     ({"is_dsa": True}, "DSA"),
     ({"disable_radix_cache": True}, "--disable-radix-cache"),
-    ({"enable_hierarchical_cache": True}, "--enable-hierarchical-cache"),
+    ({"args": {"hicache_host_memory_mode": "buffer_only"}}, "--hicache-host-memory-mode buffer_only"),
     ({"args": {"hicache_storage_backend": "file"}}, "--hicache-storage-backend"),
     ({"args": {"enable_unified_cache_external_linker": True}}, "--enable-unified-cache-external-linker"),
     ({"args": {"enable_lmcache": True}}, "--enable-lmcache"),
@@ -115,6 +115,18 @@ def test_the_high_priority_threshold_is_read_at_startup(monkeypatch: Any) -> Non
     monkeypatch.setenv(HIGH_PRIORITY_ENV, "high")
     with pytest.raises(UnsupportedOption, match=HIGH_PRIORITY_ENV):
         plugin.factory(_context())
+
+
+def test_the_host_tier_is_sized_as_sglang_sizes_its_host_pool() -> None:
+    """--enable-hierarchical-cache: `--hicache-ratio` of the device pool plus SGLang's padding page, or
+    `--hicache-size` GB of this model's KV; the tree's device pool is SGLang's own buffers."""
+    ratio = plugin.factory(_context(enable_hierarchical_cache=True, args={"hicache_ratio": 2.5}))
+    assert ratio.cache.host_capacity == (int(16 * 2.5) // 1 + 1) * 1 == 41
+    assert ratio.cache.kv.k[0] is ratio.token_to_kv_pool_allocator.get_kvcache().k_buffer[0]
+    per_token = 2 * 2 * 1 * 2 * 4  # K and V, 2 layers, 1 head of 2 float32 (the suite's pool)
+    sized = plugin.factory(_context(enable_hierarchical_cache=True, args={"hicache_size": 1e-6}))
+    assert sized.cache.host_capacity == int(1e-6 * 1e9 // per_token) + 1
+    assert plugin.factory(_context()).cache.host is None
 
 
 def test_namespaces_keep_extra_key_and_cache_salt_apart() -> None:
@@ -172,11 +184,12 @@ PLANTS = {
 @pytest.mark.parametrize("plant", sorted(PLANTS))
 def test_a_planted_defect_fails_certification(plant: str, monkeypatch: Any, tmp_path: Path) -> None:
     from kvcert.conformance.certification.certify import certify
-
     method, replacement, name, page_size = PLANTS[plant]
     monkeypatch.setattr(backend.KvcertRadixCache, method, replacement)
     target = f"kvcert.conformance.adapters.sglang_kvcert:{name}"
-    cert = certify(target, examples=30, steps=30, page_sizes=[page_size], policies=["lru"], out_dir=tmp_path)
+    cert = certify(
+        target, examples=30, steps=30, page_sizes=[page_size], policies=["lru"], write_policies=[], out_dir=tmp_path
+    )
     assert not cert.passed, f"{plant}: certified"
 
 
@@ -243,3 +256,16 @@ def test_a_high_priority_prefix_outlives_pressure_that_lru_alone_would_evict_it_
         (view,) = target.snapshot().sessions
         assert view.id == "vip" and view.high
 
+
+
+def test_a_load_back_that_moves_no_bytes_is_caught(monkeypatch: Any) -> None:
+    """The host tier moves SGLang's own buffers: a copy into them that writes nothing leaves a loaded-back prefix
+    with stale bytes, which the request-path scenario's KV reads catch (generated walks rarely reach a load-back
+    on a request path: the directed scenario does)."""
+    import test_sglang_requests as scenarios
+
+    from kvcert.integrations.sglang.kv import EnginePool
+
+    monkeypatch.setattr(EnginePool, "scatter", lambda pool, idx, data: None)
+    with pytest.raises(AssertionError, match="KV"):
+        scenarios.test_scenario("sglang_kvcert:factory", 4, scenarios.HOST, "write_back")

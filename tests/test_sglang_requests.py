@@ -45,6 +45,7 @@ CELLS = [
     ("factory_sessions", 4, HOST, "write_through"),
     ("sglang_kvcert:factory", 1, 0, ""),  # kvcert's own cache as SGLang's --radix-cache-backend kvcert
     ("sglang_kvcert:factory_sessions", 4, 0, ""),
+    ("sglang_kvcert:factory", 4, HOST, "write_back"),
 ]
 PER_REQUEST = (
     "scheduler.waiting_queue",
@@ -264,7 +265,9 @@ def _path(snap: Snapshot, node: int) -> tuple[int, ...]:
 
 
 def _loads(target: Any) -> int:
-    """H2D loads SGLang submitted (the HiCache driver's copy ops)."""
+    """H2D loads SGLang submitted (the HiCache driver's copy ops), or host tokens kvcert's backend loaded back."""
+    if target.kind == "kvcert":
+        return int(target.cache.loaded_back)
     driver = getattr(target, "_driver", None)
     return sum(op.kind == "load" for op in driver.ops.values()) if driver is not None and target.host else 0
 

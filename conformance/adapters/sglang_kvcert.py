@@ -1,6 +1,6 @@
 """kvcert's own cache as SGLang 0.5.23 runs it: `--radix-cache-backend kvcert`, judged through SGLang's scheduler.
 
-    kvcert certify kvcert.conformance.adapters.sglang_kvcert:factory            # device tier, priorities
+    kvcert certify kvcert.conformance.adapters.sglang_kvcert:factory            # device and host tiers, priorities
     kvcert certify kvcert.conformance.adapters.sglang_kvcert:factory_sessions   # + --enable-session-radix-cache
 
 The target is what a user runs: SGLang's plugin loader (`load_plugins`, as `run_scheduler_process` calls it)
@@ -57,7 +57,13 @@ class KvcertPools:
             eviction_policy_config=server_args.radix_eviction_policy_config,
             enable_session_radix_cache=self.sessions,
         )
-        ctx = tree_context(params, server_args, tp_worker=tp_worker, model_config=model_config)
+        ctx = tree_context(
+            params,
+            server_args,
+            tp_worker=tp_worker,
+            model_config=model_config,
+            enable_hierarchical_cache=bool(server_args.enable_hierarchical_cache),
+        )
         # What an operator sets for §11's two ref classes (SGLang has no flag for it): the cell's threshold.
         saved = os.environ.get(HIGH_PRIORITY_ENV)
         os.environ[HIGH_PRIORITY_ENV] = str(self.config.high_priority_threshold)
@@ -86,7 +92,7 @@ class KvcertPools:
         return read_pool(self.kv_pool, slots, self.config.kv_layers)
 
     def read_host_kv(self, host_slots: Sequence[int]) -> list[bytes]:
-        return []
+        return self.cache.cache.read_host_kv(host_slots)
 
     def snapshot(self) -> Snapshot:
         """The backend's own snapshot (its tree, and SGLang's allocator's free slots), namespaces as sent."""
@@ -130,7 +136,9 @@ def _capabilities(sessions: bool) -> Capabilities:
     name = f"kvcert backend in sglang {version}, request path (--radix-cache-backend kvcert)"
     notes: tuple[str, ...] = _requests._NOTES + (
         "the cache is kvcert's KvcertRadixCache (kvcert.integrations.sglang) over kvcert.gpu, registered by SGLang's "
-        "plugin loader from kvcert's entry point and built by SGLang's create_tree_cache; device tier only",
+        "plugin loader from kvcert's entry point and built by SGLang's create_tree_cache; host cells run "
+        "--enable-hierarchical-cache with the cell's --hicache-write-policy: kvcert's own host tier over SGLang's "
+        "device buffers, its copies finished within the call that issues them (the deferred engine, run at once)",
         "a request's priority reaches the tree's insert (the priority policy's rank); --enable-session-radix-cache "
         "makes a request's session_id hold its path between turns at its priority (SPEC.md §11), released when SGLang "
         "closes the session",
@@ -160,6 +168,7 @@ def _capabilities(sessions: bool) -> Capabilities:
         namespaces=True,
         strict_input=False,
         kv_reads=True,
+        write_policies=("write_through", "write_through_selective", "write_back"),
         priority_refs=sessions,
         priority_parts=("high", "move") if sessions else (),
         profile="sglang-0.5.23",

@@ -348,7 +348,7 @@ class SGLangRequestPath:
             raise ValueError("capacity must be whole pages")
         self.config, self.kind, self.core = config, kind, core
         self.page_size = config.page_size
-        self.host = kind not in ("radix", "kvcert") and config.host_capacity > 0
+        self.host = kind != "radix" and config.host_capacity > 0
         self.sessions = kind == "sessions" or (kind == "kvcert" and pools.sessions)
         """Requests carry their session (--enable-session-radix-cache) and a close reaches SGLang."""
         self._model: Any = None
@@ -501,7 +501,7 @@ class SGLangRequestPath:
         s.kv_shard_widening = 1
         s.disable_radix_cache = False
         s.tree_cache = self.cache
-        if s.enable_hierarchical_cache:
+        if s.enable_hierarchical_cache and self.cache.cache_controller is not None:  # as init_kv_cache guards it
             controller = self.cache.cache_controller
             controller.load_fence_stream = controller.write_fence_stream = s.tp_worker.model_runner.forward_stream
         s.emit_metrics_constants()

@@ -13,6 +13,12 @@ What SGLang's scheduler calls, and what it becomes here:
 - with `--enable-session-radix-cache`: a request's `session_id` holds the path its checkpoint ended on at
   the request's priority (`register_ref`), until SGLang closes the session (`release_radix_session`).
 
+- with `--enable-hierarchical-cache`: the host tier is kvcert.gpu's own (pinned host pool on a GPU), its
+  device side SGLang's buffers (`kv.EnginePool`). A match reports the host part (`host_hit_length`, the
+  deepest host copy as `best_match_node`); `init_load_back` loads it (`GpuCache.load_back`); backups follow
+  `--hicache-write-policy`. Every copy finishes within the call that issues it (`_settle`), so SGLang's forward
+  waits on nothing and `ready_to_load_host_cache` reports no layer-wise load.
+
 SGLang's allocator owns the device slots and their KV; the tree records which slots it holds, so a slot
 is never both the tree's and a request's. Node handles are the tree's node ids (ints; the root is 0).
 """
@@ -36,6 +42,7 @@ from sglang.srt.mem_cache.base_prefix_cache import (
 )
 
 from kvcert.gpu import GpuCache
+from kvcert.integrations.sglang.kv import EnginePool
 from kvcert.integrations.sglang.options import BackendOptions
 from kvcert.spec.types import CacheConfig, Namespace
 
@@ -65,6 +72,12 @@ class _Slots:
             slots = torch.frombuffer(bytearray(raw), dtype=torch.int64)
             self.allocator.free(slots.to(self.device) if self.device is not None else slots)
 
+    def take(self, n: int) -> bytes:
+        got = self.allocator.alloc(n)
+        if got is None:  # the tree checked `available` first: only a torn free list gets here
+            raise RuntimeError(f"SGLang's allocator refused {n} slots with {self.available()} available")
+        return got.to(torch.int64).cpu().numpy().tobytes()
+
     def free_slots(self) -> tuple[int, ...]:
         pages = self.allocator.get_all_free_pages()
         if pages is None:
@@ -74,7 +87,7 @@ class _Slots:
 
 
 class KvcertRadixCache(BasePrefixCache):
-    """kvcert's priority-aware radix tree behind SGLang's tree-cache interface (device tier)."""
+    """kvcert's priority-aware radix tree behind SGLang's tree-cache interface (device and host tiers)."""
 
     def __init__(self, params: Any, options: BackendOptions) -> None:
         self.disable = False
@@ -88,6 +101,8 @@ class KvcertRadixCache(BasePrefixCache):
         if options.metrics:
             self.init_metrics_collector()
         self._tick = 0
+        self.loaded_back = 0
+        """Host tokens loaded back to the device so far."""
         self._epochs: dict[str, int] = {}
         """Open sessions -> their epoch (`ensure_session_generation`)."""
         self._next_epoch = 0
@@ -95,19 +110,41 @@ class KvcertRadixCache(BasePrefixCache):
         self.root_node = self.cache.root.id
 
     def _new_tree(self) -> GpuCache:
-        allocator, ps = self.token_to_kv_pool_allocator, self.page_size
+        allocator, ps, host = self.token_to_kv_pool_allocator, self.page_size, self.options.host_capacity
         # SGLang's slot ids run from one page in (slot 0 pads) to size + page_size.
         capacity = allocator.size + ps
+        capacity -= capacity % ps
+        # With a host tier the tree's device pool is SGLang's own (its copies move SGLang's bytes); without one
+        # the KV lives in SGLang's pools only and the tree's pool is a placeholder of one layer on the CPU.
+        kv = EnginePool(allocator.get_kvcache(), capacity, ps) if host else None
         config = CacheConfig(
             page_size=ps,
             policy=self.options.policy,
-            capacity=capacity - capacity % ps,
-            kv_layers=1,
+            capacity=capacity,
+            host_capacity=host,
+            write_policy=self.options.write_policy,
+            kv_layers=kv.geometry.layers if kv is not None else 1,
             high_priority_threshold=self.options.high_priority_threshold,
             policy_config=tuple(self.options.policy_config.items()),
         )
-        # The KV lives in SGLang's pools; the tree's own pool is a placeholder of one layer on the CPU.
-        return GpuCache(config, device=torch.device("cpu"), engine="deferred", engine_slots=self._slots)
+        return GpuCache(
+            config,
+            geometry=kv.geometry if kv is not None else None,
+            kv=kv,
+            device=self.device if kv is not None else torch.device("cpu"),
+            engine="deferred",
+            engine_slots=self._slots,
+        )
+
+    def _settle(self) -> None:
+        """Run every copy the tree issued and consume its ack: the backend's copies finish within the call that
+        issued them (the deferred engine, run at once), so SGLang's forward never reads a slot still loading."""
+        cache = self.cache
+        if cache.host is None:
+            return
+        for copy in cache.in_flight():
+            cache.complete(copy)
+        cache.poll()
 
     def _stamp(self) -> None:
         """The tree's logical clock: one tick a call, the same on every tensor-parallel rank."""
@@ -132,12 +169,14 @@ class KvcertRadixCache(BasePrefixCache):
         self._stamp()
         got = self.cache.match_prefix_fast(namespace_of(key.extra_key, key.cache_salt), key.token_ids[:size])
         n = len(got.slots)
+        best = got.host_node if got.host_length else got.node  # a load-back's anchor: the deepest host copy
         return MatchResult(
             device_prefix_len=n,
             last_device_node=got.node,
-            last_host_node=got.node,
-            best_match_node=got.node,
-            full_kv_hit_length=n,
+            last_host_node=got.host_node if got.host_length else got.node,
+            best_match_node=best,
+            host_hit_length=got.host_length,
+            full_kv_hit_length=n + got.host_length,
         )
 
     def touch_prefix(self, key: Any) -> None:
@@ -179,6 +218,7 @@ class KvcertRadixCache(BasePrefixCache):
         self.unlock(req.lock)
         req.lock = self.lock(out.node)
         req.last_node = out.node
+        self._settle()  # write-through backups the insert issued
 
     def evict(self, params: EvictParams) -> EvictResult:
         if params.num_tokens <= 0:
@@ -186,6 +226,7 @@ class KvcertRadixCache(BasePrefixCache):
         start = time.perf_counter()
         self._stamp()
         freed = self.cache.evict(params.num_tokens)
+        self._settle()  # write-back backups of the victims
         self.update_eviction_metrics(freed, start)
         return EvictResult(num_tokens_evicted=freed)
 
@@ -204,6 +245,45 @@ class KvcertRadixCache(BasePrefixCache):
         before = self.cache.evictable_size
         self.cache.dec_lock_ref(node)
         return DecLockRefResult(delta=self.cache.evictable_size - before)
+
+    # ------------------------------------------------------------------ host tier (--enable-hierarchical-cache)
+
+    enable_storage = False
+
+    @property
+    def ongoing_write_through(self) -> dict[int, Any]:
+        """Backups in flight (none between calls: `_settle`); SGLang's idle check reads it."""
+        return {c.id: c for c in self.cache.copies.values() if c.kind == "write"}
+
+    @property
+    def ongoing_load_back(self) -> dict[int, Any]:
+        return {c.id: c for c in self.cache.copies.values() if c.kind == "load"}
+
+    def init_load_back(self, params: Any) -> tuple[int, Any]:
+        """Load the host part of a match back to the device (`GpuCache.load_back`, finished before this returns):
+        (tokens loaded, the node the request's device prefix now ends at). All of the host hit or none of it."""
+        req = params.req
+        before = req.last_node if req is not None else self.root_node
+        if params.host_hit_length <= 0:
+            return 0, before
+        self._stamp()
+        loaded = self.cache.load_back(int(params.best_match_node))
+        self._settle()
+        self.loaded_back += loaded
+        return (loaded, int(params.best_match_node)) if loaded else (0, before)
+
+    def ready_to_load_host_cache(self) -> int:
+        """No layer-wise load is pending (loads finish in `init_load_back`): -1, the forward waits for nothing."""
+        return -1
+
+    def check_hicache_events(self) -> None:
+        self._settle()
+
+    def flush_pending_backups(self) -> None:
+        self._settle()
+
+    def release_host_resources(self) -> None:
+        self.cache.close()
 
     # ------------------------------------------------------------------ sizes
 

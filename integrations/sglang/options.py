@@ -33,6 +33,10 @@ class BackendOptions:
     sessions: bool = False
     """`--enable-session-radix-cache`: a request's `session_id` holds its path between turns (SPEC.md §11)."""
     metrics: bool = False
+    host_capacity: int = 0
+    """Host slots (`--enable-hierarchical-cache`, sized as SGLang sizes its host pool); 0 for device only."""
+    write_policy: str = "write_through"
+    """`--hicache-write-policy`."""
 
 
 def _arg(server_args: Any, name: str, default: Any = None) -> Any:
@@ -58,9 +62,9 @@ def check_supported(ctx: Any) -> None:
     flags: tuple[tuple[bool, str, str], ...] = (
         (ctx.disable_radix_cache, "--disable-radix-cache", "the backend is a prefix cache; drop one of the two"),
         (
-            ctx.enable_hierarchical_cache,
-            "--enable-hierarchical-cache",
-            "the host tier is not wired to SGLang's HiCache controller yet",
+            _arg(args, "hicache_host_memory_mode", "cache") == "buffer_only",
+            "--hicache-host-memory-mode buffer_only",
+            "the host tier is a cache tier",
         ),
         (bool(_arg(args, "hicache_storage_backend")), "--hicache-storage-backend", "no storage tier through SGLang"),
         (
@@ -123,6 +127,23 @@ def _threshold() -> int:
         raise UnsupportedOption(f"{HIGH_PRIORITY_ENV}={raw!r} is not an integer") from None
 
 
+def host_slots(ctx: Any) -> int:
+    """The host pool SGLang would build (`pool_host/base.py`): `--hicache-size` GB of this model's KV, else
+    `--hicache-ratio` (default 2.0) of the device pool, plus SGLang's padding page; 0 without HiCache."""
+    if not ctx.enable_hierarchical_cache:
+        return 0
+    args, allocator, ps = ctx.server_args, ctx.params.token_to_kv_pool_allocator, ctx.params.page_size
+    size_gb = _arg(args, "hicache_size", 0) or 0
+    if size_gb > 0:
+        kv = allocator.get_kvcache()
+        k = kv.k_buffer[0]
+        per_token = 2 * len(kv.k_buffer) * k.shape[1] * k.shape[2] * k.element_size()
+        tokens = int(size_gb * 1e9 // per_token)
+    else:
+        tokens = int(allocator.size * (_arg(args, "hicache_ratio") or 2.0))
+    return (tokens // ps + 1) * ps
+
+
 def backend_options(ctx: Any) -> BackendOptions:
     """Check the context (`check_supported`) and read the backend's options from it."""
     check_supported(ctx)
@@ -133,4 +154,6 @@ def backend_options(ctx: Any) -> BackendOptions:
         high_priority_threshold=_threshold(),
         sessions=bool(params.enable_session_radix_cache),
         metrics=bool(params.enable_metrics),
+        host_capacity=host_slots(ctx),
+        write_policy=_arg(ctx.server_args, "hicache_write_policy", "write_through") or "write_through",
     )
