@@ -12,7 +12,6 @@ What SGLang's scheduler calls, and what it becomes here:
 - `inc_lock_ref` / `dec_lock_ref` -> the tree's locks; sizes -> the tree's counters.
 - with `--enable-session-radix-cache`: a request's `session_id` holds the path its checkpoint ended on at
   the request's priority (`register_ref`), until SGLang closes the session (`release_radix_session`).
-
 - with `--enable-hierarchical-cache`: the host tier is kvcert.gpu's own (pinned host pool on a GPU), its
   device side SGLang's buffers (`kv.EnginePool`). A match reports the host part (`host_hit_length`, the
   deepest host copy as `best_match_node`); `init_load_back` loads it (`GpuCache.load_back`); backups follow
