@@ -395,7 +395,7 @@ class EngineSlots(PageAllocator):
         self.source.release(raw)
 
     def is_free(self, slot: int) -> bool:
-        return not self._held[slot] and slot in set(self.source.free_slots())
+        return not self._held[slot] and slot in self.source.free_slots()
 
     def free_slots(self) -> tuple[int, ...]:
         return self.source.free_slots()

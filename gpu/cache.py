@@ -159,9 +159,16 @@ class GpuCache(RadixTree):
         write_back = self.write_policy == "write_back"
         alloc_dev = None if engine_slots is None else EngineSlots(config.capacity, ps, engine_slots)
         super().__init__(
-            ps, config.policy, config.capacity, kv, make_engine(engine), write_back, host_kv is not None, alloc_dev
+            ps,
+            config.policy,
+            config.capacity,
+            kv,
+            make_engine(engine),
+            write_back,
+            host_kv is not None,
+            alloc_dev,
+            config.policy_params(),
         )
-        self.index.rank_with(config.policy_params())
         self.agreement = agreement if agreement is not None else Agreement()
         """Tensor-parallel ranks agree (MIN) on the acks they consume and the pages a prefetch keeps."""
         self.host = None if host_kv is None else HostTier(self, host_kv, self.write_policy, config.load_back_threshold)

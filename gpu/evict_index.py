@@ -21,7 +21,7 @@ outnumber live ones 4:1 (amortised O(1) per push). The duplicates' heap is of id
 The index holds no node table: `pop_*` and `compact` take the tree's `nodes` (id -> node), so the
 tree stays the one owner of its nodes.
 
-Ranks are `kvcert.spec.pages.policy_rank`'s, with the policy's parameters (`rank_with`, from the config): slru
+Ranks are `kvcert.spec.pages.policy_rank`'s, with the policy's parameters (`params`, from the config): slru
 reads a node's hit count like lfu, so the walk's refreshes re-rank it; tlru also reads the node's depth (`end`,
 fixed for life), its length and its branch's history, so the tree refreshes a node whose history rises
 (`made`) or whose edge a split shortens (`RadixTree.split`). Every other policy's entry is
@@ -49,7 +49,9 @@ def _lru_entry(n: Node) -> Entry:
 class EvictionIndex:
     """Candidate sets and heaps of one tree (SPEC.md §4.5, §9.4, §11.3, §11.4)."""
 
-    def __init__(self, root: Node, policy: str, write_back: bool, host: bool) -> None:
+    def __init__(
+        self, root: Node, policy: str, write_back: bool, host: bool, params: Optional[dict[str, int]] = None
+    ) -> None:
         self.root = root
         self.policy = policy
         self.write_back = write_back
@@ -75,16 +77,11 @@ class EvictionIndex:
         """`n`'s heap entry: its eviction rank (`kvcert.spec.pages.policy_rank`), then its id (LRU's inlined)."""
         self.tlru = policy == "tlru"
         """The tree keeps every node's history (`made`): only T-LRU reads it."""
-        self.params: dict[str, int] = {}
-        """The policy's parameters (SPEC.md §4.5): set by `rank_with` (a page of 1 token's defaults until then)."""
-        self.rank_with(policy_params(policy, 1))
-
-    def rank_with(self, params: dict[str, int]) -> None:
-        """Rank with these policy parameters (`CacheConfig.policy_params()`): call before any node is pushed."""
-        self.params = dict(params)
-        self._protected = params.get("protected_threshold", 0)
-        self._threshold = params.get("threshold", 0)
-        self._estimate = params.get("next_prompt_estimate", 0)
+        self.params: dict[str, int] = dict(params) if params is not None else policy_params(policy, 1)
+        """The policy's parameters (SPEC.md §4.5; `CacheConfig.policy_params()`), the defaults of 1-token pages if none."""
+        self._protected = self.params.get("protected_threshold", 0)
+        self._threshold = self.params.get("threshold", 0)
+        self._estimate = self.params.get("next_prompt_estimate", 0)
 
     def made(self, n: Node) -> None:
         """T-LRU's bookkeeping for a node new in the tree (SGLang's `_set_tlru_lens_and_raise_history`): its history

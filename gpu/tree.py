@@ -78,7 +78,10 @@ class RadixTree:
         write_back: bool,
         host: bool,
         alloc_dev: Optional[PageAllocator] = None,
+        params: Optional[dict[str, int]] = None,
     ) -> None:
+        """`params`: the policy's parameters (`CacheConfig.policy_params()`), its defaults for this page size if
+        None; `alloc_dev`: the device allocator, a `PageAllocator` of `capacity` if None."""
         self.page_size, self.policy, self.capacity = page_size, policy, capacity
         self.kv = kv
         self.alloc_dev = alloc_dev if alloc_dev is not None else PageAllocator(capacity, page_size)
@@ -100,8 +103,9 @@ class RadixTree:
         self.held_sizes = [0, 0, 0]
         """Device tokens of unlocked nodes by tier, kept for LOW_REF and HIGH_REF only (index 0 stays 0): UNUSED's
         is `evictable_size` less both (§11.2), so a node no session holds costs the counters nothing."""
-        self.index = EvictionIndex(self.root, policy, write_back, host)
-        self.index.rank_with(policy_params(policy, page_size))  # the policy's defaults; GpuCache ranks with its config's
+        self.index = EvictionIndex(
+            self.root, policy, write_back, host, params if params is not None else policy_params(policy, page_size)
+        )
         self.refresh: Callable[[Node], None] = self.index.refresh
         """Re-derive a node's candidate memberships (`EvictionIndex.refresh`), bound here (no extra frame on the hot
         path; a test may wrap it): the tree and every tier call it wherever they change a node."""

@@ -131,16 +131,16 @@ def test_a_tlru_history_that_is_never_raised_is_caught(tmp_path: Path, monkeypat
 def test_an_slru_threshold_off_by_one_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
     """Generated traffic finds this one only after about 2,000 steps at P = 1 (the default budget does); the
     directed trace, the SLRU example above, at once: the node hit twice is protected, the newer one is not."""
-    rank_with = EvictionIndex.rank_with
+    init = EvictionIndex.__init__
 
-    def one_more(self: EvictionIndex, params: dict[str, int]) -> None:
-        rank_with(self, params)
+    def one_more(self: EvictionIndex, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
         self._protected += 1
 
     config = CacheConfig(page_size=1, capacity=8, policy="slru")
     ops = [Insert(None, (1, 1)), Insert(None, (2, 2)), Insert(None, (1, 1)), Match(None, (2, 2)), Evict(2)]
     run_trace(gpu_factory(config), config, CAPABILITIES, list(ops))  # as built: passes
-    monkeypatch.setattr(EvictionIndex, "rank_with", one_more)
+    monkeypatch.setattr(EvictionIndex, "__init__", one_more)
     with pytest.raises(ConformanceFailure) as failure:
         run_trace(gpu_factory(config), config, CAPABILITIES, list(ops))
     assert "INV-EVICT-4" in str(failure.value)

@@ -294,8 +294,8 @@ class Checks:
                 ]
 
         def rank(meta: tuple[int, int, int, int], depth: int, size: int, history: Optional[int]) -> tuple[int, ...]:
-            if not tlru:
-                return pages.policy_rank(policy, *meta, **params)
+            # Only tlru reads the node's place and history; every other policy's rank ignores them (policy_rank's
+            # contract), so both sides pass them alike.
             return pages.policy_rank(policy, *meta, **params, depth=depth, size=size, history=history or 0)
 
         ranks = [

@@ -124,7 +124,7 @@ class KvcertRadixCache(BasePrefixCache):
             write_policy=self.options.write_policy,
             kv_layers=kv.geometry.layers if kv is not None else 1,
             high_priority_threshold=self.options.high_priority_threshold,
-            policy_config=tuple(self.options.policy_config.items()),
+            policy_config=self.options.policy_config,
         )
         return GpuCache(
             config,

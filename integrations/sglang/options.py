@@ -8,9 +8,10 @@ message names the option, instead of serving with a cache that ignores it. Every
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional
 
+from kvcert.integrations.sglang.kv import geometry_of
 from kvcert.spec.types import POLICIES, InvalidPolicyConfig, policy_params
 
 __all__ = ["HIGH_PRIORITY_ENV", "BackendOptions", "UnsupportedOption", "backend_options"]
@@ -28,7 +29,8 @@ class BackendOptions:
     """What the backend takes from the server: the eviction policy and its parameters, §11's threshold, switches."""
 
     policy: str = "lru"
-    policy_config: dict[str, Any] = field(default_factory=dict)
+    policy_config: tuple[tuple[str, int], ...] = ()
+    """The policy's parameters, sorted (key, value) pairs: `CacheConfig.policy_config`."""
     high_priority_threshold: int = 1
     sessions: bool = False
     """`--enable-session-radix-cache`: a request's `session_id` holds its path between turns (SPEC.md §11)."""
@@ -103,7 +105,7 @@ def check_supported(ctx: Any) -> None:
             raise _refuse(option, why)
     if params.page_size != params.token_to_kv_pool_allocator.page_size:
         raise _refuse("a tree page size unlike the allocator's", "the tree holds the allocator's pages")
-    policy = (params.eviction_policy or "lru").lower()
+    policy, config = _policy(params)
     if policy == "tlru":
         raise _refuse(
             "--radix-eviction-policy tlru",
@@ -112,9 +114,14 @@ def check_supported(ctx: Any) -> None:
     if policy not in POLICIES:
         raise _refuse(f"--radix-eviction-policy {policy}", f"kvcert implements {', '.join(POLICIES)}")
     try:
-        policy_params(policy, params.page_size, sorted((params.eviction_policy_config or {}).items()))
+        policy_params(policy, params.page_size, config)
     except InvalidPolicyConfig as e:
         raise _refuse(f"--radix-eviction-policy-config {params.eviction_policy_config!r}", str(e)) from None
+
+
+def _policy(params: Any) -> tuple[str, tuple[tuple[str, int], ...]]:
+    """The eviction policy and its parameters as (key, value) pairs sorted by key (`CacheConfig.policy_config`)."""
+    return (params.eviction_policy or "lru").lower(), tuple(sorted((params.eviction_policy_config or {}).items()))
 
 
 def _threshold() -> int:
@@ -135,10 +142,8 @@ def host_slots(ctx: Any) -> int:
     args, allocator, ps = ctx.server_args, ctx.params.token_to_kv_pool_allocator, ctx.params.page_size
     size_gb = _arg(args, "hicache_size", 0) or 0
     if size_gb > 0:
-        kv = allocator.get_kvcache()
-        k = kv.k_buffer[0]
-        per_token = 2 * len(kv.k_buffer) * k.shape[1] * k.shape[2] * k.element_size()
-        tokens = int(size_gb * 1e9 // per_token)
+        g = geometry_of(allocator.get_kvcache())
+        tokens = int(size_gb * 1e9 // (2 * g.layers * g.width))  # K and V of every layer, `width` bytes each
     else:
         tokens = int(allocator.size * (_arg(args, "hicache_ratio") or 2.0))
     return (tokens // ps + 1) * ps
@@ -148,9 +153,10 @@ def backend_options(ctx: Any) -> BackendOptions:
     """Check the context (`check_supported`) and read the backend's options from it."""
     check_supported(ctx)
     params = ctx.params
+    policy, config = _policy(params)
     return BackendOptions(
-        policy=(params.eviction_policy or "lru").lower(),
-        policy_config=dict(params.eviction_policy_config or {}),
+        policy=policy,
+        policy_config=config,
         high_priority_threshold=_threshold(),
         sessions=bool(params.enable_session_radix_cache),
         metrics=bool(params.enable_metrics),
