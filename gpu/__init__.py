@@ -18,7 +18,9 @@ An engine calls the tensor API (`GpuCache.alloc_tensor`, `match_prefix_fast` -> 
 - `sessions`: `Sessions`, the session registry and ref counts along paths;
 - `admission`: `plan_admission`, a pure function of an `AdmissionCounters` record;
 - `run` (`Run`: keys and slot runs, counted in items) and `node` (the shared records);
-- `kv` (pools), `alloc` (page allocators), `copy_engine`, `agreement` (tensor-parallel ranks).
+- `kv` (pools), `alloc` (page allocators), `copy_engine`, `agreement` (tensor-parallel ranks);
+- `watch`: `Watch`, told of every node's pages arriving on or leaving a tier (`GpuCache.watch`: an engine's KV
+  events).
 
 This package imports only `kvcert.spec`, torch and the standard library: the suite compares it
 with `kvcert.refimpl`, so it must share none of the model's code.

@@ -20,6 +20,10 @@ when. So the engines differ only in *when the bytes move*, never in what the cac
 - `PlannedCopyEngine`: the CUDA engine's plans run synchronously on CPU pools: certifies the
   plans and dry-runs scripts/gpu_check.py without a GPU.
 
+A pool with no cell matrix (`KVPool.planned` False: an engine's per-layer tensors, such as SGLang's)
+cannot be planned over cell rows: both planned engines copy it by its own gather / scatter through one
+staging buffer (`_pooled`), a D2H's host scatter still waiting for the copy's event.
+
 A store copy (host to storage) has no tensor work: its ticket carries no job and the cache writes
 storage itself once `finish` says the copy did not fail.
 
@@ -258,8 +262,8 @@ class PlannedCopyEngine(CopyEngine):
             raise ValueError(f"unknown strategy {strategy!r}; one of {PLAN_STRATEGIES}")
         self.strategy, self.by_layer, self.min_run_bytes = strategy, by_layer, min_run_bytes
         self.device_pool = device_pool
-        self.plans = {"dma": 0, "staged": 0}
-        """Copies planned per strategy (what `auto` chose)."""
+        self.plans = {"dma": 0, "staged": 0, "pooled": 0}
+        """Copies planned per strategy (what `auto` chose); `pooled`: through a pool's own gather and scatter."""
         self._unsettled: dict[int, Ticket] = {}
         """Tickets whose host work (`post`) has not run yet: `drain` runs it."""
 
@@ -313,6 +317,9 @@ class PlannedCopyEngine(CopyEngine):
         if job is None:
             ticket.event = self._mark()
             return
+        if not (job.src.planned and job.dst.planned) and self._direction(job) is not None:
+            self._pooled(ticket, job)
+            return
         plan = self.plan(job)
         ticket.plan = plan
         if plan is None:
@@ -320,6 +327,39 @@ class PlannedCopyEngine(CopyEngine):
             ticket.event = self._mark()
             return
         self._execute(ticket, plan, job)
+
+    def _pooled(self, t: Ticket, job: CopyJob) -> None:
+        """A tier copy with a pool that has no cell matrix (an engine's per-layer tensors): the device side through
+        its own gather / scatter into a contiguous device buffer, one DMA between that and pinned staging, the host
+        side on the CPU (a D2H's scatter into the host pool after the event, in `finish`, as a staged plan's)."""
+        self.plans["pooled"] += 1
+        nb = self.non_blocking
+        if job.src.device.type != job.dst.device.type:
+            d2h = self._direction(job) == "d2h"
+        else:  # both on the CPU: the engine's pool (the one without cells) is the device tier
+            d2h = not job.src.planned
+        dev, dev_slots, host, host_slots = (
+            (job.src, job.src_slots, job.dst, job.dst_slots) if d2h else (job.dst, job.dst_slots, job.src, job.src_slots)
+        )
+        if not dev_slots:
+            t.event = self._mark()
+            return
+        idx = self._to_device(t, torch.tensor(dev_slots, dtype=torch.long), dev.device)
+        rows = torch.tensor(host_slots, dtype=torch.long)
+        if d2h:
+            stage = dev.gather(idx)
+            buf = torch.empty(stage.shape, dtype=torch.uint8, pin_memory=self.pin)
+            buf.copy_(stage, non_blocking=nb)
+            t.post.append(lambda: host.scatter(rows, buf))  # after the event: see finish
+        else:
+            buf = host.gather(rows)
+            if self.pin:
+                buf = buf.pin_memory()
+            dev.scatter(idx, buf.to(dev.device, non_blocking=nb))
+        t.keep.append(buf)
+        t.event = self._mark()
+        if t.post:
+            self._unsettled[id(t)] = t
 
     # -- the plan, run where the current stream is
     def _execute(self, t: Ticket, plan: CopyPlan, job: CopyJob) -> None:

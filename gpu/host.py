@@ -25,6 +25,7 @@ from kvcert.gpu.kv import KVPool
 from kvcert.gpu.node import Copy, Node, Retraction, is_id
 from kvcert.gpu.run import Run
 from kvcert.gpu.tiers import TierTree
+from kvcert.gpu.watch import HOST
 from kvcert.spec import pages
 from kvcert.spec.types import WRITE_THROUGH_THRESHOLD, LengthMismatch, SlotNotOwned, UnknownRetraction
 
@@ -73,6 +74,8 @@ class HostTier:
                 n.host_slots = got
                 tree.lock_path(n, +1)
                 written.append(n)
+                if tree.watch is not None:
+                    tree.watch.stored(n, HOST)
         if written:
             src = to_tuple(b"".join([n.slots.raw for n in written]))  # type: ignore[union-attr]  # (on both tiers)
             dst = to_tuple(b"".join([n.host_slots.raw for n in written]))  # type: ignore[union-attr]
@@ -87,6 +90,8 @@ class HostTier:
         self.tree.engine.copy_now(self.tree.kv, n.slots.to_tuple(), self.kv, got.to_tuple())
         n.host_slots = got
         self.tree.refresh(n)
+        if self.tree.watch is not None:
+            self.tree.watch.stored(n, HOST)
         return True
 
     # ------------------------------------------------------------------ host eviction
@@ -106,6 +111,8 @@ class HostTier:
                 continue  # stale: it stopped being a duplicate
             tree.chosen.append(("reclaim", victim.id))
             self.alloc.release_raw(victim.host_slots.raw if victim.host_slots is not None else b"")
+            if tree.watch is not None:
+                tree.watch.removed(victim, HOST)
             victim.host_slots = None
             tree.refresh(victim)
             freed += victim.size

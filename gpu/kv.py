@@ -77,6 +77,9 @@ class KVPool:
     """A pool of `capacity` token slots; subclasses fix the layout."""
 
     layout: str = ""
+    planned: bool = True
+    """Its slots map to rows of one cell matrix (`cells`, `cell_rows`), so a planned engine can plan its copies; an
+    engine's pool of per-layer tensors (no such matrix) is copied through `gather` / `scatter` instead."""
     MAX_RUNS = 8
     """Copies with at most this many contiguous runs are done as slice copies, else gather/scatter."""
 

@@ -22,6 +22,7 @@ from kvcert.gpu.agreement import Agreement
 from kvcert.gpu.node import Node, Prefetch, is_id
 from kvcert.gpu.run import Run, ints_run
 from kvcert.gpu.tiers import TierTree
+from kvcert.gpu.watch import HOST
 from kvcert.spec import pages
 from kvcert.spec import storage as l3
 from kvcert.spec.types import CacheConfig, Namespace, UnknownPrefetch, check_tokens
@@ -231,6 +232,8 @@ class StorageTier:
                 node.children[tree.selector(node, leaf)] = leaf
                 tree.refresh(leaf)
                 tree.refresh(node)
+                if tree.watch is not None:
+                    tree.watch.stored(leaf, HOST)
                 kept.frombytes(leaf.host_slots.raw)
                 added += end - at
                 break
@@ -247,6 +250,8 @@ class StorageTier:
                 kept.frombytes(child.host_slots.raw)
                 added += step
                 tree.refresh(child)
+                if tree.watch is not None:
+                    tree.watch.stored(child, HOST)
             node, at = child, at + step  # D15: write-back walks past a device node without a backup
         mine = set(kept)
         tree.host.alloc.release(tuple(s for s in p.host_slots if s not in mine))

@@ -21,6 +21,7 @@ from kvcert.gpu.kv import KVPool
 from kvcert.gpu.node import Copy, Node, Prefetch, Selector
 from kvcert.gpu.run import Run
 from kvcert.gpu.sessions import Sessions
+from kvcert.gpu.watch import Watch
 from kvcert.spec.types import Namespace
 
 
@@ -44,6 +45,8 @@ class TierTree(Protocol):
     chosen: deque[tuple[str, int]]
     """The eviction choices a report carries: host eviction appends its own."""
     refs: Sessions
+    watch: Optional[Watch]
+    """Told of every tier arrival and departure (`kvcert.gpu.watch`), when an engine set one."""
     refresh: Callable[[Node], None]
     """Re-rank a node after changing it (`EvictionIndex.refresh`, bound on the tree)."""
 

@@ -36,6 +36,7 @@ from kvcert.gpu.kv import KVPool
 from kvcert.gpu.node import Copy, Node, Prefetch, Selector, is_id
 from kvcert.gpu.run import EMPTY, Run
 from kvcert.gpu.sessions import Sessions, hand_over
+from kvcert.gpu.watch import DEVICE, HOST, Watch
 from kvcert.spec.types import (
     InvalidCount,
     LengthMismatch,
@@ -67,6 +68,8 @@ class RadixTree:
     """The storage tier (SPEC.md §10)."""
     refs: Sessions
     """Sessions and ref tiers (SPEC.md §11)."""
+    watch: Optional[Watch] = None
+    """Told of every node's arrival on and departure from each tier (`kvcert.gpu.watch`): an engine's KV events."""
 
     def __init__(
         self,
@@ -144,6 +147,12 @@ class RadixTree:
         """`n` leaves the tree; sessions that ended at it now end at `heir`, its deepest surviving ancestor: the host
         tier removes host-only subtrees with it (the caller unlinks them from their parent)."""
         self._shape += 1
+        watch = self.watch
+        if watch is not None:
+            if n.slots is not None:
+                watch.removed(n, DEVICE)
+            if n.host_slots is not None:
+                watch.removed(n, HOST)
         del self.nodes[n.id]
         if n.ending:
             hand_over(n, heir)
@@ -170,6 +179,8 @@ class RadixTree:
             parent.dev_children += 1 if now else -1
             self.refresh(parent)
         self.refresh(n)
+        if was != now and self.watch is not None:
+            (self.watch.stored if now else self.watch.removed)(n, DEVICE)
 
     def lock_path(self, node: Node, delta: int) -> None:
         """Add `delta` to `lock_ref` from `node` up to the root; only a count that leaves or reaches 0 moves tokens.
@@ -540,6 +551,8 @@ class RadixTree:
             node.dev_children += 1
             self.refresh(node)  # it has a child on device now
             self.refresh(leaf)
+            if self.watch is not None:
+                self.watch.stored(leaf, DEVICE)
             node = leaf
         elif path:
             self.refresh(node)

@@ -64,12 +64,14 @@ def _context(**overrides: Any) -> Any:
     """The `TreeCacheBuildContext` SGLang's `build_kv_cache` passes a factory, over a real allocator and params."""
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 
-    pools = sglang_kvcert.KvcertPools(CacheConfig(capacity=16))
+    page_size = overrides.pop("page_size", 1)
+    pools = sglang_kvcert.KvcertPools(CacheConfig(capacity=16 * page_size, page_size=page_size))
     params = CacheInitParams(
         disable=False,
         req_to_token_pool=None,
         token_to_kv_pool_allocator=pools.allocator,
-        page_size=1,
+        page_size=page_size,
+        dynamo_kv_event_format=overrides.pop("dynamo", False),
         eviction_policy=overrides.pop("policy", "lru"),
         eviction_policy_config=overrides.pop("policy_config", None),
         is_eagle=overrides.pop("is_eagle", False),
@@ -93,7 +95,6 @@ UNSUPPORTED = [
     ({"is_eagle": True}, "--speculative-algorithm"),
     ({"args": {"dcp_size": 2}}, "--dcp-size"),
     ({"args": {"pp_size": 2}}, "--pp-size"),
-    ({"events": True}, "--kv-events-config"),
     ({"args": {"schedule_policy": "dfs-weight"}}, "--schedule-policy dfs-weight"),
     ({"policy": "filo"}, "--radix-eviction-policy filo"),
     ({"policy": "tlru"}, "--radix-eviction-policy tlru"),
@@ -134,6 +135,77 @@ def test_namespaces_keep_extra_key_and_cache_salt_apart() -> None:
     keys = [(None, None), ("a", None), (None, "a"), ("a", "b"), ('["a", "b"]', None), ("a\0b", None)]
     spelled = {backend.namespace_of(*k) for k in keys}
     assert len(spelled) == len(keys) and backend.namespace_of(None, None) is None
+
+
+# ---------------------------------------------------------------------------------------------- KV events
+
+EVENT_KEYS = [
+    ((1, 2, 3, 4), None, None),
+    ((1, 2, 5, 6), None, None),  # splits [1 2 3 4]: the new pages chain from [1 2]
+    ((1, 2, 3, 4, 7, 8), None, None),
+    ((1, 2, 3, 4), "adapter", None),  # an extra key: its own subtree
+    ((1, 2, 3, 4, 5, 6), None, "salt"),  # a cache salt seeds the chain
+    ((1, 2, 9, 9), "adapter", "salt"),
+]
+
+
+@pytest.mark.parametrize("dynamo", [False, True], ids=["sglang-format", "dynamo-format"])
+def test_kv_events_name_blocks_as_sglangs_own_radix_cache_does(dynamo: bool) -> None:
+    """The same inserts into SGLang's `RadixCache` and into the backend, both with --kv-events-config: the same
+    BlockStored events (hashes, parents, tokens, batching) in the same order; evicting everything removes the same
+    blocks. A router that follows either sees the same blocks, so it routes to the backend as to SGLang."""
+    from array import array
+
+    from sglang.srt.disaggregation.kv_events import AllBlocksCleared
+    from sglang.srt.mem_cache.base_prefix_cache import InsertParams
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
+
+    from kvcert.conformance.adapters.sglang_radix import cpu_pools
+
+    ours = plugin.factory(_context(events=True, page_size=2, dynamo=dynamo))
+    _, allocator = cpu_pools(CacheConfig(page_size=2, capacity=64))
+    theirs = RadixCache(
+        CacheInitParams(
+            disable=False,
+            req_to_token_pool=None,
+            token_to_kv_pool_allocator=allocator,
+            page_size=2,
+            enable_kv_cache_events=True,
+            dynamo_kv_event_format=dynamo,
+        )
+    )
+    assert ours.take_events() == theirs.take_events() == [AllBlocksCleared()]  # a restarted worker has nothing
+    for tokens, extra, salt in EVENT_KEYS:
+        key = RadixKey(array("q", tokens), extra_key=extra, cache_salt=salt)
+        theirs.insert(InsertParams(key=key, value=allocator.alloc(len(tokens))))
+        mine = ours.token_to_kv_pool_allocator.alloc(len(tokens)).to(backend.torch.int64)
+        ours.cache.insert_fast(backend.namespace_of(extra, salt), list(tokens), mine)
+        stored_theirs, stored_ours = theirs.take_events(), ours.take_events()
+        assert stored_ours == stored_theirs and stored_ours, (tokens, extra, salt)
+    theirs.evict(backend.EvictParams(num_tokens=64))
+    ours.evict(backend.EvictParams(num_tokens=64))
+    removed_theirs, removed_ours = theirs.take_events(), ours.take_events()
+    assert sorted(h for e in removed_ours for h in e.block_hashes) == sorted(
+        h for e in removed_theirs for h in e.block_hashes
+    )
+    assert len(removed_ours) >= 1 and ours.total_size() == 0
+    ours.reset()
+    assert [type(e).__name__ for e in ours.take_events()] == ["AllBlocksCleared"]
+
+
+def test_kv_events_replay_to_what_the_backend_holds_through_the_request_path(monkeypatch: Any, tmp_path: Path) -> None:
+    """`sglang_kvcert` replays the backend's KV events after every op (INV-EVENT-1): a removal left unannounced
+    leaves a router routing to blocks the worker no longer has, and fails certification."""
+    from kvcert.conformance.certification.certify import certify
+    from kvcert.integrations.sglang.events import EventWatch
+
+    monkeypatch.setattr(EventWatch, "removed", lambda watch, node, tier: None)
+    cert = certify(
+        "kvcert.conformance.adapters.sglang_kvcert:factory", examples=20, steps=30, page_sizes=[1],
+        policies=["lru"], write_policies=[], out_dir=tmp_path,
+    )  # fmt: skip
+    assert not cert.passed and "INV-EVENT-1" in str(cert.cells[0].failure)
 
 
 # ---------------------------------------------------------------------------------------------- planted defects
@@ -269,3 +341,37 @@ def test_a_load_back_that_moves_no_bytes_is_caught(monkeypatch: Any) -> None:
     monkeypatch.setattr(EnginePool, "scatter", lambda pool, idx, data: None)
     with pytest.raises(AssertionError, match="KV"):
         scenarios.test_scenario("sglang_kvcert:factory", 4, scenarios.HOST, "write_back")
+
+
+@pytest.mark.parametrize("write_policy", ["write_through", "write_back"])
+def test_the_cuda_engines_pooled_path_moves_sglangs_bytes(write_policy: str, monkeypatch: Any) -> None:
+    """On a GPU the host tier's copies go through kvcert's CUDA copy engine; SGLang's per-layer buffers are no cell
+    matrix, so the engine moves them by its pooled path (device gather or scatter, one staging buffer, a backup's
+    host scatter after the copy's event). `planned` runs that path synchronously on the CPU: the request-path
+    scenario reads every byte backed up and loaded back through it."""
+    import test_sglang_requests as scenarios
+
+    from kvcert.gpu.copy_engine import PlannedCopyEngine
+    from kvcert.integrations.sglang.kv import EnginePool
+    from kvcert.integrations.sglang.options import COPY_ENGINE_ENV
+
+    monkeypatch.setenv(COPY_ENGINE_ENV, "planned")
+    directions: list[str] = []
+    pooled = PlannedCopyEngine._pooled
+
+    def seen(engine: PlannedCopyEngine, ticket: Any, job: Any) -> None:
+        directions.append("d2h" if isinstance(job.src, EnginePool) else "h2d")
+        pooled(engine, ticket, job)
+
+    monkeypatch.setattr(PlannedCopyEngine, "_pooled", seen)
+    scenarios.test_scenario("sglang_kvcert:factory", 4, scenarios.HOST, write_policy)
+    assert {"d2h", "h2d"} <= set(directions), directions
+
+
+@pytest.mark.parametrize(("engine", "why"), [("warp", "not one of"), ("cuda", "needs SGLang's KV on a CUDA device")])
+def test_a_copy_engine_that_cannot_run_is_refused_at_startup(engine: str, why: str, monkeypatch: Any) -> None:
+    from kvcert.integrations.sglang.options import COPY_ENGINE_ENV
+
+    monkeypatch.setenv(COPY_ENGINE_ENV, engine)
+    with pytest.raises(UnsupportedOption, match=f"{COPY_ENGINE_ENV}.*{why}"):
+        plugin.factory(_context(enable_hierarchical_cache=True))

@@ -107,12 +107,18 @@ class Driver:
         self.check_kv(snap)
         views = self.target.requests()
         self.check_requests(snap, views)
+        observed = getattr(self.target, "observed", None)
+        if observed is not None:  # its KV events, replayed (INV-EVENT-1)
+            found = observed("sglang-0.5.23")
+            assert not found, found
         self.seen += views
         self.snaps.append(snap)
         return views
 
     def check_kv(self, snap: Snapshot) -> None:
+        """Every node's bytes on both tiers; a backup still in flight has no host bytes yet (they land at its ack)."""
         layers, paths = self.config.kv_layers, {}
+        landing = {n for c in snap.pending if c.kind == "write" for n in c.nodes}
         for node in snap.nodes:
             if node.parent is None:
                 paths[node.id] = ()
@@ -121,7 +127,7 @@ class Driver:
             want = list(storage.token_entries(node.namespace, path, layers)[-len(node.key) :])
             if node.slots is not None:
                 assert self.target.read_kv(node.slots) == want, f"device KV of node {node.id} {path}"
-            if node.host_slots is not None:
+            if node.host_slots is not None and node.id not in landing:
                 assert self.target.read_host_kv(node.host_slots) == want, f"host KV of node {node.id} {path}"
 
     def check_requests(self, snap: Snapshot, views: Sequence[RequestView]) -> None:
@@ -360,3 +366,50 @@ def test_a_burst_of_long_answers_makes_sglang_retract_and_resume(target: str, mo
     got = replay(make, caps, config, ops)
     assert got.failure is None, got.failure
     assert sum(retracted) >= 1, "no request was retracted: the burst no longer outgrows the pool"
+
+
+def test_a_kv_event_sglang_leaves_out_fails_certification(monkeypatch: Any, tmp_path: Any) -> None:
+    """SGLang's own caches publish KV events (--kv-events-config); after every op the request path replays them as a
+    router would and compares each medium's blocks with SGLang's tree (INV-EVENT-1). Unmodified, they agree (every
+    certification of these targets); a recorder that drops device removals fails, as a router would keep routing
+    prompts to blocks the worker evicted."""
+    from sglang.srt.mem_cache.events import KVCacheEventRecorder
+
+    from kvcert.conformance.certification.certify import certify
+
+    remove = KVCacheEventRecorder.record_remove
+
+    def drops(self: Any, node: Any, medium: Any = None) -> None:
+        if medium is not None and str(getattr(medium, "value", medium)) != "GPU":
+            remove(self, node, medium)
+
+    monkeypatch.setattr(KVCacheEventRecorder, "record_remove", drops)
+    cert = certify(
+        "kvcert.conformance.adapters.sglang_requests:factory_engine_ids", examples=20, steps=30, page_sizes=[1],
+        policies=["lru"], write_policies=[], out_dir=tmp_path,
+    )  # fmt: skip
+    assert not cert.passed and "INV-EVENT-1" in str(cert.cells[0].failure)
+
+
+@pytest.mark.parametrize("target", ["factory", "sglang_kvcert:factory"])
+def test_host_eviction_is_announced_to_a_router(target: str, monkeypatch: Any) -> None:
+    """Generated request-path walks seldom fill the host tier (twice the device's); a dozen prompts in their own
+    namespaces do. The host copies evicted for room are published as CPU_PINNED removals, and every step's replay
+    of the KV events agrees with the tree (INV-EVENT-1): on SGLang's HiCache and on kvcert's backend."""
+    from sglang.srt.mem_cache.events import KVCacheEventRecorder
+
+    removed: list[str] = []
+    remove = KVCacheEventRecorder.record_remove
+
+    def counting(self: Any, node: Any, medium: Any = None) -> None:
+        removed.append(str(getattr(medium, "value", medium)))
+        remove(self, node, medium)
+
+    monkeypatch.setattr(KVCacheEventRecorder, "record_remove", counting)
+    d = Driver(target, 1, HOST, "write_through")
+    for i in range(12):
+        d.target.submit(f"h{i}", None, f"e{i}", [i % 4, 3, i % 3, 1] * 6, 0, 2)
+        assert all(v.state == "finished" for v in d.until_done(80))
+    assert "CPU_PINNED" in removed, "the host tier never evicted: the prompts no longer fill it"
+    quiet(d)
+    d.target.close()

@@ -17,12 +17,14 @@ import dataclasses
 import json
 import os
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, Optional
 
 from kvcert.conformance.adapters import _sglang_env as _env
 from kvcert.conformance.adapters import sglang_requests as _requests
+from kvcert.conformance.adapters._sglang_events import Replay
 from kvcert.conformance.adapters._sglang_kv import read_pool, write_pool
 from kvcert.conformance.adapters.sglang_radix import cpu_pools
+from kvcert.spec.invariants import Violation
 from kvcert.spec.types import POLICIES, CacheConfig, Capabilities, Snapshot
 
 with _env.quiet_imports():
@@ -44,6 +46,8 @@ class KvcertPools:
         self.config, self.page_size, self.sessions = config, config.page_size, sessions
         self.kv_pool, self.allocator = cpu_pools(config)
         self.cache: Any = None
+        self.router = Replay()
+        """A router's view of the cache, from its KV events alone."""
 
     def build_cache(self, req_pool: Any, tp_worker: Any, model_config: Any, server_args: Any) -> Any:
         """`load_plugins()`, then SGLang's `create_tree_cache` on the context `build_kv_cache` builds (one rank)."""
@@ -56,6 +60,7 @@ class KvcertPools:
             eviction_policy=server_args.radix_eviction_policy,
             eviction_policy_config=server_args.radix_eviction_policy_config,
             enable_session_radix_cache=self.sessions,
+            enable_kv_cache_events=True,  # --kv-events-config: INV-EVENT-1 replays them (`observed`)
         )
         ctx = tree_context(
             params,
@@ -94,6 +99,12 @@ class KvcertPools:
     def read_host_kv(self, host_slots: Sequence[int]) -> list[bytes]:
         return self.cache.cache.read_host_kv(host_slots)
 
+    def observed(self) -> list[Violation]:
+        """INV-EVENT-1 (`_sglang_events`): the KV events the cache published since the last op, replayed, give the
+        blocks it holds now, on each medium (GPU: device, CPU_PINNED: host)."""
+        self.router.apply(self.cache.take_events())
+        return self.router.agree(self.cache.cache.snapshot(), _parts)
+
     def snapshot(self) -> Snapshot:
         """The backend's own snapshot (its tree, and SGLang's allocator's free slots), namespaces as sent."""
         base = self.cache.cache.snapshot()
@@ -123,12 +134,27 @@ def tree_context(params: Any, server_args: Any, **fields: Any) -> Any:
     )
 
 
+def _parts(namespace: Optional[str]) -> tuple[Optional[str], Optional[str]]:
+    """The backend's tree namespace (JSON [extra_key, cache_salt]) as SGLang's key parts."""
+    if namespace is None:
+        return None, None
+    extra, salt = json.loads(namespace)
+    return extra, salt
+
+
 def _sent(namespace: Any) -> Any:
     """The backend files a key under JSON [extra_key, cache_salt]; the suite's namespace is the extra_key."""
     if namespace is None:
         return None
     extra, salt = json.loads(namespace)
     return extra if salt is None else namespace
+
+
+class KvcertRequestPath(_requests.SGLangRequestPath):
+    """SGLang's request path over the backend, with the backend's KV events judged after every op (INV-EVENT-1)."""
+
+    def observed(self, profile: str) -> list[Violation]:
+        return self.backend.observed()
 
 
 def _capabilities(sessions: bool) -> Capabilities:
@@ -138,7 +164,8 @@ def _capabilities(sessions: bool) -> Capabilities:
         "the cache is kvcert's KvcertRadixCache (kvcert.integrations.sglang) over kvcert.gpu, registered by SGLang's "
         "plugin loader from kvcert's entry point and built by SGLang's create_tree_cache; host cells run "
         "--enable-hierarchical-cache with the cell's --hicache-write-policy: kvcert's own host tier over SGLang's "
-        "device buffers, its copies finished within the call that issues them (the deferred engine, run at once)",
+        "device buffers, its copies on the deferred engine (CUDA's on a GPU, not run here): a load-back lands within "
+        "init_load_back, write-through backups at the next check_hicache_events",
         "a request's priority reaches the tree's insert (the priority policy's rank); --enable-session-radix-cache "
         "makes a request's session_id hold its path between turns at its priority (SPEC.md §11), released when SGLang "
         "closes the session",
@@ -151,6 +178,9 @@ def _capabilities(sessions: bool) -> Capabilities:
         "create_tree_cache(TreeCacheBuildContext) after load_plugins()), init_ipc_channels, the watchdog thread "
         "(none), init_rank_consensus_checker (not run)",
         "clock: the backend stamps its tree with its own logical clock (a tick a call), not the harness's",
+        "KV events: built with --kv-events-config's enable_kv_cache_events; the harness takes the cache's events "
+        "after each op (take_events, as SGLang's publisher does each scheduler loop; the publisher itself, a ZMQ "
+        "socket, is not started) and replays them (INV-EVENT-1) in SGLang's default format, no LoRA names",
     )
     notes += (
         "clients leave request ids to SGLang (CLIENT_RULES distinct-ids) and send no LoRA requests: SG-ABORT and "
@@ -184,7 +214,7 @@ def _make(sessions: bool) -> Any:
     name = "factory_sessions" if sessions else "factory"
 
     def factory(config: CacheConfig) -> Any:
-        return _requests.SGLangRequestPath(config, kind="kvcert", pools=KvcertPools(config, sessions=sessions))
+        return KvcertRequestPath(config, kind="kvcert", pools=KvcertPools(config, sessions=sessions))
 
     factory.__name__ = factory.__qualname__ = name
     factory.capabilities = _capabilities(sessions)  # type: ignore[attr-defined]

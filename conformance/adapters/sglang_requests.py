@@ -135,9 +135,11 @@ def _importable(name: str) -> bool:
 _env.install_shims()
 _stub_http_modules()
 
+from kvcert.conformance.adapters._sglang_events import Replay  # noqa: E402
 from kvcert.conformance.adapters.sglang_hicache_backend import SGLangHiCacheBackend, host_ratio_for  # noqa: E402
 from kvcert.conformance.adapters.sglang_radix import SGLangRadixBackend  # noqa: E402
 from kvcert.conformance.adapters.sglang_session import SGLangSessionBackend  # noqa: E402
+from kvcert.spec.invariants import Violation  # noqa: E402
 from kvcert.spec.requests import RequestView, kv_namespace  # noqa: E402
 from kvcert.spec.types import CacheConfig, Capabilities, Snapshot  # noqa: E402
 
@@ -364,6 +366,8 @@ class SGLangRequestPath:
         self._inbox, self._rpc = _Socket(), _Socket()
         self._to_tokenizer, self._to_detokenizer = _Socket(), _Socket()
         self._hook = _OneIteration()
+        self._router: Optional[Replay] = None
+        """A router's view of the cache from its KV events (`watch_kv_events`); None: events are not judged."""
 
         # The cache, built by kvcert's API adapter for it, in a throwaway context (the HiCache driver publishes
         # its own ServerArgs into whichever context is active).
@@ -923,6 +927,22 @@ class SGLangRequestPath:
 
     # ------------------------------------------------------------------ extras
 
+    # ------------------------------------------------------------------ KV events (INV-EVENT-1)
+
+    def watch_kv_events(self) -> None:
+        """Judge the cache's KV events after every op (`observed`): its recorder on, a router's replay beside it."""
+        core = getattr(self.cache, "tree_core", None)
+        (core if core is not None else self.cache).kv_events.enabled = True
+        self._router = Replay()
+
+    def observed(self, profile: str) -> list[Violation]:
+        """INV-EVENT-1 (`_sglang_events`): the events published since the last op, replayed, give what the cache
+        holds (namespaces are extra keys; the suite sends no cache salt)."""
+        if self._router is None:
+            return []
+        self._router.apply(self.cache.take_events())
+        return self._router.agree(self.backend.snapshot(), lambda ns: (ns, None))
+
     def close(self) -> None:
         """Free the host pools (HiCache); the adapter is unusable afterwards."""
         if hasattr(self.backend, "close"):
@@ -986,6 +1006,13 @@ _DEVIATIONS = (
     "nothing else of the Scheduler is replaced after construction",
 )
 
+KV_EVENTS_DEVIATION = (
+    "KV events: the cache's recorder is enabled after construction (what --kv-events-config's "
+    "CacheInitParams.enable_kv_cache_events sets in its constructor); the harness takes the events after each op "
+    "(take_events, as SGLang's publisher does each scheduler loop; the publisher itself, a ZMQ socket, is not "
+    "started) and replays them (INV-EVENT-1) in SGLang's default format, with no LoRA name registered"
+)
+
 _HOST_DEVIATIONS = (
     "host tier: io backend direct with torch index-copy stand-ins for sgl_kernel's transfer kernels, layout "
     "layer_first (shipped CPU defaults: kernel, page_first), host pools unpinned; host pool sized to host_capacity "
@@ -1004,7 +1031,10 @@ _LORA_DEVIATION = (
 
 def _make(kind: str, core: str = "python") -> Any:
     def factory(config: CacheConfig) -> SGLangRequestPath:
-        return SGLangRequestPath(config, kind=kind, core=core)
+        target = SGLangRequestPath(config, kind=kind, core=core)
+        if core == "python":
+            target.watch_kv_events()
+        return target
 
     factory.__name__ = factory.__qualname__ = {
         ("unified", "python"): "factory",
@@ -1060,6 +1090,8 @@ def _make(kind: str, core: str = "python") -> Any:
                 "inc/dec_host_lock_ref calls); nodes listed parents first by id (the core's hash-map order is "
                 "seeded per process)",
             )
+    if core == "python":
+        extra += (KV_EVENTS_DEVIATION,)
     factory.capabilities = Capabilities(  # type: ignore[attr-defined]
         name=name,
         page_sizes=(1, 4),

@@ -15,8 +15,9 @@ What SGLang's scheduler calls, and what it becomes here:
 - with `--enable-hierarchical-cache`: the host tier is kvcert.gpu's own (pinned host pool on a GPU), its
   device side SGLang's buffers (`kv.EnginePool`). A match reports the host part (`host_hit_length`, the
   deepest host copy as `best_match_node`); `init_load_back` loads it (`GpuCache.load_back`); backups follow
-  `--hicache-write-policy`. Every copy finishes within the call that issues it (`_settle`), so SGLang's forward
-  waits on nothing and `ready_to_load_host_cache` reports no layer-wise load.
+  `--hicache-write-policy`. A load-back finishes within `init_load_back` (`_settle`), so SGLang's forward waits on
+  nothing and `ready_to_load_host_cache` reports no layer-wise load; write-through backups are acknowledged at the
+  next iteration's `check_hicache_events`.
 
 SGLang's allocator owns the device slots and their KV; the tree records which slots it holds, so a slot
 is never both the tree's and a request's. Node handles are the tree's node ids (ints; the root is 0).
@@ -39,8 +40,10 @@ from sglang.srt.mem_cache.base_prefix_cache import (
     MatchPrefixParams,
     MatchResult,
 )
+from sglang.srt.mem_cache.events import KVCacheEventRecorder
 
 from kvcert.gpu import GpuCache
+from kvcert.integrations.sglang.events import EventWatch
 from kvcert.integrations.sglang.kv import EnginePool
 from kvcert.integrations.sglang.options import BackendOptions
 from kvcert.spec.types import CacheConfig, Namespace
@@ -51,6 +54,7 @@ __all__ = ["KvcertRadixCache", "namespace_of"]
 def namespace_of(extra_key: Optional[str], cache_salt: Optional[str]) -> Namespace:
     """The tree namespace of SGLang's key parts: None for neither, else both as one JSON pair (injective: no
     `extra_key` can spell another request's pair)."""
+    cache_salt = cache_salt or None  # SGLang's RadixKey reads an empty salt as none: so must the insert
     if extra_key is None and cache_salt is None:
         return None
     return json.dumps([extra_key, cache_salt])
@@ -99,12 +103,21 @@ class KvcertRadixCache(BasePrefixCache):
         self.device = self._slots.device or torch.device("cpu")
         if options.metrics:
             self.init_metrics_collector()
+        self.kv_events = KVCacheEventRecorder(
+            enabled=bool(params.enable_kv_cache_events),
+            page_size=self.page_size,
+            dynamo_format=params.dynamo_kv_event_format,
+            lora_names=params.kv_event_lora_names,
+        )
+        self.kv_events.record_all_cleared()  # as SGLang's caches start: a restarted worker's blocks are gone
         self._tick = 0
         self.loaded_back = 0
         """Host tokens loaded back to the device so far."""
         self._epochs: dict[str, int] = {}
         """Open sessions -> their epoch (`ensure_session_generation`)."""
         self._next_epoch = 0
+        self.events: Optional[EventWatch] = None
+        """The tree's watch with `--kv-events-config` (the scheduler takes the events, `take_events`)."""
         self.cache = self._new_tree()
         self.root_node = self.cache.root.id
 
@@ -126,18 +139,22 @@ class KvcertRadixCache(BasePrefixCache):
             high_priority_threshold=self.options.high_priority_threshold,
             policy_config=self.options.policy_config,
         )
-        return GpuCache(
+        tree = GpuCache(
             config,
             geometry=kv.geometry if kv is not None else None,
             kv=kv,
             device=self.device if kv is not None else torch.device("cpu"),
-            engine="deferred",
+            engine=self.options.copy_engine if kv is not None else "deferred",
             engine_slots=self._slots,
         )
+        if self.kv_events.enabled:
+            tree.watch = self.events = EventWatch(self.kv_events, ps, tree.nodes)
+        return tree
 
     def _settle(self) -> None:
-        """Run every copy the tree issued and consume its ack: the backend's copies finish within the call that
-        issued them (the deferred engine, run at once), so SGLang's forward never reads a slot still loading."""
+        """Land every copy in flight and consume its ack (the copy engine waits for each): a load-back before
+        `init_load_back` returns, so SGLang's forward never reads a slot still loading; backups at the next
+        `check_hicache_events` (or an earlier call that settles)."""
         cache = self.cache
         if cache.host is None:
             return
@@ -156,6 +173,7 @@ class KvcertRadixCache(BasePrefixCache):
         """A new, empty tree; SGLang clears its allocator itself right after (`Scheduler.flush_cache`)."""
         self.cache.close()
         self._epochs.clear()
+        self.kv_events.record_all_cleared()
         self.cache = self._new_tree()
         self.root_node = self.cache.root.id
 
@@ -206,7 +224,14 @@ class KvcertRadixCache(BasePrefixCache):
         kv = req.kv
         row = self.req_to_token_pool.req_to_token[kv.req_pool_idx, :size].to(dtype=torch.int64, copy=True)
         self._stamp()
-        out = self.cache.insert_fast(namespace_of(req.extra_key, req.cache_salt), tokens[:size], row.cpu(), priority)
+        events = self.events
+        if events is not None:
+            events.session = req.session_id  # the stores this insert announces are this request's
+        try:
+            out = self.cache.insert_fast(namespace_of(req.extra_key, req.cache_salt), tokens[:size], row.cpu(), priority)
+        finally:
+            if events is not None:
+                events.session = None
         kv.cache_inserted_len = max(kv.cache_inserted_len, size)
         protected = kv.cache_protected_len
         if out.prefix_len > protected:  # the request computed KV the tree already had: its copies go back
@@ -217,7 +242,8 @@ class KvcertRadixCache(BasePrefixCache):
         self.unlock(req.lock)
         req.lock = self.lock(out.node)
         req.last_node = out.node
-        self._settle()  # write-through backups the insert issued
+        # The write-through backups the insert issued run on (a GPU's on the D2H side stream) while SGLang finishes
+        # the iteration; the next iteration's `check_hicache_events` acknowledges them, as SGLang's HiCache does.
 
     def evict(self, params: EvictParams) -> EvictResult:
         if params.num_tokens <= 0:
@@ -251,7 +277,7 @@ class KvcertRadixCache(BasePrefixCache):
 
     @property
     def ongoing_write_through(self) -> dict[int, Any]:
-        """Backups in flight (none between calls: `_settle`); SGLang's idle check reads it."""
+        """Backups in flight until the next `check_hicache_events`; SGLang's idle check reads it."""
         return {c.id: c for c in self.cache.copies.values() if c.kind == "write"}
 
     @property
@@ -276,10 +302,12 @@ class KvcertRadixCache(BasePrefixCache):
         return -1
 
     def check_hicache_events(self) -> None:
+        """The start of every scheduler iteration: every copy in flight lands and is acknowledged. All of them, not
+        those that happen to be done: tensor-parallel ranks then take the same acks at the same call."""
         self._settle()
 
     def flush_pending_backups(self) -> None:
-        self._settle()
+        """The end of an iteration: the tree issued its backups when it inserted (nothing is queued here)."""
 
     def release_host_resources(self) -> None:
         self.cache.close()

@@ -3,6 +3,8 @@
 `MHATokenToKVPool` keeps K and V per layer as `[slots, heads, head_dim]` tensors (`k_buffer[l]`, `v_buffer[l]`).
 `EnginePool` is a `kvcert.gpu.kv.KVPool` over those tensors, without a buffer of its own: a gather reads each
 layer's rows as bytes, a scatter writes them back, so backups and load-backs move SGLang's bytes bit for bit.
+Its layers are separate tensors, not one matrix of cells, so a planned copy engine (CUDA's) moves them through
+a staging buffer (`PlannedCopyEngine`'s pooled path) rather than by a plan over cell rows.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ class EnginePool(KVPool):
     """`kvcert.gpu`'s pool interface over SGLang's per-layer K and V tensors (layer-first, owned by SGLang)."""
 
     layout = "engine"
+    planned = False
 
     def __init__(self, pool: Any, capacity: int, page_size: int) -> None:
         self.geometry = geometry_of(pool)
@@ -51,4 +54,4 @@ class EnginePool(KVPool):
                 self._rows(buf).index_copy_(0, idx, data[:, s, layer].contiguous())
 
     def cell_rows(self, slots: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError("SGLang's per-layer buffers are not one matrix of cells")
+        raise NotImplementedError("SGLang's per-layer buffers are not one matrix of cells (`planned` is False)")

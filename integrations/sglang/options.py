@@ -11,13 +11,19 @@ import os
 from dataclasses import dataclass
 from typing import Any, Optional
 
+import torch
+
+from kvcert.gpu.copy_engine import ENGINES
 from kvcert.integrations.sglang.kv import geometry_of
 from kvcert.spec.types import POLICIES, InvalidPolicyConfig, policy_params
 
-__all__ = ["HIGH_PRIORITY_ENV", "BackendOptions", "UnsupportedOption", "backend_options"]
+__all__ = ["COPY_ENGINE_ENV", "HIGH_PRIORITY_ENV", "BackendOptions", "UnsupportedOption", "backend_options"]
 
 HIGH_PRIORITY_ENV = "KVCERT_HIGH_PRIORITY_THRESHOLD"
 """Session priorities at or above this are high (SPEC.md §11.1); SGLang has no flag for it. Default 1."""
+COPY_ENGINE_ENV = "KVCERT_COPY_ENGINE"
+"""The host tier's copy engine (`kvcert.gpu.copy_engine.ENGINES`); default `cuda` over a CUDA device pool, else
+`deferred`."""
 
 
 class UnsupportedOption(ValueError):
@@ -39,6 +45,8 @@ class BackendOptions:
     """Host slots (`--enable-hierarchical-cache`, sized as SGLang sizes its host pool); 0 for device only."""
     write_policy: str = "write_through"
     """`--hicache-write-policy`."""
+    copy_engine: str = "deferred"
+    """What moves the host tier's bytes (`COPY_ENGINE_ENV`)."""
 
 
 def _arg(server_args: Any, name: str, default: Any = None) -> Any:
@@ -90,11 +98,6 @@ def check_supported(ctx: Any) -> None:
         ((_arg(args, "dcp_size", 1) or 1) > 1, "--dcp-size > 1", "decode context parallelism widens pages"),
         ((_arg(args, "pp_size", 1) or 1) > 1, "--pp-size > 1", "pipeline parallelism is not tested"),
         (
-            bool(params.enable_kv_cache_events),
-            "--kv-events-config",
-            "KV cache events are not published by the backend yet",
-        ),
-        (
             _arg(args, "schedule_policy") == "dfs-weight",
             "--schedule-policy dfs-weight",
             "it walks SGLang's own tree nodes",
@@ -134,6 +137,19 @@ def _threshold() -> int:
         raise UnsupportedOption(f"{HIGH_PRIORITY_ENV}={raw!r} is not an integer") from None
 
 
+def _copy_engine(ctx: Any) -> str:
+    """`COPY_ENGINE_ENV`, else `cuda` when SGLang's KV lives on a CUDA device and `deferred` otherwise."""
+    on_cuda = torch.device(ctx.params.token_to_kv_pool_allocator.device).type == "cuda"
+    raw = os.environ.get(COPY_ENGINE_ENV)
+    if raw is None:
+        return "cuda" if on_cuda else "deferred"
+    if raw not in ENGINES:
+        raise UnsupportedOption(f"{COPY_ENGINE_ENV}={raw!r}: not one of {sorted(ENGINES)}")
+    if raw.startswith("cuda") and not on_cuda:
+        raise UnsupportedOption(f"{COPY_ENGINE_ENV}={raw!r} needs SGLang's KV on a CUDA device")
+    return raw
+
+
 def host_slots(ctx: Any) -> int:
     """The host pool SGLang would build (`pool_host/base.py`): `--hicache-size` GB of this model's KV, else
     `--hicache-ratio` (default 2.0) of the device pool, plus SGLang's padding page; 0 without HiCache."""
@@ -162,4 +178,5 @@ def backend_options(ctx: Any) -> BackendOptions:
         metrics=bool(params.enable_metrics),
         host_capacity=host_slots(ctx),
         write_policy=_arg(ctx.server_args, "hicache_write_policy", "write_through") or "write_through",
+        copy_engine=_copy_engine(ctx),
     )
