@@ -368,24 +368,28 @@ def test_a_burst_of_long_answers_makes_sglang_retract_and_resume(target: str, mo
     assert sum(retracted) >= 1, "no request was retracted: the burst no longer outgrows the pool"
 
 
-def test_a_kv_event_sglang_leaves_out_fails_certification(monkeypatch: Any, tmp_path: Any) -> None:
-    """SGLang's own caches publish KV events (--kv-events-config); after every op the request path replays them as a
+@pytest.mark.parametrize("core", ["python", "rust"])
+def test_a_kv_event_sglang_leaves_out_fails_certification(core: str, monkeypatch: Any, tmp_path: Any) -> None:
+    """SGLang's caches publish KV events (--kv-events-config); after every op the request path replays them as a
     router would and compares each medium's blocks with SGLang's tree (INV-EVENT-1). Unmodified, they agree (every
-    certification of these targets); a recorder that drops device removals fails, as a router would keep routing
-    prompts to blocks the worker evicted."""
+    certification of these targets); on either tree core, events that leave out device removals fail, as a router
+    would keep sending prompts to blocks the worker evicted."""
+    from sglang.srt.disaggregation.kv_events import BlockRemoved
     from sglang.srt.mem_cache.events import KVCacheEventRecorder
+    from sglang.srt.mem_cache.rust_tree_core.adapter import _RustKVCacheEventRecorder
 
     from kvcert.conformance.certification.certify import certify
 
-    remove = KVCacheEventRecorder.record_remove
+    recorder = KVCacheEventRecorder if core == "python" else _RustKVCacheEventRecorder
+    take = recorder.take
 
-    def drops(self: Any, node: Any, medium: Any = None) -> None:
-        if medium is not None and str(getattr(medium, "value", medium)) != "GPU":
-            remove(self, node, medium)
+    def drops(self: Any) -> list[Any]:
+        return [e for e in take(self) if not (isinstance(e, BlockRemoved) and str(getattr(e.medium, "value", e.medium)) == "GPU")]
 
-    monkeypatch.setattr(KVCacheEventRecorder, "record_remove", drops)
+    monkeypatch.setattr(recorder, "take", drops)
+    target = "factory_engine_ids" if core == "python" else "factory_rust_engine_ids"
     cert = certify(
-        "kvcert.conformance.adapters.sglang_requests:factory_engine_ids", examples=20, steps=30, page_sizes=[1],
+        f"kvcert.conformance.adapters.sglang_requests:{target}", examples=20, steps=30, page_sizes=[1],
         policies=["lru"], write_policies=[], out_dir=tmp_path,
     )  # fmt: skip
     assert not cert.passed and "INV-EVENT-1" in str(cert.cells[0].failure)

@@ -269,6 +269,8 @@ class HiCacheConfig:
     over a bridge to a kvcert store, or with ``storage_dir`` set, over SGLang's own `file` backend there."""
     prefetch_policy: str = "best_effort"
     """hicache_storage_prefetch_policy: best_effort | wait_complete | timeout."""
+    kv_events: bool = False
+    """--kv-events-config: the cache records KV events (`CacheInitParams.enable_kv_cache_events`)."""
     prefetch_timeout: tuple[float, float] = (4.0, 1.0)
     """timeout policy: (base, per page), in ticks of the driver's logical clock."""
     model_id: str = "kvcert-synthetic"
@@ -386,6 +388,7 @@ class SGLangHiCache:
             eviction_policy_config=dict(config.eviction_policy_config) or None,
             tree_components=(FULL,),
             tree_core_backend=config.core,
+            enable_kv_cache_events=config.kv_events,
         )
         with self._in_sglang():
             # Process-global: the last published ServerArgs wins for every cache in the process.

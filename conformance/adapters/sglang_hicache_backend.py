@@ -154,9 +154,11 @@ class SGLangHiCacheBackend:
         store: str = "bridge",
         endpoint: Optional[str] = None,
         prefix: Optional[str] = None,
+        kv_events: bool = False,
     ) -> None:
         """`endpoint`, `prefix`: the `seaweedfs` store's S3 server (default: the process's own moto server on
-        loopback) and object prefix (default: one of its own, cleared at close; a given one is left as it is)."""
+        loopback) and object prefix (default: one of its own, cleared at close; a given one is left as it is).
+        `kv_events`: built as with --kv-events-config (the request path replays them)."""
         if store not in STORES:
             raise ValueError(f"store must be one of {STORES}")
         if config.capacity % config.page_size:
@@ -197,6 +199,7 @@ class SGLangHiCacheBackend:
                 eviction_policy=config.policy,
                 eviction_policy_config=tuple(config.policy_params().items()),
                 host_tier=self.host,
+                kv_events=kv_events,
                 **geometry,
             )
         )

@@ -102,7 +102,8 @@ class _Namespace:
 class SGLangRadixBackend(RadixTreeAdapter):
     """One `RadixCache` over real CPU pools; node handles are `TreeNode.id`."""
 
-    def __init__(self, config: CacheConfig, need_sort: bool = False) -> None:
+    def __init__(self, config: CacheConfig, need_sort: bool = False, kv_events: bool = False) -> None:
+        """`kv_events`: built as with --kv-events-config (the request path replays them)."""
         self.sg = SG
         self.config = config
         self.page_size = config.page_size
@@ -120,6 +121,7 @@ class SGLangRadixBackend(RadixTreeAdapter):
             page_size=config.page_size,
             eviction_policy=config.policy,
             eviction_policy_config=config.policy_params() or None,  # --radix-eviction-policy-config
+            enable_kv_cache_events=kv_events,
         )
         with self._in_engine():
             self.cache = self.sg.RadixCache(params)

@@ -339,9 +339,12 @@ class _Submitted:
 class SGLangRequestPath:
     """SGLang's Scheduler over one cache; the RequestPathBackend protocol (conformance/backend.py)."""
 
-    def __init__(self, config: CacheConfig, kind: str = "unified", core: str = "python", pools: Any = None) -> None:
+    def __init__(
+        self, config: CacheConfig, kind: str = "unified", core: str = "python", pools: Any = None, kv_events: bool = False
+    ) -> None:
         """`kind` kvcert: the cache is the one SGLang's registry builds for `--radix-cache-backend kvcert` over
-        `pools` (`sglang_kvcert.KvcertPools`)."""
+        `pools` (`sglang_kvcert.KvcertPools`). `kv_events`: SGLang's cache is built as with --kv-events-config, and
+        its events are judged after every op (INV-EVENT-1, `observed`)."""
         if kind not in ("unified", "radix", "sessions", "kvcert"):
             raise ValueError(f"kind must be unified, radix, sessions or kvcert, not {kind!r}")
         if (kind == "kvcert") != (pools is not None):
@@ -366,8 +369,8 @@ class SGLangRequestPath:
         self._inbox, self._rpc = _Socket(), _Socket()
         self._to_tokenizer, self._to_detokenizer = _Socket(), _Socket()
         self._hook = _OneIteration()
-        self._router: Optional[Replay] = None
-        """A router's view of the cache from its KV events (`watch_kv_events`); None: events are not judged."""
+        self._router: Optional[Replay] = Replay() if kv_events and kind != "kvcert" else None
+        """A router's view of the cache from its KV events; None: they are not judged here."""
 
         # The cache, built by kvcert's API adapter for it, in a throwaway context (the HiCache driver publishes
         # its own ServerArgs into whichever context is active).
@@ -375,11 +378,11 @@ class SGLangRequestPath:
             if kind == "kvcert":
                 self.backend: Any = pools
             elif kind == "radix":
-                self.backend = SGLangRadixBackend(config)
+                self.backend = SGLangRadixBackend(config, kv_events=kv_events)
             elif kind == "sessions":
-                self.backend = SGLangSessionBackend(config)
+                self.backend = SGLangSessionBackend(config, kv_events=kv_events)
             else:
-                self.backend = SGLangHiCacheBackend(config, core=core)
+                self.backend = SGLangHiCacheBackend(config, core=core, kv_events=kv_events)
         self._driver: Any = None if kind in ("radix", "kvcert") else self.backend.h
         if self._driver is not None and self.host:
             self._release_copies_at_submission()
@@ -929,12 +932,6 @@ class SGLangRequestPath:
 
     # ------------------------------------------------------------------ KV events (INV-EVENT-1)
 
-    def watch_kv_events(self) -> None:
-        """Judge the cache's KV events after every op (`observed`): its recorder on, a router's replay beside it."""
-        core = getattr(self.cache, "tree_core", None)
-        (core if core is not None else self.cache).kv_events.enabled = True
-        self._router = Replay()
-
     def observed(self, profile: str) -> list[Violation]:
         """INV-EVENT-1 (`_sglang_events`): the events published since the last op, replayed, give what the cache
         holds (namespaces are extra keys; the suite sends no cache salt)."""
@@ -1007,10 +1004,10 @@ _DEVIATIONS = (
 )
 
 KV_EVENTS_DEVIATION = (
-    "KV events: the cache's recorder is enabled after construction (what --kv-events-config's "
-    "CacheInitParams.enable_kv_cache_events sets in its constructor); the harness takes the events after each op "
-    "(take_events, as SGLang's publisher does each scheduler loop; the publisher itself, a ZMQ socket, is not "
-    "started) and replays them (INV-EVENT-1) in SGLang's default format, with no LoRA name registered"
+    "KV events: the cache is built with CacheInitParams.enable_kv_cache_events (what --kv-events-config sets); the "
+    "harness takes its events after each op (take_events, as SGLang's publisher does each scheduler loop; the "
+    "publisher itself, a ZMQ socket, is not started) and replays them (INV-EVENT-1) in SGLang's default format, "
+    "with no LoRA name registered"
 )
 
 _HOST_DEVIATIONS = (
@@ -1031,10 +1028,7 @@ _LORA_DEVIATION = (
 
 def _make(kind: str, core: str = "python") -> Any:
     def factory(config: CacheConfig) -> SGLangRequestPath:
-        target = SGLangRequestPath(config, kind=kind, core=core)
-        if core == "python":
-            target.watch_kv_events()
-        return target
+        return SGLangRequestPath(config, kind=kind, core=core, kv_events=True)
 
     factory.__name__ = factory.__qualname__ = {
         ("unified", "python"): "factory",
@@ -1090,8 +1084,7 @@ def _make(kind: str, core: str = "python") -> Any:
                 "inc/dec_host_lock_ref calls); nodes listed parents first by id (the core's hash-map order is "
                 "seeded per process)",
             )
-    if core == "python":
-        extra += (KV_EVENTS_DEVIATION,)
+    extra += (KV_EVENTS_DEVIATION,)
     factory.capabilities = Capabilities(  # type: ignore[attr-defined]
         name=name,
         page_sizes=(1, 4),
@@ -1149,6 +1142,9 @@ factory_engine_ids = _with_engine_ids(factory, "factory_engine_ids")
 """`...:factory_engine_ids`: `factory` whose clients leave request ids to SGLang (the walk goes on past SG-ABORT)."""
 factory_sessions_engine_ids = _with_engine_ids(factory_sessions, "factory_sessions_engine_ids")
 """`...:factory_sessions_engine_ids`: `factory_sessions` whose clients leave request ids to SGLang."""
+factory_rust_engine_ids = _with_engine_ids(factory_rust, "factory_rust_engine_ids")
+"""`...:factory_rust_engine_ids`: `factory_rust` (SGLang's default, compiled tree core) whose clients leave request
+ids to SGLang."""
 
 
 def _tracker_module(refs: Any) -> Any:

@@ -126,11 +126,16 @@ class SGLangSessionBackend(SGLangHiCacheBackend):
     """One session-ref UnifiedRadixCache (+ HiCache when host_capacity > 0); node handles are SGLang NodeIds."""
 
     def __init__(
-        self, config: CacheConfig, requested_core: str = "python", planned: bool = False, moves: bool = False
+        self,
+        config: CacheConfig,
+        requested_core: str = "python",
+        planned: bool = False,
+        moves: bool = False,
+        kv_events: bool = False,
     ) -> None:
         with _session_params(requested_core):
             # core="python": what SGLang builds with sessions on, whichever core was asked for (S1).
-            super().__init__(config, core="python")
+            super().__init__(config, core="python", kv_events=kv_events)
         cache = self.h.cache
         assert cache.enable_session_radix_cache and cache.session_refs.enable_session_radix_cache
         assert type(cache.tree_core).__name__ == "UnifiedTreeCore", type(cache.tree_core).__name__
