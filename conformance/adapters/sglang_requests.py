@@ -371,6 +371,8 @@ class SGLangRequestPath:
         self._hook = _OneIteration()
         self._router: Optional[Replay] = Replay() if kv_events and kind != "kvcert" else None
         """A router's view of the cache from its KV events; None: they are not judged here."""
+        self._salted = False
+        """A request carried a `cache_salt` (the partition probe's): the snapshot's namespaces do not show salts."""
 
         # The cache, built by kvcert's API adapter for it, in a throwaway context (the HiCache driver publishes
         # its own ServerArgs into whichever context is active).
@@ -708,6 +710,7 @@ class SGLangRequestPath:
             lora_id=LoRARef.deterministic_id(*lora) if lora is not None else None,
             cache_salt=cache_salt,
         )
+        self._salted = self._salted or bool(cache_salt)
         content = kv_namespace(namespace, lora)
         self._submitted[request] = _Submitted(request, session, content, tuple(int(t) for t in tokens), priority)
         # the key SGLang files the request's KV under (Req.__init__: extra_key + lora_id) -> its content's namespace
@@ -934,8 +937,9 @@ class SGLangRequestPath:
 
     def observed(self, profile: str) -> list[Violation]:
         """INV-EVENT-1 (`_sglang_events`): the events published since the last op, replayed, give what the cache
-        holds (namespaces are extra keys; the suite sends no cache salt)."""
-        if self._router is None:
+        holds (namespaces are extra keys). Not judged once a request carried a cache salt, which the snapshot's
+        namespaces do not show (the suite's ops send none; the partition probe does, and judges keys itself)."""
+        if self._router is None or self._salted:
             return []
         self._router.apply(self.cache.take_events())
         return self._router.agree(self.backend.snapshot(), lambda ns: (ns, None))
