@@ -276,6 +276,8 @@ class PlannedCopyEngine(CopyEngine):
             return None  # device to device: not a tier copy
         if self.device_pool is not None:
             return "d2h" if job.src is self.device_pool else "h2d"
+        if not (job.src.planned and job.dst.planned):  # an engine's own pool (no cell matrix) is the device tier
+            return "d2h" if not job.src.planned else "h2d"
         return "d2h"
 
     def plan(self, job: CopyJob) -> Optional[CopyPlan]:
@@ -334,10 +336,7 @@ class PlannedCopyEngine(CopyEngine):
         side on the CPU (a D2H's scatter into the host pool after the event, in `finish`, as a staged plan's)."""
         self.plans["pooled"] += 1
         nb = self.non_blocking
-        if job.src.device.type != job.dst.device.type:
-            d2h = self._direction(job) == "d2h"
-        else:  # both on the CPU: the engine's pool (the one without cells) is the device tier
-            d2h = not job.src.planned
+        d2h = self._direction(job) == "d2h"
         dev, dev_slots, host, host_slots = (
             (job.src, job.src_slots, job.dst, job.dst_slots) if d2h else (job.dst, job.dst_slots, job.src, job.src_slots)
         )

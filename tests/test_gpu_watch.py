@@ -20,6 +20,7 @@ from kvcert.gpu import CAPABILITIES, GpuCache
 from kvcert.gpu.node import Node
 from kvcert.gpu.tree import RadixTree
 from kvcert.gpu.watch import DEVICE, HOST
+from kvcert.spec import contracts
 from kvcert.spec.types import CacheConfig, Namespace, Snapshot
 
 Page = tuple[Namespace, tuple[int, ...]]
@@ -55,21 +56,11 @@ class Ledger:
 
 def residency(snap: Snapshot) -> dict[str, Counter[Page]]:
     """Each tier's pages as the snapshot shows them."""
-    paths: dict[int, tuple[int, ...]] = {snap.root: ()}
     out: dict[str, Counter[Page]] = {DEVICE: Counter(), HOST: Counter()}
-    by_id = {n.id: n for n in snap.nodes}
-
-    def path(i: int) -> tuple[int, ...]:
-        if i not in paths:
-            v = by_id[i]
-            paths[i] = path(v.parent if v.parent is not None else snap.root) + tuple(v.key)
-        return paths[i]
-
-    for v in snap.nodes:
-        if v.id == snap.root:
-            continue
-        p = path(v.id)
-        pages = _pages(v.namespace, p, len(p) - len(v.key), snap.page_size)
+    nodes = snap.by_id()
+    for nid, (ns, path) in contracts.node_paths(snap).items():
+        v = nodes[nid]
+        pages = _pages(ns, path, len(path) - len(v.key), snap.page_size)
         if v.slots is not None:
             out[DEVICE].update(pages)
         if v.host_slots is not None:

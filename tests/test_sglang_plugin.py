@@ -27,6 +27,7 @@ from kvcert.conformance.adapters import sglang_kvcert  # noqa: E402
 from kvcert.integrations import sglang as plugin  # noqa: E402
 from kvcert.integrations.sglang import cache as backend  # noqa: E402
 from kvcert.integrations.sglang.options import HIGH_PRIORITY_ENV, UnsupportedOption  # noqa: E402
+from kvcert.spec import contracts  # noqa: E402
 from kvcert.spec.types import CacheConfig  # noqa: E402
 
 pytestmark = pytest.mark.sglang
@@ -286,11 +287,8 @@ def test_slots_evicted_go_back_to_sglangs_allocator() -> None:
 
 
 def _cached(target: Any) -> set[tuple[int, ...]]:
-    snap, paths, out = target.snapshot(), {}, set()
-    for node in snap.nodes:
-        paths[node.id] = () if node.parent is None else paths[node.parent] + node.key
-        out.add(paths[node.id])
-    return out
+    """The token path of every node in the target's tree."""
+    return {path for _, path in contracts.node_paths(target.snapshot()).values()}
 
 
 def _run(target: Any, limit: int = 40) -> None:

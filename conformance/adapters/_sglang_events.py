@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Optional
 
 from kvcert.conformance.adapters import _sglang_env as _env
+from kvcert.spec import contracts
 from kvcert.spec.invariants import Violation
 from kvcert.spec.types import Snapshot
 
@@ -46,38 +47,25 @@ def block_hashes(cache_salt: Optional[str], path: Sequence[int], page_size: int)
     return [hash_str_to_int64(h) for h in get_hash_str(list(path), prior, page_size=page_size)]
 
 
-def held_blocks(snap: Snapshot, parts: NamespaceParts, settled_only: bool) -> Blocks:
-    """Each medium's blocks in the snapshot's tree; `settled_only`: without those of nodes a pending copy moves
-    onto that medium (a load onto the device, a write onto the host)."""
-    by_id = {n.id: n for n in snap.nodes}
-    paths: dict[int, tuple[int, ...]] = {snap.root: ()}
+def held_blocks(snap: Snapshot, parts: NamespaceParts) -> tuple[Blocks, Blocks]:
+    """Each medium's blocks in the snapshot's tree: all of them, and those settled there (without the blocks of
+    nodes a pending copy moves onto that medium: a load onto the device, a write onto the host)."""
     moving: dict[str, set[int]] = {GPU: set(), HOST: set()}
-    if settled_only:
-        for c in snap.pending:
-            if c.kind in ("load", "write"):
-                moving[GPU if c.kind == "load" else HOST].update(c.nodes)
-
-    def path(i: int) -> tuple[int, ...]:
-        chain = []
-        while i not in paths:
-            chain.append(i)
-            parent = by_id[i].parent
-            i = snap.root if parent is None else parent
-        for j in reversed(chain):
-            paths[j] = paths[i] + tuple(by_id[j].key)
-            i = j
-        return paths[i]
-
-    out: Blocks = {GPU: Counter(), HOST: Counter()}
-    for n in snap.nodes:
-        if n.id == snap.root:
-            continue
-        p = path(n.id)
-        pages = block_hashes(parts(n.namespace)[1], p, snap.page_size)[(len(p) - len(n.key)) // snap.page_size :]
+    for c in snap.pending:
+        if c.kind in ("load", "write"):
+            moving[GPU if c.kind == "load" else HOST].update(c.nodes)
+    held: Blocks = {GPU: Counter(), HOST: Counter()}
+    settled: Blocks = {GPU: Counter(), HOST: Counter()}
+    nodes = snap.by_id()
+    for nid, (_, path) in contracts.node_paths(snap).items():
+        n = nodes[nid]
+        pages = block_hashes(parts(n.namespace)[1], path, snap.page_size)[(len(path) - len(n.key)) // snap.page_size :]
         for medium, present in ((GPU, n.slots), (HOST, n.host_slots)):
-            if present is not None and n.id not in moving[medium]:
-                out[medium].update(pages)
-    return out
+            if present is not None:
+                held[medium].update(pages)
+                if nid not in moving[medium]:
+                    settled[medium].update(pages)
+    return held, settled
 
 
 class Replay:
@@ -96,7 +84,7 @@ class Replay:
 
     def agree(self, snap: Snapshot, parts: NamespaceParts) -> list[Violation]:
         """INV-EVENT-1: every block the events announce is held, and every block held (its copy landed) is announced."""
-        held, settled = held_blocks(snap, parts, False), held_blocks(snap, parts, True)
+        held, settled = held_blocks(snap, parts)
         out = []
         for medium in sorted(set(self.known) | set(held)):
             told = +self.known.get(medium, Counter())

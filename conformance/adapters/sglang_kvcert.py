@@ -146,7 +146,7 @@ def _sent(namespace: Any) -> Any:
     """The backend files a key under JSON [extra_key, cache_salt]; the suite's namespace is the extra_key."""
     if namespace is None:
         return None
-    extra, salt = json.loads(namespace)
+    extra, salt = _parts(namespace)
     return extra if salt is None else namespace
 
 

@@ -20,12 +20,12 @@ from sglang.srt.mem_cache.radix_cache import RadixKey
 from sglang.srt.mem_cache.utils import compute_node_hash_values
 
 from kvcert.gpu.node import Node
-from kvcert.gpu.watch import DEVICE
+from kvcert.gpu.watch import DEVICE, HOST
 
 __all__ = ["EventWatch"]
 
-MEDIUM = {DEVICE: StorageMedium.GPU}
-"""The medium of each tier's events; the host tier's is CPU_PINNED."""
+MEDIUM = {DEVICE: StorageMedium.GPU, HOST: StorageMedium.CPU}
+"""The medium of each tier's events (SGLang's GPU and CPU_PINNED)."""
 
 
 class _Mirror:
@@ -52,10 +52,10 @@ class EventWatch:
 
     def stored(self, node: Node, tier: str) -> None:
         session = self.session if tier == DEVICE else None
-        self.recorder.record_store(self._mirror(node), medium=MEDIUM.get(tier, StorageMedium.CPU), session_id=session)
+        self.recorder.record_store(self._mirror(node), medium=MEDIUM[tier], session_id=session)
 
     def removed(self, node: Node, tier: str) -> None:
-        self.recorder.record_remove(self._mirror(node), medium=MEDIUM.get(tier, StorageMedium.CPU))
+        self.recorder.record_remove(self._mirror(node), medium=MEDIUM[tier])
 
     def _mirror(self, node: Node) -> _Mirror:
         """`node`'s mirror, rebuilding it and any ancestor's a split made stale (a stale parent makes its
