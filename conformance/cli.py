@@ -412,6 +412,20 @@ def _replay_walk(path: Path, target: str) -> None:
     raise typer.Exit(1)
 
 
+def _replay_served(path: Path) -> None:
+    """A served failure, replayed on fresh servers (the same requests, flags and rules)."""
+    from kvcert.conformance.served import run as served
+
+    saved = json.loads(path.read_text())
+    console.print(f"replaying {path} on fresh {saved['target']} servers (broke {', '.join(saved.get('rules', []))})")
+    verdict = served.replay_file(path, say=lambda line: console.print(escape(line)))
+    if verdict.passed:
+        console.print("PASS: the conversation satisfies every end-to-end rule")
+        return
+    console.print(f"FAIL: {', '.join(verdict.rules_broken())}")
+    raise typer.Exit(1)
+
+
 @app.command("replay")
 def replay_cmd(
     trace_file: Path = typer.Argument(..., exists=True, readable=True),
@@ -433,6 +447,9 @@ def replay_cmd(
     saved = json.loads(trace_file.read_text())
     if isinstance(saved, dict) and saved.get("format") == WALK_FORMAT:  # a walk target's own operations
         _replay_walk(trace_file, target or saved["target"])
+        return
+    if isinstance(saved, dict) and str(saved.get("format", "")).startswith("kvcert-served"):
+        _replay_served(trace_file)
         return
     trace = Trace.from_json(trace_file.read_text())
     name = target or trace.target
@@ -754,6 +771,65 @@ def same_cmd(
             differ += 1
     console.print("same run" if not differ else f"[red]{differ} cells differ[/]")
     raise typer.Exit(1 if differ else 0)
+
+
+@app.command("serve-certify")
+def serve_certify_cmd(
+    target: Optional[str] = typer.Argument(None, help="a served target (kvcert serve-certify --list)"),
+    list_targets: bool = typer.Option(False, "--list", help="print every served target and exit"),
+    examples: int = typer.Option(10, help="conversations to play"),
+    seed: int = typer.Option(0, help="same seed, same traffic"),
+    url: Optional[str] = typer.Option(None, "--url", help="attach to a server already running here instead of starting one"),
+    events: Optional[str] = typer.Option(
+        None, "--events", metavar="ADDR", help="with --url: the ZMQ address its KV-event publisher connects to (kvcert binds it)"
+    ),
+    twin_url: Optional[str] = typer.Option(
+        None, "--twin-url", help="with --url: a twin of that server with prefix caching off (same output is judged against it)"
+    ),
+    python: Optional[str] = typer.Option(None, "--python", help="the engine environment's interpreter (default: the target's)"),
+    flag: Optional[list[str]] = typer.Option(None, "--flag", help="an extra server flag for the server under test (repeat)"),
+    shrink_seconds: float = typer.Option(600.0, "--shrink-seconds", help="time budget for shrinking a failure"),
+    json_path: Optional[Path] = typer.Option(None, "--json", help="write the certificate as JSON"),
+    junit_path: Optional[Path] = typer.Option(None, "--junit", help="write the certificate as JUnit XML"),
+    markdown_path: Optional[Path] = typer.Option(None, "--markdown", help="write the certificate as Markdown"),
+    out: Path = typer.Option(Path("kvcert-failures"), help="where replay files and server logs are saved"),
+) -> None:
+    """Certify an engine as users deploy it: its real server processes on a model kvcert makes, driven over HTTP by
+    seeded multi-turn traffic and judged end to end (SPEC.md §16): same output as a caching-off twin, KV events
+    that agree, bounded memory, a server that stays up. Exit 1 if a rule breaks; the failure is shrunk and saved."""
+    from kvcert.conformance.served import run as served
+
+    if list_targets or target is None:
+        for t in served.TARGETS.values():
+            state = f"  [red]unavailable[/]: {escape(t.unavailable)}" if t.unavailable else ""
+            console.print(f"{t.name:<16} {escape(t.summary)}  ({t.engine}; {t.install}){state}")
+        raise typer.Exit(0 if list_targets else 2)
+    if target not in served.TARGETS:
+        typer.echo(f"error: unknown served target {target!r} (kvcert serve-certify --list)", err=True)
+        raise typer.Exit(2)
+    if (events or twin_url) and not url:
+        typer.echo("error: --events and --twin-url go with --url", err=True)
+        raise typer.Exit(2)
+    try:
+        cert, _ = served.serve_certify(
+            target,
+            examples=examples,
+            seed=seed,
+            out_dir=out,
+            url=url,
+            events=events,
+            twin_url=twin_url,
+            python=python,
+            extra_flags=tuple(flag or ()),
+            shrink_seconds=shrink_seconds,
+            say=lambda line: console.print(escape(line)),
+        )
+    except (served.EnvironmentMissing, ValueError) as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from e
+    print_certificate(cert)
+    _write_reports(cert, json_path, junit_path, markdown_path)
+    raise typer.Exit(0 if cert.passed else 1)
 
 
 bench_app = typer.Typer(

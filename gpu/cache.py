@@ -227,6 +227,10 @@ class GpuCache(RadixTree):
         """Free device slots, in O(1): what a scheduler reads before it allocates (not in the protocol)."""
         return self.alloc_dev.available
 
+    def host_free_count(self) -> int:
+        """Free host slots (0 without a host tier): what an engine's metrics report as the host pool's room."""
+        return _free_slots_of(self.host.alloc) if self.host is not None else 0
+
     # The wrappers convert at the edge and hand the internals `Run`s with their token counts (one `len` per
     # call); what goes straight between C and the caller — a lent or freed slot run, a match's joined
     # slots — stays bytes, and the two result tuples are built without their generated `__new__`'s frame.

@@ -19,6 +19,10 @@ What SGLang's scheduler calls, and what it becomes here:
   nothing and `ready_to_load_host_cache` reports no layer-wise load; write-through backups are acknowledged at the
   next iteration's `check_hicache_events`.
 
+- what SGLang's other callers read: `token_to_kv_pool_host` (the host tier's size and room, for `--enable-metrics`),
+  `clear_storage_backend` (no storage tier: nothing to clear); priorities in SGLang's direction
+  (`--schedule-low-priority-values-first` flips them, so the tree protects what SGLang's scheduler favours).
+
 SGLang's allocator owns the device slots and their KV; the tree records which slots it holds, so a slot
 is never both the tree's and a request's. Node handles are the tree's node ids (ints; the root is 0).
 """
@@ -89,6 +93,25 @@ class _Slots:
         return tuple(sorted(int(p) * ps + i for p in pages.tolist() for i in range(ps)))
 
 
+class HostPoolView:
+    """What SGLang's metrics read of a HiCache host pool (`MetricsReporter._log_hicache_stats`): its size in tokens
+    and the tokens free, here the host tier of kvcert's tree."""
+
+    def __init__(self, owner: KvcertRadixCache) -> None:
+        self._owner = owner
+
+    @property
+    def logical_size(self) -> int:
+        return self._owner.cache.host_capacity
+
+    @property
+    def size(self) -> int:
+        return self._owner.cache.host_capacity
+
+    def available_size(self) -> int:
+        return self._owner.cache.host_free_count()
+
+
 class KvcertRadixCache(BasePrefixCache):
     """kvcert's priority-aware radix tree behind SGLang's tree-cache interface (device and host tiers)."""
 
@@ -120,6 +143,8 @@ class KvcertRadixCache(BasePrefixCache):
         """The tree's watch with `--kv-events-config` (the scheduler takes the events, `take_events`)."""
         self.cache = self._new_tree()
         self.root_node = self.cache.root.id
+        self.token_to_kv_pool_host: Optional[HostPoolView] = HostPoolView(self) if options.host_capacity else None
+        """The host tier as SGLang's metrics read a host pool (None without one, as SGLang's caches)."""
 
     def _new_tree(self) -> GpuCache:
         allocator, ps, host = self.token_to_kv_pool_allocator, self.page_size, self.options.host_capacity
@@ -136,7 +161,7 @@ class KvcertRadixCache(BasePrefixCache):
             host_capacity=host,
             write_policy=self.options.write_policy,
             kv_layers=kv.geometry.layers if kv is not None else 1,
-            high_priority_threshold=self.options.high_priority_threshold,
+            high_priority_threshold=self._priority(self.options.high_priority_threshold),
             policy_config=self.options.policy_config,
         )
         tree = GpuCache(
@@ -150,6 +175,11 @@ class KvcertRadixCache(BasePrefixCache):
         if self.kv_events.enabled:
             tree.watch = self.events = EventWatch(self.kv_events, ps, tree.nodes)
         return tree
+
+    def _priority(self, priority: int) -> int:
+        """SGLang's priority in the tree's direction (larger is more important): flipped under
+        `--schedule-low-priority-values-first`, where SGLang schedules smaller values first."""
+        return -priority if self.options.low_values_first else priority
 
     def _settle(self) -> None:
         """Land every copy in flight and consume its ack (the copy engine waits for each): a load-back before
@@ -207,7 +237,7 @@ class KvcertRadixCache(BasePrefixCache):
         kv = req.kv
         tokens = req.full_untruncated_fill_ids[:up_to]
         size = len(tokens) - len(tokens) % self.page_size
-        priority = req.priority or 0
+        priority = self._priority(req.priority or 0)
         if size > kv.cache_protected_len:
             self._insert_row(req, tokens, size, priority)
         session = req.session_id
@@ -312,6 +342,11 @@ class KvcertRadixCache(BasePrefixCache):
     def release_host_resources(self) -> None:
         self.cache.close()
 
+    def clear_storage_backend(self) -> bool:
+        """`/hicache/storage-backend/clear`: there is no storage tier to clear (L3 is refused at startup), so
+        nothing is cleared — SGLang's own cache answers the same without one."""
+        return False
+
     # ------------------------------------------------------------------ sizes
 
     def evictable_size(self) -> int:
@@ -360,7 +395,7 @@ class KvcertRadixCache(BasePrefixCache):
 
     def reprioritize(self, session_id: str, priority: int) -> None:
         """A session's new priority (§11.3); SGLang 0.5.23 has no request path that calls it."""
-        self.cache.update_ref(session_id, priority)
+        self.cache.update_ref(session_id, self._priority(priority))
 
     def plan_admission(self, *args: Any, **kwargs: Any) -> Any:
         """§11.5's admission plan (`GpuCache.plan_admission`); SGLang 0.5.23's scheduler does not ask for one."""

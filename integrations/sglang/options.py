@@ -20,7 +20,8 @@ from kvcert.spec.types import POLICIES, InvalidPolicyConfig, policy_params
 __all__ = ["COPY_ENGINE_ENV", "HIGH_PRIORITY_ENV", "BackendOptions", "UnsupportedOption", "backend_options"]
 
 HIGH_PRIORITY_ENV = "KVCERT_HIGH_PRIORITY_THRESHOLD"
-"""Session priorities at or above this are high (SPEC.md §11.1); SGLang has no flag for it. Default 1."""
+"""Session priorities at or above this are high (SPEC.md §11.1); SGLang has no flag for it. Default 1. With
+`--schedule-low-priority-values-first` the direction is SGLang's: priorities at or below it are high."""
 COPY_ENGINE_ENV = "KVCERT_COPY_ENGINE"
 """The host tier's copy engine (`kvcert.gpu.copy_engine.ENGINES`); default `cuda` over a CUDA device pool, else
 `deferred`."""
@@ -38,6 +39,9 @@ class BackendOptions:
     policy_config: tuple[tuple[str, int], ...] = ()
     """The policy's parameters, sorted (key, value) pairs: `CacheConfig.policy_config`."""
     high_priority_threshold: int = 1
+    low_values_first: bool = False
+    """`--schedule-low-priority-values-first`: SGLang schedules smaller priority values first, so a smaller value
+    is the more important one; the backend flips priorities (and its threshold) to keep what SGLang favours."""
     sessions: bool = False
     """`--enable-session-radix-cache`: a request's `session_id` holds its path between turns (SPEC.md §11)."""
     metrics: bool = False
@@ -101,6 +105,20 @@ def check_supported(ctx: Any) -> None:
             _arg(args, "schedule_policy") == "dfs-weight",
             "--schedule-policy dfs-weight",
             "it walks SGLang's own tree nodes",
+        ),
+        (
+            ctx.enable_hierarchical_cache
+            and _arg(args, "disaggregation_mode", "null") == "decode"
+            and bool(_arg(args, "disaggregation_decode_enable_radix_cache")),
+            "--disaggregation-mode decode with --disaggregation-decode-enable-radix-cache and "
+            "--enable-hierarchical-cache",
+            "SGLang's decode worker drives HiCache's own load-back queue and tree core (is_load_back_event_done, "
+            "has_free_load_back_slot, tree_core, is_backuped), which the backend does not have",
+        ),
+        (
+            ctx.enable_hierarchical_cache and not hasattr(params.token_to_kv_pool_allocator.get_kvcache(), "k_buffer"),
+            "--enable-hierarchical-cache with this model's KV pool (MLA: one latent buffer a layer, no k_buffer)",
+            "the host tier copies per-layer K and V buffers",
         ),
     )
     for present, option, why in flags:
@@ -174,6 +192,7 @@ def backend_options(ctx: Any) -> BackendOptions:
         policy=policy,
         policy_config=config,
         high_priority_threshold=_threshold(),
+        low_values_first=bool(_arg(ctx.server_args, "schedule_low_priority_values_first", False)),
         sessions=bool(params.enable_session_radix_cache),
         metrics=bool(params.enable_metrics),
         host_capacity=host_slots(ctx),
