@@ -828,6 +828,15 @@ def serve_certify_cmd(
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from e
     print_certificate(cert)
+    for cell in cert.cells:
+        if not cell.passed:
+            console.print(f"  [red]FAIL[/] {escape(cell.failure or 'the run did not finish')}")
+            if cell.trace_path:
+                console.print(
+                    f"  minimal conversation: {cell.trace_len} requests, replay reproduces: {cell.reproduced}"
+                    f"\n  saved: {cell.trace_path}  (kvcert replay {cell.trace_path})"
+                )
+    console.print("  exercised: " + ", ".join(f"{k} {v}" for k, v in sorted(cert.cells[0].ops.items())))
     _write_reports(cert, json_path, junit_path, markdown_path)
     raise typer.Exit(0 if cert.passed else 1)
 

@@ -65,6 +65,8 @@ class Reply:
     finish: str = ""
     """"length", "stop", "abort" (the engine ended it), "cut" (the client disconnected) or "error"."""
     error: str = ""
+    cached_host: int = 0
+    """Of the cached prompt tokens, those loaded back from the host tier (SGLang reports it; 0 elsewhere)."""
     retractions: int = 0
     """Times the engine retracted (preempted) the request to make room (SGLang reports it; 0 elsewhere)."""
     t_send: float = 0.0
@@ -162,6 +164,11 @@ class Client:
         """The engine's session close; its HTTP status (0 where the engine has none)."""
         return 0
 
+    def update_priority(self, sid: str, priority: Optional[int]) -> int:
+        """The engine's call that moves a session to another priority (the fork's /update_ref); its HTTP status
+        (0 where the engine has none)."""
+        return 0
+
     def occupancy(self) -> Optional[dict[str, float]]:
         """The engine's live count of KV held by requests and sessions (not its evictable cache), and requests in
         flight: {"used": tokens, "running": n, "waiting": n}; None where the engine publishes none."""
@@ -200,7 +207,9 @@ class SGLangClient(Client):
         reply.margins = _margins(tops)
         if meta.get("cached_tokens") is not None:
             reply.cached = int(meta["cached_tokens"])
-        reply.retractions = int(meta.get("num_retractions") or 0)
+        reply.retractions = int(meta.get("num_retractions") or meta.get("total_retractions") or 0)
+        details = meta.get("cached_tokens_details") or {}
+        reply.cached_host = int(details.get("host") or 0) if isinstance(details, dict) else 0
         fin = meta.get("finish_reason")
         kind = fin.get("type") if isinstance(fin, dict) else fin
         if kind in ("length", "stop"):
@@ -273,6 +282,24 @@ class SGLangClient(Client):
             return self._http().post(self.url + "/flush_cache", timeout=30).status_code == 200
         except requests.RequestException:
             return False
+
+
+class RefAwareClient(SGLangClient):
+    """The RefAware fork: SGLang's /generate, with a conversation named by its request id, closed by /release_ref
+    and moved to another priority class by /update_ref."""
+
+    def close_session(self, sid: str) -> int:
+        try:
+            return self._http().post(self.url + "/release_ref", json={"rid": sid}, timeout=30).status_code
+        except requests.RequestException:
+            return 0
+
+    def update_priority(self, sid: str, priority: Optional[int]) -> int:
+        try:
+            body = {"rid": sid, "new_priority": priority or 0}
+            return self._http().post(self.url + "/update_ref", json=body, timeout=30).status_code
+        except requests.RequestException:
+            return 0
 
 
 _METRIC = re.compile(r"^(vllm:[a-z_]+)(?:\{[^}]*\})?\s+([-+0-9.eE]+)$")
@@ -400,4 +427,6 @@ def client_for(flavor: str, url: str, **kw: Any) -> Client:
         return SGLangClient(url.rstrip("/"), **kw)
     if flavor == "openai":
         return OpenAIClient(url.rstrip("/"), **kw)
+    if flavor == "refaware":
+        return RefAwareClient(url.rstrip("/"), **kw)
     raise ValueError(f"unknown client flavor {flavor!r}")

@@ -122,17 +122,17 @@ class EventStream:
                     self.errors.append(f"the replay socket {self.replay_endpoint} did not finish within {timeout} s")
                     break
                 frames = sock.recv_multipart()
-                if len(frames) >= 3 and frames[2] == END_SEQ:
+                if END_SEQ in frames[1:3]:  # [b"", b"", END, b""] (SGLang 0.5.23) or [b"", END, b""] (0.5.10, vLLM)
                     break
-                if len(frames) != 4:
+                if len(frames) not in (3, 4):
                     continue
-                seq = int.from_bytes(frames[2], "big", signed=True)
+                seq = int.from_bytes(frames[-2], "big", signed=True)  # [b"", (topic,) seq, payload]
                 with self._lock:
                     if seq in self._got:
                         continue
                     later = [b.arrival for s, b in self._got.items() if s > seq]
                 arrival = min(later) if later else time.monotonic()
-                self._keep(seq, arrival, frames[3])
+                self._keep(seq, arrival, frames[-1])
                 added += 1
         finally:
             sock.close()
@@ -170,6 +170,11 @@ class BlockReplay:
     children: dict[tuple[Optional[int], tuple[int, ...]], set[int]] = field(default_factory=dict)
     """(parent hash, the block's tokens) -> the hashes stored under it: how a prompt's blocks are found."""
     last_seq: Optional[int] = None
+    tolerate_sparse: bool = False
+    """Take a store whose tokens span more blocks than it names hashes (vLLM's sliding-window and Mamba groups skip
+    null blocks: finding VLLM-EV-SPARSE) without a contradiction; its blocks are held but cannot be found by prompt."""
+    sparse: int = 0
+    """Such stores seen."""
     stored: Counter[str] = field(default_factory=Counter)
     removed: Counter[str] = field(default_factory=Counter)
     cleared: int = 0
@@ -177,8 +182,9 @@ class BlockReplay:
     def apply(self, batch: Batch) -> list[str]:
         """Apply one batch; the contradictions it shows (empty: consistent)."""
         bad: list[str] = []
-        if self.last_seq is not None and batch.seq != self.last_seq + 1:
-            bad.append(f"sequence gap: batch {batch.seq} after {self.last_seq}")
+        if batch.seq != (self.last_seq + 1 if self.last_seq is not None else 0):
+            after = f"after {self.last_seq}" if self.last_seq is not None else "first (the publisher counts from 0)"
+            bad.append(f"sequence gap: batch {batch.seq} {after}")
         self.last_seq = batch.seq
         for ev in batch.events:
             kind = ev.get("type")
@@ -209,7 +215,10 @@ class BlockReplay:
         if parent is not None and parent not in self.ever:
             bad.append(f"batch {seq}: BlockStored {hashes[:1]} under parent {parent}, which the stream never stored")
         if size <= 0 or len(tokens) != size * len(hashes):
-            bad.append(f"batch {seq}: BlockStored of {len(hashes)} blocks of size {size} carries {len(tokens)} tokens")
+            if self.tolerate_sparse and size > 0 and len(tokens) % size == 0 and len(tokens) > size * len(hashes):
+                self.sparse += 1
+            else:
+                bad.append(f"batch {seq}: BlockStored of {len(hashes)} blocks of size {size} carries {len(tokens)} tokens")
             size = 0
         held = self.held.setdefault(medium, Counter())
         for i, h in enumerate(hashes):

@@ -43,7 +43,8 @@ def make_model(target: ServedTarget, python: Path, seed: int) -> dict[str, Any]:
     if not python.exists():
         raise EnvironmentMissing(f"{python} does not exist: build the {target.engine} environment with `{target.install}`")
     run = subprocess.run(
-        [str(python), "-m", "kvcert.conformance.served.model", "--seed", str(seed)],
+        [str(python), "-m", "kvcert.conformance.served.model", "--seed", str(seed),
+         "--sliding-window", str(target.sliding_window)],  # fmt: skip
         capture_output=True,
         text=True,
         timeout=600,
@@ -119,6 +120,8 @@ class Served:
         self.client: Optional[Client] = None
         self.twin_client: Optional[Client] = None
         self.judge = rules.Judge(block=target.block)
+        self.tolerate_sparse = False
+        """Known finding VLLM-EV-SPARSE's stores are taken (set by the run; kept across restarts)."""
         self.twin_memo: dict[tuple[tuple[int, ...], int], Reply] = {}
         self._log_offset = 0
         self.startups: dict[str, float] = {}
@@ -193,14 +196,21 @@ class Served:
         """Fresh servers and a fresh event replay (after the server under test exited)."""
         self.stop()
         self.judge = rules.Judge(block=self.target.block)
+        self.judge.replay.tolerate_sparse = self.tolerate_sparse
         self._log_offset = 0
         self.start()
 
     # -- traffic -------------------------------------------------------------------------------------------
-    def play(self, conv: Conversation, features_sessions: bool = False) -> Played:
-        """Send `conv` as its clients would: one thread per session, each turn after its think time."""
+    def play(self, conv: Conversation) -> Played:
+        """Send `conv` as its clients would: one thread per session, each turn after its think time. A client sends
+        its session id where the engine keeps sessions, names every turn by its session where the engine names a
+        conversation by its request id (the fork), and announces a new priority first where the engine asks it to."""
         assert self.client is not None
         client = self.client
+        traffic = self.target.traffic
+        session_ids = bool(traffic.get("session_ids"))
+        session_rid = bool(traffic.get("session_rid"))
+        update_ref = bool(traffic.get("update_ref"))
         played = Played(conv)
         lock = threading.Lock()
         filled: dict[int, Session] = {}
@@ -210,8 +220,12 @@ class Served:
             context: tuple[int, ...] = conv.systems[s.system] if s.system is not None else ()
             time.sleep(s.start)
             turns: list[Turn] = []
+            priority: Optional[int] = None
             for k, turn in enumerate(s.turns):
                 time.sleep(turn.think)
+                if update_ref and k and turn.priority != priority and not turn.skip_update:
+                    client.update_priority(s.sid, turn.priority)  # the fork's contract: a class change goes first
+                priority = turn.priority
                 prompt = turn.prompt if turn.prompt is not None else context + turn.new
                 turns.append(replace(turn, prompt=prompt))
                 if turn.malformed is not None:
@@ -222,14 +236,14 @@ class Served:
                         break  # the server is gone: this client stops
                     continue
                 ask = Ask(
-                    rid=request_id(s, k),
+                    rid=s.sid if session_rid else request_id(s, k),
                     session=s.sid,
                     turn=k,
                     prompt=prompt,
                     max_new_tokens=turn.max_new_tokens,
                     priority=turn.priority,
                     key=s.key,
-                    session_id=s.sid if features_sessions else None,
+                    session_id=s.sid if session_ids else None,
                     cut_after=turn.cut_after,
                     abort_after=turn.abort_after,
                 )
@@ -251,13 +265,14 @@ class Served:
                 f.result()
         played.conversation = replace(conv, sessions=tuple(filled[i] for i in range(len(conv.sessions))))
         played.seconds = time.monotonic() - t0
-        played.replies.sort(key=lambda r: r.ask.rid)
+        played.replies.sort(key=lambda r: (r.ask.session, r.ask.turn))
         return played
 
-    def twin_answers(self, replies: Sequence[Reply]) -> dict[str, Reply]:
-        """The twin's full answer to every prompt asked (memoized: the twin caches nothing, so one answer serves)."""
+    def twin_answers(self, replies: Sequence[Reply]) -> list[Optional[Reply]]:
+        """The twin's full answer to each reply's prompt, in order (memoized: the twin caches nothing, so one answer
+        serves every request of that prompt and length)."""
         if self.twin_client is None:
-            return {}
+            return [None] * len(replies)
         twin = self.twin_client
         want = {(r.ask.prompt, r.ask.max_new_tokens) for r in replies} - set(self.twin_memo)
 
@@ -266,7 +281,7 @@ class Served:
 
         with ThreadPoolExecutor(max_workers=4) as pool:
             list(pool.map(ask, range(len(want)), sorted(want)))
-        return {r.ask.rid: self.twin_memo[(r.ask.prompt, r.ask.max_new_tokens)] for r in replies}
+        return [self.twin_memo[(r.ask.prompt, r.ask.max_new_tokens)] for r in replies]
 
     def idle(self, timeout: float = IDLE_TIMEOUT) -> tuple[Optional[dict[str, float]], bool]:
         """The engine's occupancy once nothing is running or waiting (and whether that happened in `timeout`)."""
@@ -311,16 +326,16 @@ class Served:
             v.counts[f"request:{r.ask.intent}"] += 1
             v.counts["cached>0"] += bool(r.cached)
             v.counts["retracted"] += bool(r.retractions)
+            v.counts["cached from host>0"] += bool(r.cached_host)
             v.counts[f"finish:{r.finish}"] += 1
             bad = rules.answered(r)
             if bad:
                 v.violations.append(bad)
-        twins = self.twin_answers(played.replies)
-        for r in played.replies:
-            if r.ask.rid not in twins or r.status != 200:
+        for r, twin in zip(played.replies, self.twin_answers(played.replies)):
+            if twin is None or r.status != 200:
                 continue
             compared = rules.Compared()
-            bad = rules.same_output(r, twins[r.ask.rid], compared)
+            bad = rules.same_output(r, twin, compared)
             v.counts["tokens compared"] += compared.tokens
             v.counts["ties"] += compared.tie_at is not None
             if bad:

