@@ -13,7 +13,7 @@ Rules marked (profile) pin the choices of one engine (`vllm-0.32`) that the core
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -27,7 +27,9 @@ __all__ = [
     "Entry",
     "Offer",
     "OffloadModel",
+    "ArcLists",
     "StoreOutcome",
+    "arc_victims",
     "check_capacity",
     "check_events",
     "check_kv",
@@ -36,6 +38,7 @@ __all__ = [
     "check_store",
     "check_usage",
     "content",
+    "ghost_target",
     "lru_victims",
     "shortfall",
 ]
@@ -72,6 +75,18 @@ RULES: dict[str, str] = {
     "INV-OFF-LRU-1": "(profile, lru) the evicted keys are the shortfall's count of least recently used candidates, "
     "oldest first; use is an insert, a touch (its first key ends most recent) and a request's finish (the keys it "
     "stored or loaded, its first key most recent); a load, a completion and a lookup are not uses",
+    "INV-OFF-ARC-1": "(profile, arc) the evicted keys are ARC's victims, in order (arc_victims): while T1 holds at least "
+    "int(target) keys (its keys being written or pinned counted, its victims so far not) the least recent evictable "
+    "T1 key, else T2's, else T1's; a T1 victim becomes B1's newest ghost, a T2 victim B2's, each ghost list then "
+    "trimmed to num_chunks oldest first. An insert is T1's newest key and drops its ghost; a reuse moves a key to "
+    "T2's newest: a touch of a ready key (pinned too; a touch takes its keys last to first) and a request's finish "
+    "for each key it loaded or found ready at a store, unless it had inserted that key itself before; a touch of a "
+    "key being written, and a finish for a key the "
+    "request only inserted, make it its list's newest; a ghost hit (a touch of an absent key, or a request's first "
+    "store miss of it, threshold passed, even if the store then fails) raises target by max(1, |B2|/|B1|) to at most "
+    "num_chunks (B1) or lowers it by max(1, |B1|/|B2|) to at least 0 (B2) and makes the ghost its list's newest; a "
+    "failed store drops its key with no ghost; a reset empties all four lists and sets target to 0; a load, a "
+    "completion and a lookup change nothing",
 }
 """Every rule of the tier, by stable ID: what a certificate prints."""
 
@@ -107,6 +122,153 @@ def lru_victims(candidates: Sequence[Key], ranks: Sequence[int], n: int) -> list
     return [candidates[i] for i in order[: max(n, 0)]]
 
 
+def arc_victims(
+    t1: Sequence[Key], t2: Sequence[Key], target: float, evictable: Sequence[Key], n: int
+) -> Optional[list[tuple[Key, bool]]]:
+    """ARC's `n` victims as vLLM 0.32's `ARCCachePolicy.evict` picks them, each with whether it came from T1, or None
+    when fewer than `n` keys are evictable. `t1` and `t2` run least recent first. While T1 (every key in it, evictable
+    or not, less the victims already taken from it) holds at least `int(target)` keys, the next victim is T1's least
+    recent evictable key, else T2's, else T1's; each list is scanned once, never from its start again.
+
+    pre: len(set(t1)) == len(t1)
+    pre: len(set(t2)) == len(t2)
+    pre: not set(t1) & set(t2)
+    pre: 0 <= target <= 1 << 20
+    post: __return__ is None or len(__return__) == max(n, 0)
+    post: __return__ is None or all(k in evictable and (k in t1) == first for k, first in __return__)
+    post: __return__ is None or len({k for k, _ in __return__}) == len(__return__)
+    post: (__return__ is None) == (n > len([k for k in [*t1, *t2] if k in evictable]))
+    """
+    ok = set(evictable)
+    ones = [k for k in t1 if k in ok]
+    twos = [k for k in t2 if k in ok]
+    i = j = 0
+    size = len(t1)
+    out: list[tuple[Key, bool]] = []
+    for _ in range(max(n, 0)):
+        if size >= int(target) and i < len(ones):
+            out.append((ones[i], True))
+            i, size = i + 1, size - 1
+        elif j < len(twos):
+            out.append((twos[j], False))
+            j += 1
+        elif i < len(ones):
+            out.append((ones[i], True))
+            i, size = i + 1, size - 1
+        else:
+            return None
+    return out
+
+
+def ghost_target(target: float, b1: int, b2: int, in_b1: bool, capacity: int) -> float:
+    """ARC's target T1 size after a ghost hit in B1 (`in_b1`: recency paid, T1 may grow) or in B2 (frequency paid, T1
+    shrinks), with `b1` and `b2` ghosts: by max(1, the other list over this one), within [0, capacity].
+
+    pre: 0 <= target <= capacity <= 1 << 20
+    pre: b1 >= 1 if in_b1 else b2 >= 1
+    pre: 0 <= b1 <= capacity and 0 <= b2 <= capacity
+    post: 0 <= __return__ <= capacity
+    post: __return__ >= target if in_b1 else __return__ <= target
+    post: __return__ != target or target in (0, capacity)
+    """
+    if in_b1:
+        return min(target + max(1, b2 / b1), capacity)
+    return max(target - max(1, b1 / b2), 0)
+
+
+@dataclass
+class ArcLists:
+    """vLLM 0.32's ARC state (`ARCCachePolicy`): T1 (keys inserted and not reused since), T2 (keys reused), ghost lists
+    B1 and B2 (keys evicted from T1 and T2), each least recent first, and the target size of T1. Kept by key: the
+    owner knows which present keys are ready."""
+
+    capacity: int
+    t1: list[Key] = field(default_factory=list)
+    t2: list[Key] = field(default_factory=list)
+    b1: list[Key] = field(default_factory=list)
+    b2: list[Key] = field(default_factory=list)
+    target: float = 0.0
+    hits: int = 0
+    """Ghost hits so far (for counting what a run reached)."""
+
+    @staticmethod
+    def _newest(keys: list[Key], key: Key) -> None:
+        keys.remove(key)
+        keys.append(key)
+
+    def ghost_hit(self, key: Key) -> None:
+        """An access to an absent key: a ghost in B1 or B2 moves the target and becomes its list's newest."""
+        for ghosts, in_b1 in ((self.b1, True), (self.b2, False)):
+            if key in ghosts:
+                self.target = ghost_target(self.target, len(self.b1), len(self.b2), in_b1, self.capacity)
+                self._newest(ghosts, key)
+                self.hits += 1
+                return
+
+    def insert(self, key: Key) -> None:
+        self.t1.append(key)
+        for ghosts in (self.b1, self.b2):
+            if key in ghosts:
+                ghosts.remove(key)
+
+    def remove(self, key: Key) -> None:
+        """A failed store: the key leaves its list and leaves no ghost."""
+        for keys in (self.t1, self.t2):
+            if key in keys:
+                keys.remove(key)
+                return
+
+    def evicted(self, keys: Sequence[Key]) -> None:
+        """Victims go to their list's ghost list; both ghost lists are then trimmed to the capacity, oldest first."""
+        for k in keys:
+            if k in self.t1:
+                self.t1.remove(k)
+                self.b1.append(k)
+            elif k in self.t2:
+                self.t2.remove(k)
+                self.b2.append(k)
+        if keys:
+            for ghosts in (self.b1, self.b2):
+                del ghosts[: max(0, len(ghosts) - self.capacity)]
+
+    def touch(self, keys: Sequence[Key], ready: Callable[[Key], bool]) -> None:
+        """A touch, last key first: a ready T1 key is reused (to T2), a T1 key being written only becomes T1's newest,
+        a T2 key T2's newest, an absent key a ghost hit."""
+        for k in reversed(keys):
+            if k in self.t1:
+                self.t1.remove(k)
+                (self.t2 if ready(k) else self.t1).append(k)
+            elif k in self.t2:
+                self._newest(self.t2, k)
+            else:
+                self.ghost_hit(k)
+
+    def finish(self, order: Sequence[Key], inserted_only: set[Key], reused: set[Key]) -> None:
+        """A request's finish, last key first: a key it only inserted becomes its list's newest (a store is not a
+        reuse), a key it reused moves to T2's newest; the rest are left alone."""
+        for k in reversed(order):
+            if k in inserted_only:
+                for keys in (self.t1, self.t2):
+                    if k in keys:
+                        self._newest(keys, k)
+                        break
+            elif k in reused and k in self.t1:
+                self.t1.remove(k)
+                self.t2.append(k)
+            elif k in reused and k in self.t2:
+                self._newest(self.t2, k)
+
+    def clear(self) -> None:
+        self.t1.clear()
+        self.t2.clear()
+        self.b1.clear()
+        self.b2.clear()
+        self.target = 0.0
+
+    def __str__(self) -> str:
+        return f"T1 {self.t1}, T2 {self.t2}, B1 {self.b1}, B2 {self.b2}, target {self.target:g}"
+
+
 @dataclass
 class Entry:
     """A present key: the chunk its store named, whether its copy is in, and the loads that pin it."""
@@ -124,6 +286,12 @@ class Access:
     generation: int
     seen: list[Key] = field(default_factory=list)
     finished: bool = False
+    inserted: set[Key] = field(default_factory=set)
+    """Keys its stores took (ARC: a store is not a reuse)."""
+    reused: set[Key] = field(default_factory=set)
+    """Keys it loaded or found ready at a store, unless it had inserted them first."""
+    misses: set[Key] = field(default_factory=set)
+    """Keys whose store miss ARC has seen for it (one ghost hit per key and request)."""
 
 
 @dataclass(frozen=True)
@@ -149,6 +317,9 @@ class Offer:
     """Ready keys no load pins and not asked: what may be evicted."""
     ranks: tuple[int, ...]
     """Each candidate's LRU rank (larger is more recent)."""
+    arc: Optional[tuple[Key, ...]] = None
+    """ARC's victims (None: not enough are evictable), and its lists when it picked them."""
+    arc_state: str = ""
 
     @property
     def need(self) -> int:
@@ -181,6 +352,11 @@ class OffloadModel:
     generation: int = 0
     failed: set[Key] = field(default_factory=set)
     """Keys whose last store failed (for counting what a run reached)."""
+    arc: ArcLists = field(init=False)
+    """ARC's lists, kept under either policy and judged under arc."""
+
+    def __post_init__(self) -> None:
+        self.arc = ArcLists(self.num_chunks)
 
     # ----------------------------------------------------------------- queries
 
@@ -209,13 +385,19 @@ class OffloadModel:
                 self.next_rank += 1
                 self.ranks[k] = self.next_rank
 
-    def _access(self, req: str, keys: Sequence[Key]) -> None:
+    def _state(self, req: str) -> Access:
+        """The request's accesses in this generation of the tier (a reset starts them over)."""
         state = self.requests.get(req)
         if state is None or state.generation != self.generation:
             state = self.requests[req] = Access(self.generation)
+        return state
+
+    def _access(self, req: str, keys: Sequence[Key], reused: Sequence[Key] = ()) -> None:
+        state = self._state(req)
         for k in keys:
             if k not in state.seen:
                 state.seen.append(k)
+        state.reused.update(k for k in reused if k not in state.inserted)
 
     # ----------------------------------------------------------------- operations
 
@@ -231,10 +413,12 @@ class OffloadModel:
         state.finished = True
         order = sorted(state.seen, key=lambda k: k % max(self.groups, 1))
         self._use(list(reversed(order)))
+        self.arc.finish(order, state.inserted - state.reused, state.reused)
 
     def touch(self, keys: Sequence[Key]) -> None:
         """A touch ranks its keys most recent, its first key most of all."""
         self._use(list(reversed(keys)))
+        self.arc.touch(keys, lambda k: self.entries[k].ready)
 
     def _offered(self, keys: Sequence[Key]) -> None:
         """Count an offer in the tracker: known keys move to its newest end, new ones enter it, the oldest key not
@@ -254,16 +438,24 @@ class OffloadModel:
             self.counts[k] = 1
 
     def offer(self, req: str, asked: Sequence[Key]) -> Offer:
-        """A prepare_store's expectation. Like the tier, it counts the offer and notes the request's access before
-        it knows whether the store fits."""
+        """A prepare_store's expectation. Like the tier, it counts the offer, lets ARC see the request's new store
+        misses (each key once a request: a ghost hit moves ARC's target before the victims are picked) and notes the
+        request's access, all before it knows whether the store fits."""
         if self.store_threshold >= 2:
             self._offered(asked)
         absent = [k for k in asked if k not in self.entries]
         new = [k for k in absent if self.store_threshold < 2 or self.counts.get(k, 0) >= self.store_threshold]
         ready = [k for k in asked if k in self.entries and self.entries[k].ready]
-        self._access(req, [k for k in asked if k in new or k in ready])
+        state = self._state(req)
+        misses = [k for k in new if k not in state.misses]
+        for k in reversed(misses):
+            self.arc.ghost_hit(k)
+        state.misses.update(misses)
+        self._access(req, [k for k in asked if k in new or k in ready], reused=ready)
         wanted = set(asked)
         candidates = [k for k, e in self.entries.items() if e.ready and e.pins == 0 and k not in wanted]
+        need = shortfall(len(new), self.free())
+        arc = arc_victims(self.arc.t1, self.arc.t2, self.arc.target, candidates, need) if need else []
         return Offer(
             tuple(asked),
             tuple(new),
@@ -271,21 +463,28 @@ class OffloadModel:
             self.free(),
             tuple(candidates),
             tuple(self.ranks.get(k, 0) for k in candidates),
+            None if arc is None else tuple(k for k, _ in arc),
+            str(self.arc),
         )
 
-    def apply_store(self, outcome: Optional[StoreOutcome]) -> None:
-        """Take the tier's report: its evictions, then its new keys (writing, most recent) in their chunks."""
+    def apply_store(self, outcome: Optional[StoreOutcome], req: Optional[str] = None) -> None:
+        """Take the tier's report: its evictions, then its new keys (writing, most recent; the inserts of `req`) in
+        their chunks."""
         if outcome is None:
             return
         for k in outcome.evicted:
             self.entries.pop(k, None)
             self.ranks.pop(k, None)
+        self.arc.evicted(outcome.evicted)
         if outcome.evicted:
             self.events.append((True, tuple(outcome.evicted)))
         for k, chunk in zip(outcome.stored, outcome.chunks):
             self.entries[k] = Entry(chunk)
             self._use([k])
+            self.arc.insert(k)
             self.failed.discard(k)
+        if req is not None:
+            self._state(req).inserted.update(outcome.stored)
 
     def complete_store(self, keys: Sequence[Key], success: bool) -> list[Key]:
         """The keys still being written become ready (success) or absent (failure); returns them."""
@@ -296,6 +495,7 @@ class OffloadModel:
             else:
                 del self.entries[k]
                 self.ranks.pop(k, None)
+                self.arc.remove(k)
                 self.failed.add(k)
         if success and done:
             self.events.append((False, tuple(done)))
@@ -305,7 +505,7 @@ class OffloadModel:
         """Pin ready keys for a load; returns the chunks it must name (INV-OFF-8). Not a use of them yet."""
         for k in keys:
             self.entries[k].pins += 1
-        self._access(req, keys)
+        self._access(req, keys, reused=keys)
         return [self.entries[k].chunk for k in keys]
 
     def complete_load(self, keys: Sequence[Key]) -> None:
@@ -317,6 +517,7 @@ class OffloadModel:
         """Every key dropped and every chunk free, silently: the event queue and the threshold's tracker stay."""
         self.entries.clear()
         self.ranks.clear()
+        self.arc.clear()
         self.next_rank = 0
         self.generation += 1
 
@@ -341,7 +542,8 @@ def check_lookup(model: OffloadModel, key: Key, got: str, rule: str = "INV-OFF-1
 
 
 def check_store(model: OffloadModel, offer: Offer, outcome: Optional[StoreOutcome]) -> list[Violation]:
-    """One prepare_store's report, before the model takes it (INV-OFF-2/3/4/5, and INV-OFF-LRU-1 under lru)."""
+    """One prepare_store's report, before the model takes it (INV-OFF-2/3/4/5, and under vLLM's profile
+    INV-OFF-LRU-1 under lru, INV-OFF-ARC-1 under arc)."""
     out = _store_fit(offer, outcome)
     if outcome is None:
         return out
@@ -350,6 +552,8 @@ def check_store(model: OffloadModel, offer: Offer, outcome: Optional[StoreOutcom
     out += _store_chunks(model, outcome)
     if model.policy == "lru":
         out += _lru_order(offer, outcome)
+    elif model.policy == "arc":
+        out += _arc_order(offer, outcome)
     return out
 
 
@@ -425,6 +629,19 @@ def _lru_order(offer: Offer, outcome: StoreOutcome) -> list[Violation]:
         return []
     return [
         Violation("INV-OFF-LRU-1", f"prepare_store evicted {list(outcome.evicted)}, the least recently used are {want}")
+    ]
+
+
+def _arc_order(offer: Offer, outcome: StoreOutcome) -> list[Violation]:
+    """(profile) vLLM's ARC: a victim from the other list, or promotion and adaptation skipped, is another engine.
+    A store that should not have fit is INV-OFF-4's alone."""
+    if offer.arc is None or list(outcome.evicted) == list(offer.arc):
+        return []
+    return [
+        Violation(
+            "INV-OFF-ARC-1",
+            f"prepare_store evicted {list(outcome.evicted)}, ARC's victims are {list(offer.arc)} ({offer.arc_state})",
+        )
     ]
 
 

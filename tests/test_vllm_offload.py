@@ -27,7 +27,7 @@ def _stored(
     offer = model.offer(req, keys)
     outcome = StoreOutcome(offer.new, tuple(chunks), evicted)
     assert off.check_store(model, offer, outcome) == []
-    model.apply_store(outcome)
+    model.apply_store(outcome, req)
     return offer
 
 
@@ -70,7 +70,7 @@ def test_a_store_fails_iff_its_new_keys_exceed_free_and_evictable_chunks_it_was_
 
 
 def test_victims_are_ready_unpinned_and_not_asked_for() -> None:
-    model = _full("arc")  # arc: the core rules alone
+    model = _full("arc")  # the only candidate is ARC's victim too
     model.prepare_load("a", [0])
     _stored(model, "a", [], [])
     model.complete_load([])
@@ -193,6 +193,72 @@ def test_shortfall_and_lru_victims() -> None:
     assert off.lru_victims([5], [1], 4) == [5] and off.lru_victims([5], [1], -1) == []
 
 
+def test_arc_evicts_t1_first_until_promotions_and_a_ghost_hit_raise_its_target() -> None:
+    model = _full("arc")  # T1 [0, 1, 2], all ready
+    assert off.arc_victims(model.arc.t1, model.arc.t2, model.arc.target, [0, 1, 2], 2) == [(0, True), (1, True)]
+    model.touch([1, 2])  # ready T1 keys are reused: to T2, the first key newest
+    assert (model.arc.t1, model.arc.t2) == ([0], [2, 1])
+    offer = model.offer("a", [3])
+    assert offer.arc == (0,)  # T1 holds 1 >= int(target) 0: its oldest goes
+    found = off.check_store(model, offer, StoreOutcome((3,), (2,), (2,)))
+    assert [v.inv for v in found] == ["INV-OFF-ARC-1"], found
+    model.apply_store(StoreOutcome((3,), (0,), (0,)), "a")
+    assert (model.arc.t1, model.arc.b1) == ([3], [0])
+    model.complete_store([3], True)
+    model.touch([0])  # a ghost hit in B1: the target rises by max(1, |B2| / |B1|)
+    assert model.arc.target == 1 and model.arc.hits == 1
+    assert model.offer("a", [4]).arc == (3,)  # T1 holds 1 >= 1
+    model.touch([0])
+    assert model.arc.target == 2 and model.offer("a", [4]).arc == (2,)  # T1 holds 1 < 2: T2's oldest
+
+
+def test_arc_a_store_is_not_a_reuse_but_a_load_is() -> None:
+    model = OffloadModel(4, "arc")
+    model.open("a")
+    model.open("b")
+    _stored(model, "a", [0, 1], [0, 1])
+    model.complete_store([0, 1], True)
+    model.touch([5])  # absent and no ghost: nothing moves
+    model.prepare_load("b", [1])
+    model.complete_load([1])  # a load is not a use until its request finishes
+    assert (model.arc.t1, model.arc.t2) == ([0, 1], [])
+    model.finish("a")  # a's keys are inserts only: T1's newest, its first key last
+    assert (model.arc.t1, model.arc.t2) == ([1, 0], [])
+    model.finish("b")  # b reused key 1
+    assert (model.arc.t1, model.arc.t2) == ([0], [1])
+    _stored(model, "b", [2], [2])  # b is finished: the walk sends nothing after a finish, the model takes it anyway
+    model.touch([2])  # a T1 key being written stays in T1
+    assert (model.arc.t1, model.arc.t2) == ([0, 2], [1])
+    model.complete_store([2], False)  # a failed store leaves no ghost
+    assert (model.arc.t1, model.arc.b1, model.arc.b2) == ([0], [], [])
+
+
+def test_arc_store_misses_hit_a_ghost_once_a_request_and_a_reset_forgets_everything() -> None:
+    model = OffloadModel(1, "arc")
+    model.open("a")
+    _stored(model, "a", [0], [0])
+    model.complete_store([0], True)
+    _stored(model, "a", [1], [0], evicted=(0,))  # 0 is B1's
+    model.complete_store([1], True)
+    assert model.arc.b1 == [0] and model.arc.target == 0
+    model.open("b")
+    model.offer("b", [0])  # a store miss on a B1 ghost: the target rises before the victims are picked
+    assert model.arc.target == 1
+    model.offer("b", [0])  # the same request's second miss of it is not seen again
+    assert model.arc.target == 1
+    model.reset()
+    assert (model.arc.t1, model.arc.b1, model.arc.target) == ([], [], 0)
+
+
+def test_arc_victims_and_ghost_target() -> None:
+    assert off.arc_victims([1, 2], [3], 0, [1, 2, 3], 3) == [(1, True), (2, True), (3, False)]
+    assert off.arc_victims([1, 2], [3], 2.5, [1, 2, 3], 3) == [(1, True), (3, False), (2, True)]
+    assert off.arc_victims([1, 2], [3], 3, [2, 3], 2) == [(3, False), (2, True)]  # T1's size counts key 1, pinned
+    assert off.arc_victims([1], [3], 0, [3], 2) is None
+    assert off.ghost_target(0, 2, 3, True, 8) == 1.5 and off.ghost_target(7.5, 1, 1, True, 8) == 8
+    assert off.ghost_target(3, 3, 2, False, 8) == 1.5 and off.ghost_target(0.5, 1, 1, False, 8) == 0
+
+
 def test_every_rule_the_checkers_file_is_stated() -> None:
     source = (Path(__file__).resolve().parent.parent / "spec" / "offload.py").read_text()
     filed = set(re.findall(r'"(INV-OFF-[A-Z0-9-]+)"', source))
@@ -214,6 +280,10 @@ PLANTS: dict[str, tuple[set[str], str]] = {
     "free-count-short": ({"INV-OFF-4"}, ""),
     "evict-double-free": ({"INV-OFF-5", "INV-OFF-6"}, ""),
     "threshold-first-offer": ({"INV-OFF-2"}, "store_threshold2"),
+    "arc-touch-no-promotion": ({"INV-OFF-ARC-1"}, "arc"),
+    "arc-ghost-no-adapt": ({"INV-OFF-ARC-1"}, "arc"),
+    "arc-t2-first": ({"INV-OFF-ARC-1"}, "arc"),
+    "arc-finish-promotes-inserted": ({"INV-OFF-ARC-1"}, "arc"),
 }
 """Each plant: the rules any of which its certificate must name, and the part of a cell's name its code runs in
 ("" every cell); a cell without that part must pass."""
@@ -234,8 +304,10 @@ def test_the_unmodified_manager_is_certified_on_a_run_that_reaches_the_races(run
     assert reached.get("store_refused", 0) > 0 and reached.get("resets_with_copies_in_flight", 0) > 0, reached
     assert ops.get("lookup:HIT_PENDING", 0) > 10 and ops.get("lookup:after-failed-store", 0) > 0, ops
     assert ops.get("kv:reads", 0) > 100 and ops.get("threshold:held", 0) > 0 and ops.get("events:removed", 0) > 0, ops
+    assert ops.get("arc:t2-victims", 0) > 10 and ops.get("arc:ghost-hits", 0) > 50, ops
+    assert ops.get("arc:target-decided", 0) > 0, ops
     said = " ".join(clean["not_checked"])
-    assert "ARC's victim order" in said and "no step of this run exercised it" not in said
+    assert "ARC's victim order" not in said and "no step of this run exercised it" not in said
 
 
 @pytest.mark.parametrize("plant", sorted(PLANTS))

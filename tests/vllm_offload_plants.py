@@ -143,6 +143,52 @@ def planted(name: str) -> Iterator[None]:
 
         with mock.patch.object(M, "_record_accesses", eager):
             yield
+    elif name == "arc-touch-no-promotion":  # ARC's touch keeps a ready T1 key in T1 (its newest), not to T2
+
+        def touch(self: Any, keys: Any, ctx: Any) -> None:
+            for key in reversed(list(keys)):
+                if key in self.t1:
+                    self.t1.move_to_end(key)
+                elif key in self.t2:
+                    self.t2.move_to_end(key)
+                else:
+                    self._adapt_to_ghost_hit(key)
+
+        with mock.patch.object(arc.ARCCachePolicy, "touch", touch):
+            yield
+    elif name == "arc-ghost-no-adapt":  # a ghost hit refreshes its ghost but leaves target_t1_size where it was
+        real_adapt = arc.ARCCachePolicy._adapt_to_ghost_hit
+
+        def adapt(self: Any, key: Any) -> bool:
+            target = self.target_t1_size
+            try:
+                return bool(real_adapt(self, key))
+            finally:
+                self.target_t1_size = target
+
+        with mock.patch.object(arc.ARCCachePolicy, "_adapt_to_ghost_hit", adapt):
+            yield
+    elif name == "arc-t2-first":  # ARC's eviction ignores its target: T2's keys go before T1's
+        real_evict = arc.ARCCachePolicy.evict
+
+        def t2_first(self: Any, n: int, protected: set[Any]) -> Any:
+            target = self.target_t1_size
+            self.target_t1_size = len(self.t1) + 1.0
+            try:
+                return real_evict(self, n, protected)
+            finally:
+                self.target_t1_size = target
+
+        with mock.patch.object(arc.ARCCachePolicy, "evict", t2_first):
+            yield
+    elif name == "arc-finish-promotes-inserted":  # a request's finish counts the keys it only stored as reuses (to T2)
+        real_finish = arc.ARCCachePolicy.on_request_finished
+
+        def finish(self: Any, groups: Any, inserted_only: set[Any], reused: set[Any], ctx: Any) -> None:
+            real_finish(self, groups, set(), reused | inserted_only, ctx)
+
+        with mock.patch.object(arc.ARCCachePolicy, "on_request_finished", finish):
+            yield
     else:
         raise SystemExit(f"unknown plant {name!r}")
 

@@ -11,7 +11,8 @@ the keys it took, with success or not; `prepare_load` of keys that are HIT, in f
 completed, as the connector drops them (`_stale_job_threshold`). The harness plays the copy engine: a store writes
 each key's KV (`offload.content`) into the chunks its spec names, a failed one leaves torn bytes there, and a load
 reads its spec's chunks back when it is prepared and when it completes. After every call it asks `lookup` of every
-key and `get_stats` for the pool's occupancy.
+key and `get_stats` for the pool's occupancy. Each store's victims are the profile's: least recently used first under
+lru (INV-OFF-LRU-1), ARC's T1/T2 choice under arc (INV-OFF-ARC-1, the model's `ArcLists`).
 """
 
 from __future__ import annotations
@@ -137,7 +138,8 @@ class _Run:
 class OffloadWalk:
     """The walk: blind ops over three request slots and sixteen keys; an op its state makes inapplicable (a store
     or load by a slot with no open request, a completion with no copy in flight, a load of keys none of which is
-    HIT) is skipped, as the connector never sends it."""
+    HIT) is skipped, as the connector never sends it. Under arc, half the lookups are touches instead: reuses move
+    keys to T2 and ghost hits move the target, so more victims turn on them."""
 
     def cells(self, capabilities: Capabilities) -> list[WalkCell]:
         base = (("num_chunks", NUM_CHUNKS),)
@@ -152,6 +154,7 @@ class OffloadWalk:
         def keys(most: int) -> list[int]:
             return rng.sample(range(KEYS), rng.randint(1, most))
 
+        reuse = cell.policy == "arc"
         out: list[dict[str, Any]] = [{"op": "on_new_request", "req": r} for r in range(REQUESTS)]
         for _ in range(max(steps - REQUESTS, 0)):
             r, kind = rng.randrange(REQUESTS), rng.random()
@@ -159,6 +162,8 @@ class OffloadWalk:
                 out.append({"op": "on_new_request", "req": r})
             elif kind < 0.10:
                 out.append({"op": "on_request_finished", "req": r})
+            elif reuse and 0.16 <= kind < 0.22:  # arc: half the lookups are touches, reuses that fill T2
+                out.append({"op": "touch", "req": r, "keys": keys(4)})
             elif kind < 0.22:
                 out.append({"op": "lookup", "req": r, "key": rng.randrange(KEYS)})
             elif kind < 0.46:
@@ -191,6 +196,7 @@ class OffloadWalk:
         run = _Run(t, model, Counter())
         for step, op in enumerate(ops):
             run.held = 0
+            hits = model.arc.hits
             try:
                 found = self._apply(run, op)
                 if found is not None:
@@ -204,6 +210,8 @@ class OffloadWalk:
                 run.seen[f"skip:{op['op']}"] += 1
                 continue
             run.seen[f"op:{op['op']}"] += 1
+            if cell.policy == "arc":
+                run.seen["arc:ghost-hits"] += model.arc.hits - hits
             if found:
                 return WalkFailure(step, op, found), run.seen
         return None, run.seen
@@ -283,13 +291,23 @@ class OffloadWalk:
             run.seen["evict:while-writing"] += bool(run.stores)
         run.seen["threshold:held"] += offer.held
         # The model takes what the tier reported, legal or not: the checks after the call compare with it.
-        run.model.apply_store(outcome)
+        if run.model.policy == "arc" and outcome.evicted:
+            self._count_arc(run, offer, outcome)
+        run.model.apply_store(outcome, req)
         if outcome.stored:
             for k, c in zip(outcome.stored, outcome.chunks):
                 run.t.kv[c] = off.content(k)  # the copy engine writes the block into the chunk the spec names
             run.jobs += 1
             run.stores.append(_Job(run.jobs, req, ctx, list(outcome.stored), list(outcome.chunks)))
         return found
+
+    @staticmethod
+    def _count_arc(run: _Run, offer: off.Offer, outcome: off.StoreOutcome) -> None:
+        """What ARC's choice turned on: victims from T2, and victims its target decided (T1 would have given others)."""
+        arc = run.model.arc
+        run.seen["arc:t2-victims"] += sum(1 for k in outcome.evicted if k in arc.t2)
+        untargeted = off.arc_victims(arc.t1, arc.t2, 0.0, offer.candidates, len(outcome.evicted))
+        run.seen["arc:target-decided"] += [k for k, _ in untargeted or ()] != list(outcome.evicted)
 
     def _complete_store(self, run: _Run, op: dict[str, Any]) -> Optional[list[Violation]]:
         if not run.stores:
@@ -387,8 +405,16 @@ class OffloadWalk:
             "never sends them (the manager asserts on the second)",
         ]
         if "arc" in capabilities.policies:
-            out.append("ARC's victim order (T1/T2, ghost lists, target_t1_size): policy arc is held to the core rules "
-                       "only, not INV-OFF-LRU-1")  # fmt: skip
+            out.append("ARC's lists (T1, T2, B1, B2) and target themselves: not read; compared only through the victims "
+                       "they give (INV-OFF-ARC-1)")  # fmt: skip
+            out += unexercised(
+                exercised,
+                (
+                    ("ARC victims taken from T2", "arc:t2-victims"),
+                    ("an ARC ghost hit (its target moved)", "arc:ghost-hits"),
+                    ("ARC victims its target decided", "arc:target-decided"),
+                ),
+            )
         out += unexercised(
             exercised,
             (
@@ -429,6 +455,8 @@ factory.capabilities = Capabilities(  # type: ignore[attr-defined]
         "the harness is the copy engine: a store writes each key's KV into its spec's chunks, a failed store leaves "
         "torn bytes, a load reads its chunks when prepared and when completed",
         "after every call: lookup of every key, and get_stats' usage gauges",
+        "each store's victims against the profile's: LRU's order (INV-OFF-LRU-1), ARC's T1/T2 lists, ghost lists and "
+        "target (INV-OFF-ARC-1); under arc half the lookups are touches",
     ),
     deviations=(),
 )
