@@ -412,13 +412,18 @@ def _replay_walk(path: Path, target: str) -> None:
     raise typer.Exit(1)
 
 
-def _replay_served(path: Path) -> None:
-    """A served failure, replayed on fresh servers (the same requests, flags and rules)."""
+def _replay_served(path: Path, target: Optional[str]) -> None:
+    """A served failure, replayed on fresh servers (the same requests, flags and rules; `--target` names another
+    served target to give the same conversation to)."""
     from kvcert.conformance.served import run as served
 
     saved = json.loads(path.read_text())
-    console.print(f"replaying {path} on fresh {saved['target']} servers (broke {', '.join(saved.get('rules', []))})")
-    verdict = served.replay_file(path, say=lambda line: console.print(escape(line)))
+    name = target or saved["target"]
+    if name not in served.TARGETS:
+        typer.echo(f"error: unknown served target {name!r} (kvcert serve-certify --list)", err=True)
+        raise typer.Exit(2)
+    console.print(f"replaying {path} on fresh {name} servers (it broke {', '.join(saved.get('rules', []))})")
+    verdict = served.replay_file(path, say=lambda line: console.print(escape(line)), target_name=name)
     if verdict.passed:
         console.print("PASS: the conversation satisfies every end-to-end rule")
         return
@@ -429,7 +434,7 @@ def _replay_served(path: Path) -> None:
 @app.command("replay")
 def replay_cmd(
     trace_file: Path = typer.Argument(..., exists=True, readable=True),
-    target: Optional[str] = typer.Option(None, help="override the trace's target MODULE:FACTORY"),
+    target: Optional[str] = typer.Option(None, help="override the trace's target MODULE:FACTORY (a served file: a served target)"),
     versus_plain: bool = typer.Option(
         False,
         "--versus-plain",
@@ -449,7 +454,7 @@ def replay_cmd(
         _replay_walk(trace_file, target or saved["target"])
         return
     if isinstance(saved, dict) and str(saved.get("format", "")).startswith("kvcert-served"):
-        _replay_served(trace_file)
+        _replay_served(trace_file, target)
         return
     trace = Trace.from_json(trace_file.read_text())
     name = target or trace.target
@@ -777,7 +782,7 @@ def same_cmd(
 def serve_certify_cmd(
     target: Optional[str] = typer.Argument(None, help="a served target (kvcert serve-certify --list)"),
     list_targets: bool = typer.Option(False, "--list", help="print every served target and exit"),
-    examples: int = typer.Option(10, help="conversations to play"),
+    examples: int = typer.Option(20, help="conversations to play"),
     seed: int = typer.Option(0, help="same seed, same traffic"),
     url: Optional[str] = typer.Option(None, "--url", help="attach to a server already running here instead of starting one"),
     events: Optional[str] = typer.Option(

@@ -174,7 +174,7 @@ def shrink(
 
 def serve_certify(
     target_name: str,
-    examples: int = 10,
+    examples: int = 20,
     seed: int = 0,
     out_dir: Path = Path("kvcert-failures"),
     url: Optional[str] = None,
@@ -186,6 +186,7 @@ def serve_certify(
     say: Callable[[str], None] = print,
     env_extra: Optional[dict[str, str]] = None,
     replay_check: bool = True,
+    known_findings: bool = True,
 ) -> tuple[Certificate, ServedRun]:
     """Certify a served target (SPEC.md §16): the certificate, and the run behind it."""
     target = TARGETS[target_name]
@@ -196,7 +197,7 @@ def serve_certify(
     t0 = time.monotonic()
     try:
         _walk(run, target, seed, examples, out_dir, logs, python, url, events, twin_url, extra_flags, shrink_seconds,
-              say, env_extra)  # fmt: skip
+              say, env_extra, known_findings)  # fmt: skip
     except ServerExited as e:  # the server under test (or its twin) did not come up: nothing was served
         run.failure = Verdict([rules.Violation("INV-E2E-6", f"start-up: {e}")])
     if run.replay_path is not None and url is None and replay_check:
@@ -224,6 +225,7 @@ def _walk(
     shrink_seconds: float,
     say: Callable[[str], None],
     env_extra: Optional[dict[str, str]],
+    known_findings: bool,
 ) -> None:
     with Served(target, seed, logs, python, url, events, twin_url, extra_flags, env_extra=env_extra) as served:
         run.notes.append(f"started in {', '.join(f'{k} {v} s' for k, v in served.startups.items())}")
@@ -283,7 +285,7 @@ def _walk(
                 run.failure = small_verdict
         run.counts.update(_coverage(served))
         run.not_checked += _unexercised(run, target)
-        for f in known:  # last: a known finding may take the server down
+        for f in known if known_findings else ():  # last: a known finding may take the server down
             run.findings.append(_replay_known(served, f, say))
 
 
@@ -385,15 +387,20 @@ def certificate(run: ServedRun, attached: bool, has_twin: bool) -> Certificate:
 
 
 def replay_file(
-    path: Path, python: Optional[str] = None, say: Callable[[str], None] = print, out_dir: Optional[Path] = None
+    path: Path,
+    python: Optional[str] = None,
+    say: Callable[[str], None] = print,
+    out_dir: Optional[Path] = None,
+    target_name: Optional[str] = None,
 ) -> Verdict:
-    """Replay a saved served failure on fresh servers: the same requests, the same flags, judged the same way."""
+    """Replay a saved served failure on fresh servers: the same requests, the same flags, judged the same way
+    (on `target_name` instead of the file's target: another engine given the same conversation)."""
     body = json.loads(path.read_text())
     if body.get("format") != SERVED_FORMAT:
         raise ValueError(f"{path} is not a served replay file (format {body.get('format')!r})")
-    target = TARGETS[body["target"]]
+    target = TARGETS[target_name or body["target"]]
     conv = Conversation.from_json(body["conversation"])
-    logs = (out_dir or path.parent) / "logs" / f"replay-{path.stem}"
+    logs = (out_dir or path.parent) / "logs" / f"replay-{target.name}-{path.stem}"
     with Served(target, int(body["seed"]), logs, python, env_extra=body.get("env") or None) as served:
         digest = served.model.get("digest")
         if body.get("model", {}).get("digest") not in (None, digest):

@@ -121,7 +121,7 @@ class Server:
         except OSError:
             return ""
 
-    def stop(self, grace: float = 10.0) -> None:
+    def stop(self, grace: float = 8.0) -> None:
         """SIGTERM to the whole process group, SIGKILL to whatever is left after `grace` seconds."""
         if self.proc is None:
             return
