@@ -296,7 +296,7 @@ class RefAwareClient(SGLangClient):
 
     def update_priority(self, sid: str, priority: Optional[int]) -> int:
         try:
-            body = {"rid": sid, "new_priority": priority or 0}
+            body: dict[str, Any] = {"rid": sid, "new_priority": priority or 0}
             return self._http().post(self.url + "/update_ref", json=body, timeout=30).status_code
         except requests.RequestException:
             return 0
