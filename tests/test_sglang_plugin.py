@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from _sglang import require_sglang
 
 require_sglang()
@@ -67,6 +68,9 @@ def _context(**overrides: Any) -> Any:
 
     page_size = overrides.pop("page_size", 1)
     pools = sglang_kvcert.KvcertPools(CacheConfig(capacity=16 * page_size, page_size=page_size))
+    if overrides.pop("mla", False):  # an MLA pool: one latent buffer a layer, no k_buffer
+        latent = types.SimpleNamespace(kv_buffer=[torch.zeros(17, 1, 4)])
+        pools.allocator.get_kvcache = lambda: latent  # type: ignore[method-assign]
     params = CacheInitParams(
         disable=False,
         req_to_token_pool=None,
@@ -100,6 +104,14 @@ UNSUPPORTED = [
     ({"policy": "filo"}, "--radix-eviction-policy filo"),
     ({"policy": "tlru"}, "--radix-eviction-policy tlru"),
     ({"policy": "slru", "policy_config": {"threshold": 4}}, "--radix-eviction-policy-config"),
+    (
+        {
+            "enable_hierarchical_cache": True,
+            "args": {"disaggregation_mode": "decode", "disaggregation_decode_enable_radix_cache": True},
+        },
+        "--disaggregation-mode decode",
+    ),
+    ({"enable_hierarchical_cache": True, "mla": True}, "MLA"),
 ]
 
 
@@ -129,6 +141,31 @@ def test_the_host_tier_is_sized_as_sglang_sizes_its_host_pool() -> None:
     sized = plugin.factory(_context(enable_hierarchical_cache=True, args={"hicache_size": 1e-6}))
     assert sized.cache.host_capacity == int(1e-6 * 1e9 // per_token) + 1
     assert plugin.factory(_context()).cache.host is None
+
+
+def test_what_sglangs_other_callers_read_is_there(monkeypatch: Any) -> None:
+    """--enable-metrics with the host tier reads the host pool's size and room (MetricsReporter._log_hicache_stats
+    asserted "Host pool not found" and the scheduler exited); the storage-clear endpoint calls
+    clear_storage_backend (AttributeError in the scheduler before). Without a host tier there is no host pool, as
+    with SGLang's own caches."""
+    cache = plugin.factory(_context(enable_hierarchical_cache=True, args={"hicache_ratio": 2.0}))
+    host = cache.token_to_kv_pool_host
+    assert host is not None and host.logical_size == cache.cache.host_capacity == 33
+    assert host.available_size() == 33
+    assert cache.clear_storage_backend() is False
+    assert plugin.factory(_context()).token_to_kv_pool_host is None
+
+
+def test_low_priority_values_first_flips_what_the_tree_protects(monkeypatch: Any) -> None:
+    """SGLang schedules smaller values first under --schedule-low-priority-values-first: the backend then holds
+    values at or below the threshold high, so it protects the requests SGLang's scheduler favours."""
+    monkeypatch.setenv(HIGH_PRIORITY_ENV, "1")
+    default = plugin.factory(_context())
+    flipped = plugin.factory(_context(args={"schedule_low_priority_values_first": True}))
+    assert default._priority(5) == 5 and default.cache.high_threshold == 1
+    assert flipped._priority(5) == -5 and flipped.cache.high_threshold == -1
+    high = flipped.cache.high_threshold
+    assert flipped._priority(0) >= high and flipped._priority(1) >= high and flipped._priority(2) < high
 
 
 def test_namespaces_keep_extra_key_and_cache_salt_apart() -> None:

@@ -81,6 +81,9 @@ class Played:
 class Verdict:
     violations: list[rules.Violation] = field(default_factory=list)
     counts: Counter[str] = field(default_factory=Counter)
+    max_logprob_gap: float = 0.0
+    """The largest gap between a served token's logprob and the twin's, over the tokens that agreed: how close to
+    `rules.LOGPROB_TOL` float rounding came."""
 
     @property
     def passed(self) -> bool:
@@ -337,6 +340,7 @@ class Served:
             compared = rules.Compared()
             bad = rules.same_output(r, twin, compared)
             v.counts["tokens compared"] += compared.tokens
+            v.max_logprob_gap = max(v.max_logprob_gap, compared.max_logprob_gap)
             v.counts["ties"] += compared.tie_at is not None
             if bad:
                 v.violations.append(bad)

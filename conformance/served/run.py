@@ -60,6 +60,7 @@ class ServedRun:
     notes: list[str] = field(default_factory=list)
     not_checked: list[str] = field(default_factory=list)
     findings: list[FindingReplay] = field(default_factory=list)
+    max_logprob_gap: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -266,6 +267,7 @@ def _walk(
             run.conversations += 1
             run.requests += played.conversation.requests
             run.counts.update(verdict.counts)
+            run.max_logprob_gap = max(run.max_logprob_gap, verdict.max_logprob_gap)
             run.digests.append(played.digest())
             say(
                 f"  conversation {i}: {len(conv.sessions)} sessions, {conv.requests} requests in {played.seconds:.1f} s"
@@ -285,6 +287,11 @@ def _walk(
                 run.failure = small_verdict
         run.counts.update(_coverage(served))
         run.not_checked += _unexercised(run, target)
+        if run.counts.get("tokens compared"):
+            run.notes.append(
+                f"largest logprob gap to the twin on an agreeing token: {run.max_logprob_gap:.2e} "
+                f"(tolerance {rules.LOGPROB_TOL}); ties cut {run.counts.get('ties', 0)} comparisons"
+            )
         for f in known if known_findings else ():  # last: a known finding may take the server down
             run.findings.append(_replay_known(served, f, say))
 
