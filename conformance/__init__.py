@@ -10,6 +10,7 @@ Its rooms, each with a package docstring that maps its modules:
 | `certification/` | cells, certificates, the findings log, Ray and `--jobs`, reports, `explain`, `diff`, the pytest plugin |
 | `zoo/` | planted bugs (`mutants`) and the suite's measured power on them (`selftest`) |
 | `bench/` | `kvcert bench meta` |
+| `served/` | `kvcert serve-certify`: an engine's real server processes on a model kvcert makes, judged end to end over HTTP |
 | `engine` | kvcert's reference engine: the request-path harness's positive control, a target |
 | `cli` | the command line |
 | `adapters/` | SGLang's RadixCache and UnifiedRadixCache + HiCache (with L3), its session-ref mode and scheduler, the RefAware fork's caches and scheduler |

@@ -14,7 +14,7 @@ for target in sglang sglang-hicache sglang-kvcert vllm vllm-hybrid refaware; do
     echo "== $target"
     start=$(date +%s)
     .venv/bin/kvcert serve-certify "$target" --examples "$EXAMPLES" --seed 0 --json "$OUT/$target.json" \
-        --markdown "$OUT/$target.md" --out "${TMPDIR:-/tmp}/kvcert-served-docs" > "$OUT/$target.txt" 2>&1
+        --out "${TMPDIR:-/tmp}/kvcert-served-docs" > "$OUT/$target.txt" 2>&1
     echo "exit $? in $(( $(date +%s) - start )) s" | tee -a "$OUT/$target.txt"
     grep -E "CERTIFIED|known finding|FAIL" "$OUT/$target.txt" | head -8
 done

@@ -111,9 +111,12 @@ class Client:
     _local: threading.local = field(default_factory=threading.local, repr=False)
 
     def _http(self) -> requests.Session:
+        """A session per thread, one connection per request (`Connection: close`): a reused keep-alive connection
+        the server closed while idle fails a request with no response, which would read as the engine's fault."""
         s = getattr(self._local, "s", None)
         if s is None:
             s = self._local.s = requests.Session()
+            s.headers["Connection"] = "close"
         return s
 
     def generate(self, ask: Ask) -> Reply:

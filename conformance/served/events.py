@@ -80,6 +80,9 @@ class EventStream:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self.errors: list[str] = []
+        """What the stream sent that does not decode (the engine's)."""
+        self.receiver_errors: list[str] = []
+        """What went wrong on kvcert's side of the socket (reported apart from the engine's rules)."""
         self._thread = threading.Thread(target=self._run, name="kvcert-events", daemon=True)
         self._thread.start()
 
@@ -87,9 +90,13 @@ class EventStream:
         poller = zmq.Poller()
         poller.register(self._sub, zmq.POLLIN)
         while not self._stop.is_set():
-            if not dict(poller.poll(100)):
+            try:
+                if not dict(poller.poll(100)):
+                    continue
+                frames = self._sub.recv_multipart()
+            except zmq.ZMQError as e:  # the receiver keeps going: a silent stop would read as an empty stream
+                self.receiver_errors.append(f"kvcert's event receiver: {e}")
                 continue
-            frames = self._sub.recv_multipart()
             now = time.monotonic()
             if len(frames) != 3:
                 self.errors.append(f"a message of {len(frames)} frames (expected topic, seq, payload)")

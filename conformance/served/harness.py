@@ -360,11 +360,13 @@ class Served:
         for line in self.leak_lines():
             v.violations.append(rules.Violation("INV-E2E-5", f"the engine's idle check: {line[:300]}"))
         if self.stream is not None:
-            self.stream.wait_quiet(quiet=rules.EVENT_LAG / 2, timeout=rules.EVENT_LAG * 5)
+            self.stream.wait_quiet(quiet=rules.EVENT_QUIET, timeout=rules.EVENT_QUIET * 10)
             batches = self.stream.batches()
             for err in self.stream.errors:
                 v.violations.append(rules.Violation("INV-E2E-3", err))
             self.stream.errors.clear()
+            for err in self.stream.receiver_errors:  # kvcert's own side: no verdict on the engine from this run
+                v.violations.append(rules.Violation("HARNESS", err))
             v.violations += self.judge.take(batches, played.replies)
         if not self.server.alive():
             v.violations.append(rules.Violation("INV-E2E-6", f"the server exited: {self.server.exit_note()}"))
