@@ -786,7 +786,11 @@ def serve_certify_cmd(
     seed: int = typer.Option(0, help="same seed, same traffic"),
     url: Optional[str] = typer.Option(None, "--url", help="attach to a server already running here instead of starting one"),
     events: Optional[str] = typer.Option(
-        None, "--events", metavar="ADDR", help="with --url: the ZMQ address its KV-event publisher connects to (kvcert binds it)"
+        None,
+        "--events",
+        metavar="ADDR[,REPLAY]",
+        help="with --url: the ZMQ address its KV-event publisher connects to (kvcert binds it), and its replay socket; "
+        "without a replay socket kvcert flushes the cache first and judges events from the flush on",
     ),
     twin_url: Optional[str] = typer.Option(
         None, "--twin-url", help="with --url: a twin of that server with prefix caching off (same output is judged against it)"

@@ -118,4 +118,6 @@ sched = import_refaware_scheduler()
 assert hasattr(sched.Scheduler, "handle_release_ref"), "the fork scheduler did not install"
 print("install_refaware: the fork scheduler imports:", sched.Scheduler.__module__ + ".Scheduler")
 ' || { echo "install_refaware: import check failed" >&2; exit 1; }
+"$PY" -W ignore -c 'import uvicorn, uvloop, fastapi, multipart, setproctitle, einops, xgrammar, jsonschema; print("install_refaware: the fork server imports ok")' \
+    || { echo "install_refaware: the fork server's closure does not import" >&2; exit 1; }
 side_venv_close "$stamp"

@@ -41,6 +41,9 @@ for name in (
     "vllm.v1.core.sched.scheduler",
     "vllm.v1.request",
     "vllm.v1.kv_offload.base",
+    "uvicorn",  # the OpenAI server's closure (kvcert serve-certify vllm)
+    "fastapi",
+    "prometheus_fastapi_instrumentator",
     "kvcert",
 ):
     importlib.import_module(name)

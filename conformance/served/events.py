@@ -182,6 +182,9 @@ class BlockReplay:
     null blocks: finding VLLM-EV-SPARSE) without a contradiction; its blocks are held but cannot be found by prompt."""
     sparse: int = 0
     """Such stores seen."""
+    synced: bool = True
+    """False for a subscriber that joined a running server without its replay socket: what the stream said before
+    it joined is unknown, so nothing is judged until the first AllBlocksCleared (a flush) makes the state known."""
     stored: Counter[str] = field(default_factory=Counter)
     removed: Counter[str] = field(default_factory=Counter)
     cleared: int = 0
@@ -189,6 +192,19 @@ class BlockReplay:
     def apply(self, batch: Batch) -> list[str]:
         """Apply one batch; the contradictions it shows (empty: consistent)."""
         bad: list[str] = []
+        if not self.synced:
+            self.last_seq = batch.seq
+            cleared = any(ev.get("type") == "AllBlocksCleared" for ev in batch.events)
+            if not cleared:
+                for ev in batch.events:  # learn what it stores; judge nothing
+                    if ev.get("type") == "BlockStored":
+                        self._stored(ev, str(ev.get("medium") or "GPU"), batch.seq)
+                return []
+            self.synced = True
+            self.held.clear()
+            events = batch.events[[ev.get("type") for ev in batch.events].index("AllBlocksCleared") + 1 :]
+            batch = Batch(batch.seq, batch.arrival, tuple(events))
+            self.last_seq = batch.seq - 1
         if batch.seq != (self.last_seq + 1 if self.last_seq is not None else 0):
             after = f"after {self.last_seq}" if self.last_seq is not None else "first (the publisher counts from 0)"
             bad.append(f"sequence gap: batch {batch.seq} {after}")

@@ -20,6 +20,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Optional
 
+import requests
+
 from kvcert.conformance.served import rules
 from kvcert.conformance.served.client import Ask, Client, Malformed, Reply, client_for
 from kvcert.conformance.served.events import EventStream
@@ -93,6 +95,14 @@ class Verdict:
         return sorted({v.rule for v in self.violations})
 
 
+def _served_model_name(url: str) -> str:
+    try:
+        got = requests.get(url.rstrip("/") + "/v1/models", timeout=30).json()
+        return str(got["data"][0]["id"])
+    except (requests.RequestException, ValueError, KeyError, IndexError) as e:
+        raise ServerExited(f"{url}/v1/models does not name a model: {e}") from e
+
+
 class Served:
     """The servers of one target: under test (with its event stream) and its twin; a context manager."""
 
@@ -162,8 +172,10 @@ class Served:
             self.argv["target"] = argv
             env.update(self.env_extra)
             self.server = Server(f"{t.name} server", argv, port, self.logs / f"{t.name}{n}.log", env)
-        if self.events_addr is not None:
-            self.stream = EventStream(self.events_addr)
+        if self.events_addr is not None:  # "ADDR" or "ADDR,REPLAY_ADDR"
+            endpoint, _, replay = self.events_addr.partition(",")
+            self.stream = EventStream(endpoint, replay or None)
+            self.judge.replay.synced = bool(replay)
         if self.twin_url is not None:
             self.twin = Attached(self.twin_url, name="twin")
         elif self.url is None:
@@ -180,12 +192,19 @@ class Served:
                 self.startups[s.name] = round(s.ready_seconds, 1)
         if self.server is None or not self.server.alive():
             raise ServerExited(f"no server answers at {self.url}")
+        if self.url is not None and not self.model_name and t.flavor == "openai":
+            name = _served_model_name(self.url)  # an attached OpenAI server names its model at /v1/models
         kw = dict(model=name, vocab=512, context=t.context)
         self.client = client_for(t.flavor, self.server.url, **kw)  # type: ignore[arg-type]
         if self.twin is not None:
             self.twin_client = client_for(t.flavor, self.twin.url, **kw)  # type: ignore[arg-type]
         if self.stream is not None:
             self.stream.fill_gaps()
+            if not self.judge.replay.synced and not self.client.flush():
+                raise ServerExited(
+                    f"{self.url}: joined its KV events without their replay socket, and the cache would not flush "
+                    "(the flush's AllBlocksCleared is where the stream becomes known); pass --events ADDR,REPLAY_ADDR"
+                )
 
     def stop(self) -> None:
         for s in (self.server, self.twin):
