@@ -239,7 +239,7 @@ def test_the_same_seed_draws_the_same_conversations_in_any_process() -> None:
 
 def test_traffic_reaches_what_the_rules_need_and_stays_inside_the_engines_limits() -> None:
     t = traffic_of(TARGETS["sglang-kvcert"])
-    convs = [conversation(0, i, t) for i in range(40)]
+    convs = [conversation(0, i, t) for i in range(100)]
     turns = [tu for c in convs for s in c.sessions for tu in s.turns]
     assert sum(tu.abort_after is not None for tu in turns) and sum(tu.cut_after is not None for tu in turns)
     assert {tu.malformed for tu in turns} - {None} == set(MALFORMED)

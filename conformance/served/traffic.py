@@ -1,7 +1,8 @@
 """What clients send a served engine, drawn from a seed: conversations of multi-turn sessions (SPEC.md §16.1).
 
 A `Conversation` is a few sessions that start close together, so that more requests are in flight than the pool
-holds. A session opens on one of the conversation's shared system prompts, then sends turns: each turn's prompt is
+holds. A session opens on one of the conversation's two system prompts (drawn from the seed's four, so a later
+conversation meets a prompt an earlier one cached, evicted or moved to the host), then sends turns: each turn's prompt is
 the session's context (its last prompt and the answer it got) plus new tokens, sent after a think time. A turn
 may carry the session's priority, its partition key (a cache salt or an extra key, where the engine takes them),
 be aborted by the client shortly after it is sent, or be cut by a client that disconnects mid-stream. A malformed
@@ -153,7 +154,9 @@ def conversation(seed: int, index: int, traffic: Traffic) -> Conversation:
     """Conversation `index` of `seed` (a pure function: same arguments, same conversation)."""
     rng = random.Random(f"kvcert-served:{seed}:{index}")
     t = traffic
-    systems = tuple(_tokens(rng, t.vocab, rng.randint(*t.system_tokens)) for _ in range(2))
+    shared = random.Random(f"kvcert-served:{seed}:systems")  # the seed's system prompts, shared by its conversations
+    pool = [_tokens(shared, t.vocab, shared.randint(*t.system_tokens)) for _ in range(4)]
+    systems = tuple(rng.sample(pool, 2))
     sessions = []
     for s in range(rng.randint(*t.sessions)):
         system = rng.choice((None, 0, 0, 1, 1))
