@@ -10,6 +10,7 @@ OUT="${1:-$ROOT/docs/runs/$(date -u +%Y-%m-%d)-vllm}"
 K="$ROOT/.venv-vllm/bin/kvcert"
 mkdir -p "$OUT"
 for target in vllm_requests:factory vllm_requests:factory_async vllm_requests:factory_hybrid vllm_requests:factory_priority \
+        vllm_requests:factory_connector \
         vllm_block_pool:factory \
         vllm_offload:factory; do
     name="${target/:/-}"

@@ -1,3 +1,4 @@
+# Over 600 lines: the offload tier's core rules and both of vLLM's policies they pin (LRU, ARC), each a model and its CrossHair contracts over one shared key state; split, the rules would read a state defined elsewhere.
 """The contract of an offload host tier: a pool of `num_chunks` host chunks that a serving engine's scheduler fills
 with copies of device KV blocks and reads back (vLLM's `OffloadingManager`, its CPU tier first).
 

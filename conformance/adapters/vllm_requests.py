@@ -1,3 +1,4 @@
+# Over 600 lines: vLLM's scheduler driven request by request, with and without its KV connector; the connector's worker side the harness plays reads and writes the same request KV model as the rest.
 """vLLM 0.32 driven through its own v1 scheduler: a request-path target (SPEC.md §12), judged by the page-level core
 (§13).
 

@@ -17,9 +17,11 @@ from types import ModuleType
 
 from kvcert.spec import contracts, invariants
 
-_ID = re.compile(r"\bINV-([A-Z0-9]+)-(\d+)((?:/\d+)+|\.\.\d+)?")
+_FAMILY = r"[A-Z0-9]+(?:-[A-Z][A-Z0-9]*)*"
+"""A rule family: one word (ACCT, E2E) or a profile's under its family (OFF-LRU, OFF-ARC)."""
+_ID = re.compile(rf"\bINV-({_FAMILY})-(\d+)((?:/\d+)+|\.\.\d+)?")
 """One ID, or a group the spec writes as INV-EVICT-1/2/3/5 or INV-ADMIT-1..4."""
-_BULLET = re.compile(r"^\s*[-*]\s+\*\*(INV-[A-Z0-9]+-\d+)\*\*:?\s*(.*)$")
+_BULLET = re.compile(rf"^\s*[-*]\s+\*\*(INV-{_FAMILY}-\d+)\*\*:?\s*(.*)$")
 _CHECKER_MODULES: tuple[ModuleType, ...] = (invariants, contracts)
 
 
