@@ -133,6 +133,8 @@ class Served:
         self.client: Optional[Client] = None
         self.twin_client: Optional[Client] = None
         self.judge = rules.Judge(block=target.block)
+        self.baseline: Optional[dict[str, float]] = None
+        """The engine's occupancy before any of kvcert's traffic (INV-E2E-5 compares every idle reading with it)."""
         self.tolerate_sparse = False
         """Known finding VLLM-EV-SPARSE's stores are taken (set by the run; kept across restarts)."""
         self.twin_memo: dict[tuple[tuple[int, ...], int], Reply] = {}
@@ -221,6 +223,7 @@ class Served:
         self.judge.replay.tolerate_sparse = self.tolerate_sparse
         self._log_offset = 0
         self.start()
+        self.baseline, _ = self.idle()
 
     # -- traffic -------------------------------------------------------------------------------------------
     def play(self, conv: Conversation) -> Played:

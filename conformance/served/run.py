@@ -129,7 +129,7 @@ def _attempt(served: Served, conv: Conversation, rule: str) -> tuple[bool, Playe
     elif served.client is not None and not served.client.flush():
         served.restart()
     played = served.play(conv)
-    verdict = served.judge_played(played, {"used": 0.0})
+    verdict = served.judge_played(played, served.baseline)
     return rule in verdict.rules_broken(), played, verdict
 
 
@@ -173,97 +173,76 @@ def shrink(
     return best, best_verdict, note
 
 
+@dataclass(frozen=True)
+class Options:
+    """How a served run is set up (`serve_certify`'s keywords)."""
+
+    out_dir: Path = Path("kvcert-failures")
+    url: Optional[str] = None
+    events: Optional[str] = None
+    twin_url: Optional[str] = None
+    python: Optional[str] = None
+    extra_flags: tuple[str, ...] = ()
+    shrink_seconds: float = 600.0
+    env_extra: Optional[dict[str, str]] = None
+    replay_check: bool = True
+    known_findings: bool = True
+
+
 def serve_certify(
-    target_name: str,
-    examples: int = 20,
-    seed: int = 0,
-    out_dir: Path = Path("kvcert-failures"),
-    url: Optional[str] = None,
-    events: Optional[str] = None,
-    twin_url: Optional[str] = None,
-    python: Optional[str] = None,
-    extra_flags: tuple[str, ...] = (),
-    shrink_seconds: float = 600.0,
-    say: Callable[[str], None] = print,
-    env_extra: Optional[dict[str, str]] = None,
-    replay_check: bool = True,
-    known_findings: bool = True,
+    target_name: str, examples: int = 20, seed: int = 0, say: Callable[[str], None] = print, **options: Any
 ) -> tuple[Certificate, ServedRun]:
-    """Certify a served target (SPEC.md §16): the certificate, and the run behind it."""
+    """Certify a served target (SPEC.md §16): the certificate, and the run behind it. `options` are `Options`'s."""
+    opts = Options(**options)
     target = TARGETS[target_name]
     run = ServedRun(target, seed, examples)
     if target.unavailable:
         raise ValueError(f"{target_name} cannot be served here: {target.unavailable}")
-    logs = out_dir / "served" / "logs" / f"{target.name}-seed{seed}"
     t0 = time.monotonic()
     try:
-        _walk(run, target, seed, examples, out_dir, logs, python, url, events, twin_url, extra_flags, shrink_seconds,
-              say, env_extra, known_findings)  # fmt: skip
+        _walk(run, opts, say)
     except ServerExited as e:  # the server under test (or its twin) did not come up: nothing was served
         run.failure = Verdict([rules.Violation("INV-E2E-6", f"start-up: {e}")])
-    if run.replay_path is not None and url is None and replay_check:
+    if run.replay_path is not None and opts.url is None and opts.replay_check:
         say(f"  replaying {run.replay_path} on fresh servers")
-        again = replay_file(run.replay_path, python=python, say=lambda s: None)
+        again = replay_file(run.replay_path, python=opts.python, say=lambda s: None)
         run.reproduced = bool(run.failure) and not again.passed and bool(
             set(again.rules_broken()) & set(run.failure.rules_broken() if run.failure else [])
         )
     run.seconds = time.monotonic() - t0
-    return certificate(run, url is not None, twin_url is not None or url is None), run
+    return certificate(run, opts.url is not None, opts.twin_url is not None or opts.url is None), run
 
 
-def _walk(
-    run: ServedRun,
-    target: ServedTarget,
-    seed: int,
-    examples: int,
-    out_dir: Path,
-    logs: Path,
-    python: Optional[str],
-    url: Optional[str],
-    events: Optional[str],
-    twin_url: Optional[str],
-    extra_flags: tuple[str, ...],
-    shrink_seconds: float,
-    say: Callable[[str], None],
-    env_extra: Optional[dict[str, str]],
-    known_findings: bool,
-) -> None:
-    with Served(target, seed, logs, python, url, events, twin_url, extra_flags, env_extra=env_extra) as served:
+def _walk(run: ServedRun, opts: Options, say: Callable[[str], None]) -> None:
+    target, seed = run.target, run.seed
+    logs = opts.out_dir / "served" / "logs" / f"{target.name}-seed{seed}"
+    with Served(
+        target, seed, logs, opts.python, opts.url, opts.events, opts.twin_url, opts.extra_flags, env_extra=opts.env_extra
+    ) as served:
         run.notes.append(f"started in {', '.join(f'{k} {v} s' for k, v in served.startups.items())}")
         if served.model:
             run.notes.append(f"model {Path(served.model['path']).name}, sha256 {served.model['digest'][:16]}")
         for name, argv in served.argv.items():
             run.notes.append(f"{name}: {' '.join(argv[1:])}")
-        known = served_findings(target.name) if url is None else []
-        owned = tuple(k for f in known for k in f.owns_malformed)
-        traffic = traffic_of(target, exclude_malformed=owned)
+        known = served_findings(target.name) if opts.url is None else []
+        traffic = traffic_of(target, exclude_malformed=tuple(k for f in known for k in f.owns_malformed))
         if any("sparse-block-stored" in f.owns_events for f in known):
             served.judge.replay.tolerate_sparse = served.tolerate_sparse = True
-        for f in known:
-            if f.owns_events:
-                run.not_checked.append(
-                    f"event stores whose tokens span blocks they do not name ({', '.join(f.owns_events)}): known finding "
-                    f"{f.id} explains them; their blocks are not found by prompt (INV-E2E-4 judges the other groups')"
-                )
-            if f.owns_malformed:
-                run.not_checked.append(
-                    f"malformed requests ({', '.join(f.owns_malformed)}) in the walk: known finding {f.id} owns them "
-                    "(its replay sends them, after the walk)"
-                )
-        baseline, _ = served.idle()  # before any traffic of kvcert's: what the engine holds after its own warm-up
+        run.not_checked += _owned(known)
+        served.baseline, _ = served.idle()  # before any traffic of kvcert's: what the engine holds after its warm-up
         control, control_played = served.positive_control()
         run.counts.update(control.counts)
         if not control.passed:
             run.failure = control
-            path = out_dir / "served" / f"{target.name}-seed{seed}-control.json"
+            path = opts.out_dir / "served" / f"{target.name}-seed{seed}-control.json"
             _save(path, target, served, control_played, control, seed)
             run.replay_path, run.minimal_requests = path, control_played.conversation.requests
-        for i in range(examples):
+        for i in range(run.examples):
             if run.failure is not None:
                 break
             conv = conversation(seed, i, traffic)
             played = served.play(conv)
-            verdict = served.judge_played(played, baseline)
+            verdict = served.judge_played(played, served.baseline)
             run.conversations += 1
             run.requests += played.conversation.requests
             run.counts.update(verdict.counts)
@@ -274,14 +253,13 @@ def _walk(
                 + ("" if verdict.passed else f"  FAIL {', '.join(verdict.rules_broken())}")
             )
             if not verdict.passed:
-                run.failure = verdict
                 for v in verdict.violations[:5]:
                     say(f"    {v}")
                 small, small_verdict, note = played, verdict, "not shrunk (no budget)"
-                if shrink_seconds > 0:
-                    small, small_verdict, note = shrink(served, played, verdict, shrink_seconds, say)
+                if opts.shrink_seconds > 0:
+                    small, small_verdict, note = shrink(served, played, verdict, opts.shrink_seconds, say)
                 run.shrink_note = note
-                path = out_dir / "served" / f"{target.name}-seed{seed}-c{i}.json"
+                path = opts.out_dir / "served" / f"{target.name}-seed{seed}-c{i}.json"
                 _save(path, target, served, small, small_verdict, seed)
                 run.replay_path, run.minimal_requests = path, small.conversation.requests
                 run.failure = small_verdict
@@ -292,8 +270,25 @@ def _walk(
                 f"largest logprob gap to the twin on an agreeing token: {run.max_logprob_gap:.2e} "
                 f"(tolerance {rules.LOGPROB_TOL}); ties cut {run.counts.get('ties', 0)} comparisons"
             )
-        for f in known if known_findings else ():  # last: a known finding may take the server down
+        for f in known if opts.known_findings else ():  # last: a known finding may take the server down
             run.findings.append(_replay_known(served, f, say))
+
+
+def _owned(known: list[ServedFinding]) -> list[str]:
+    """What the walk does not send or judge because a logged finding owns it (said under NOT CHECKED)."""
+    out = []
+    for f in known:
+        if f.owns_events:
+            out.append(
+                f"event stores whose tokens span blocks they do not name ({', '.join(f.owns_events)}): known finding "
+                f"{f.id} explains them; their blocks are not found by prompt (INV-E2E-4 judges the other groups')"
+            )
+        if f.owns_malformed:
+            out.append(
+                f"malformed requests ({', '.join(f.owns_malformed)}) in the walk: known finding {f.id} owns them "
+                "(its replay sends them, after the walk)"
+            )
+    return out
 
 
 def _replay_known(served: Served, f: ServedFinding, say: Callable[[str], None]) -> FindingReplay:
@@ -305,7 +300,7 @@ def _replay_known(served: Served, f: ServedFinding, say: Callable[[str], None]) 
         served.restart()
     served.judge.replay.tolerate_sparse = False  # the finding's own replay is judged strictly
     played = served.play(conv)
-    verdict = served.judge_played(played, {"used": 0.0})
+    verdict = served.judge_played(played, served.baseline)
     served.judge.replay.tolerate_sparse = served.tolerate_sparse
     broke = sorted(want & set(verdict.rules_broken()))
     say(f"  known finding {f.id}: {'REPRODUCES' if broke else 'does not reproduce'} ({', '.join(broke) or 'no rule broken'})")
@@ -412,8 +407,9 @@ def replay_file(
         digest = served.model.get("digest")
         if body.get("model", {}).get("digest") not in (None, digest):
             say(f"  note: the model's digest differs from the saved one ({digest[:16] if digest else None})")
+        served.baseline, _ = served.idle()
         played = served.play(conv)
-        verdict = served.judge_played(played, {"used": 0.0})
+        verdict = served.judge_played(played, served.baseline)
     for v in verdict.violations:
         say(f"  {v}")
     return verdict
