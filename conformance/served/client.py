@@ -13,10 +13,12 @@ the engine's abort call from a second thread. Nothing here judges anything: it r
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -148,6 +150,22 @@ class Client:
         out.t_end = time.monotonic()
         return out
 
+    def _sse(self, body: dict[str, Any], reply: Reply) -> Iterator[dict[str, Any]]:
+        """The server-sent events of a streamed request, parsed, until `[DONE]` or until the caller stops reading
+        (which closes the connection: a client that disconnects). A refused request yields nothing."""
+        with self._http().post(self.url + self.generate_path, json=body, timeout=TIMEOUT, stream=True) as r:
+            reply.status = r.status_code
+            if r.status_code != 200:
+                reply.finish, reply.error = "error", r.text[:300]
+                return
+            for line in r.iter_lines():
+                if not line.startswith(b"data:"):
+                    continue
+                data = line[5:].strip()
+                if data == b"[DONE]":
+                    return
+                yield json.loads(data)
+
     # the flavor's parts
     generate_path = ""
 
@@ -230,24 +248,13 @@ class SGLangClient(Client):
         self._take(r.json(), reply)
 
     def _stream(self, ask: Ask, reply: Reply) -> None:
-        with self._http().post(
-            self.url + "/generate", json=self._body(ask, True), timeout=TIMEOUT, stream=True
-        ) as r:
-            reply.status = r.status_code
-            if r.status_code != 200:
-                reply.finish, reply.error = "error", r.text[:300]
-                return
-            for line in r.iter_lines():
-                if not line.startswith(b"data:"):
-                    continue
-                data = line[5:].strip()
-                if data == b"[DONE]":
-                    break
-                self._take(json.loads(data), reply)
+        with contextlib.closing(self._sse(self._body(ask, True), reply)) as chunks:
+            for chunk in chunks:
+                self._take(chunk, reply)  # SGLang streams the whole answer so far in each chunk
                 if ask.cut_after is not None and len(reply.output) >= ask.cut_after and not reply.finish:
                     reply.finish = "cut"
-                    break  # the connection closes here: the client is gone
-        if ask.cut_after is not None and not reply.finish:
+                    break  # leaving the block closes the connection: the client is gone
+        if ask.cut_after is not None and not reply.finish and reply.status == 200:
             reply.finish = "cut"
 
     def _malformed_json(self, fields: dict[str, Any]) -> dict[str, Any]:
@@ -360,20 +367,8 @@ class OpenAIClient(Client):
         out: list[int] = []
         chosen: list[float] = []
         tops: list[list[float]] = []
-        with self._http().post(
-            self.url + "/v1/completions", json=self._body(ask, True), timeout=TIMEOUT, stream=True
-        ) as r:
-            reply.status = r.status_code
-            if r.status_code != 200:
-                reply.finish, reply.error = "error", r.text[:300]
-                return
-            for line in r.iter_lines():
-                if not line.startswith(b"data:"):
-                    continue
-                data = line[5:].strip()
-                if data == b"[DONE]":
-                    break
-                j = json.loads(data)
+        with contextlib.closing(self._sse(self._body(ask, True), reply)) as chunks:
+            for j in chunks:  # vLLM streams each chunk's new tokens
                 for choice in j.get("choices") or ():
                     out += [int(x) for x in choice.get("token_ids") or ()]
                     c, t = self._logprobs(choice.get("logprobs"))
@@ -388,7 +383,7 @@ class OpenAIClient(Client):
                     reply.finish = "cut"
                     break
         reply.output, reply.logprobs, reply.margins = tuple(out), tuple(chosen), _margins(tops)
-        if ask.cut_after is not None and not reply.finish:
+        if ask.cut_after is not None and not reply.finish and reply.status == 200:
             reply.finish = "cut"
 
     def _malformed_json(self, fields: dict[str, Any]) -> dict[str, Any]:

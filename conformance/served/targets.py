@@ -90,6 +90,26 @@ def _sglang(name: str, summary: str, flags: tuple[str, ...], **kw: object) -> Se
     return ServedTarget(name=name, summary=summary, **base)  # type: ignore[arg-type]
 
 
+def _vllm(name: str, summary: str, **kw: object) -> ServedTarget:
+    base = dict(
+        engine="vLLM 0.32.0",
+        family="vllm",
+        flavor="openai",
+        venv=".venv-vllm",
+        install="scripts/install_vllm.sh",
+        flags=("--enable-prefix-caching",),
+        twin_flags=("--no-enable-prefix-caching",),
+        env=(("VLLM_CPU_KVCACHE_SPACE", "1"), ("VLLM_SERVER_DEV_MODE", "1")),
+        block=32,
+        pool_tokens=1024,
+        context=960,  # vLLM keeps one block back (its null block): a longest request must fit the rest
+        deviations=(VLLM_CPU, TINY_MODEL),
+        traffic={"keys": ("cache_salt",)},
+    )
+    base.update(kw)
+    return ServedTarget(name=name, summary=summary, **base)  # type: ignore[arg-type]
+
+
 TARGETS: dict[str, ServedTarget] = {
     t.name: t
     for t in (
@@ -125,54 +145,19 @@ TARGETS: dict[str, ServedTarget] = {
                 "session_ids": True,
             },
         ),
-        ServedTarget(
-            name="vllm",
-            summary="vLLM 0.32 (vllm-cpu) with prefix caching",
-            engine="vLLM 0.32.0",
-            family="vllm",
-            flavor="openai",
-            venv=".venv-vllm",
-            install="scripts/install_vllm.sh",
-            flags=("--enable-prefix-caching",),
-            twin_flags=("--no-enable-prefix-caching",),
-            env=(("VLLM_CPU_KVCACHE_SPACE", "1"), ("VLLM_SERVER_DEV_MODE", "1")),
-            block=32,
-            pool_tokens=1024,
-            context=960,  # vLLM keeps one block back (its null block): a longest request must fit the rest
-            deviations=(VLLM_CPU, TINY_MODEL),
-            traffic={"keys": ("cache_salt",)},
-        ),
-        ServedTarget(
-            name="vllm-hybrid",
-            summary="vLLM 0.32 with prefix caching on a hybrid model: its second layer attends to a 64-token window, "
-            "so vLLM's hybrid manager keeps a full-attention and a sliding-window KV cache group in one pool",
-            engine="vLLM 0.32.0",
-            family="vllm",
-            flavor="openai",
-            venv=".venv-vllm",
-            install="scripts/install_vllm.sh",
-            flags=("--enable-prefix-caching",),
-            twin_flags=("--no-enable-prefix-caching",),
-            env=(("VLLM_CPU_KVCACHE_SPACE", "1"), ("VLLM_SERVER_DEV_MODE", "1")),
-            block=32,
+        _vllm("vllm", "vLLM 0.32 (vllm-cpu) with prefix caching"),
+        _vllm(
+            "vllm-hybrid",
+            "vLLM 0.32 with prefix caching on a hybrid model: its second layer attends to a 64-token window, so vLLM's "
+            "hybrid manager keeps a full-attention and a sliding-window KV cache group in one pool",
             pool_tokens=2048,  # 64 blocks, which the two groups share
-            context=960,
             sliding_window=64,
             deviations=(VLLM_CPU, TINY_MODEL.replace("a tiny", "a tiny hybrid (full + 64-token sliding window)")),
-            traffic={"keys": ("cache_salt",)},
         ),
-        ServedTarget(
-            name="vllm-offload",
-            summary="vLLM 0.32 with its CPU offloading connector (--kv-offloading-backend native)",
-            engine="vLLM 0.32.0",
-            family="vllm",
-            flavor="openai",
-            venv=".venv-vllm",
-            install="scripts/install_vllm.sh",
+        _vllm(
+            "vllm-offload",
+            "vLLM 0.32 with its CPU offloading connector (--kv-offloading-backend native)",
             flags=("--enable-prefix-caching", "--kv-offloading-backend", "native", "--kv-offloading-size", "0.01"),
-            twin_flags=("--no-enable-prefix-caching",),
-            block=32,
-            context=960,
             unavailable="vLLM 0.32's CPU offloading worker refuses the CPU platform at start-up "
             "(vllm/v1/kv_offload/cpu/spec.py get_worker: \"CPU Offloading is currently only supported on CUDA-alike "
             "and XPU GPUs\"); its manager is certified at its API (vllm_offload) and its connector's scheduler side "
