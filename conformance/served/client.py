@@ -18,7 +18,7 @@ import json
 import re
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Generator
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -150,7 +150,7 @@ class Client:
         out.t_end = time.monotonic()
         return out
 
-    def _sse(self, body: dict[str, Any], reply: Reply) -> Iterator[dict[str, Any]]:
+    def _sse(self, body: dict[str, Any], reply: Reply) -> Generator[dict[str, Any], None, None]:
         """The server-sent events of a streamed request, parsed, until `[DONE]` or until the caller stops reading
         (which closes the connection: a client that disconnects). A refused request yields nothing."""
         with self._http().post(self.url + self.generate_path, json=body, timeout=TIMEOUT, stream=True) as r:
