@@ -122,10 +122,12 @@ class Client:
         return s
 
     def generate(self, ask: Ask) -> Reply:
+        """Send one request and read its answer; an abort (`ask.abort_after`) is sent from a timer while it is in
+        flight, and never after: the client's next request may reuse the id (the fork names a conversation by it)."""
         reply = Reply(ask, t_send=time.monotonic())
+        timer = threading.Timer(ask.abort_after, self.abort, args=(ask.rid,)) if ask.abort_after is not None else None
         try:
-            if ask.abort_after is not None:
-                timer = threading.Timer(ask.abort_after, self.abort, args=(ask.rid,))
+            if timer is not None:
                 timer.start()
             if ask.cut_after is not None:
                 self._stream(ask, reply)
@@ -133,6 +135,10 @@ class Client:
                 self._once(ask, reply)
         except requests.RequestException as e:
             reply.status, reply.finish, reply.error = reply.status or 0, "error", f"{type(e).__name__}: {e}"
+        finally:
+            if timer is not None:  # an abort already on its way lands before this returns
+                timer.cancel()
+                timer.join()
         reply.t_end = time.monotonic()
         return reply
 
