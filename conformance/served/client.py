@@ -28,7 +28,8 @@ from kvcert.conformance.served.traffic import malformed_body
 
 __all__ = ["Ask", "Client", "OpenAIClient", "Reply", "SGLangClient", "client_for"]
 
-TIMEOUT = 180.0
+TIMEOUT = 60.0
+"""Seconds a client waits for an answer: a request to the tiny model takes a few seconds even on a busy CPU."""
 
 
 @dataclass(frozen=True)

@@ -216,6 +216,16 @@ class Served:
             self.stream.close()
             self.stream = None
 
+    def clean(self) -> bool:
+        """Whether the server is up, holds no request, and its prefix cache was emptied now: a state a shrink
+        attempt or a replay may start from."""
+        if self.server is None or not self.server.alive() or self.client is None:
+            return False
+        occupancy = self.client.occupancy()
+        if occupancy is not None and (occupancy["running"] or occupancy["waiting"]):
+            return False
+        return self.client.flush()
+
     def restart(self) -> None:
         """Fresh servers and a fresh event replay (after the server under test exited)."""
         self.stop()

@@ -123,10 +123,9 @@ def _save(path: Path, target: ServedTarget, served: Served, played: Played, verd
 
 
 def _attempt(served: Served, conv: Conversation, rule: str) -> tuple[bool, Played, Verdict]:
-    """Play `conv` on clean servers (the cache flushed, or fresh servers after an exit); whether `rule` breaks."""
-    if served.server is None or not served.server.alive():
-        served.restart()
-    elif served.client is not None and not served.client.flush():
+    """Play `conv` on clean servers: the cache flushed, or fresh servers where the last attempt left the server down
+    or still holding requests (an engine's flush leaves those, and they would decide the next attempt)."""
+    if not served.clean():
         served.restart()
     played = served.play(conv)
     verdict = served.judge_played(played, served.baseline)
@@ -296,7 +295,7 @@ def _replay_known(served: Served, f: ServedFinding, say: Callable[[str], None]) 
     body = json.loads(finding_path(f).read_text())
     conv = Conversation.from_json(body["conversation"])
     want = set(body.get("rules", ()))
-    if served.server is None or not served.server.alive() or served.client is None or not served.client.flush():
+    if not served.clean():
         served.restart()
     served.judge.replay.tolerate_sparse = False  # the finding's own replay is judged strictly
     played = served.play(conv)
