@@ -138,7 +138,10 @@ def main() -> None:
         cells = cert["cells"]
         passed = sum(c["passed"] for c in cells)
         seconds = sum(c["seconds"] for c in cells)
-        verdict = "CERTIFIED" if cert["passed"] else f"**{len(cells) - passed} FAIL**"
+        known = sorted({f["id"] for f in cert.get("findings", []) if f.get("reproduced")})
+        verdict = "CERTIFIED" if cert["passed"] else f"**{len(cells) - passed} FAIL**" if passed < len(cells) else ""
+        if known:  # a logged finding that still reproduces: NOT CERTIFIED though every cell passed
+            verdict = (verdict + " " if verdict else "") + f"**known: {', '.join(known)}**"
         gaps = "; ".join(_gap(line) for line in cert.get("not_checked", []) if not _profile_line(line)) or "—"
         profile = cert.get("profile", "—")  # certificates before profiles (issue 13) were judged as sglang-0.5.23
         print(

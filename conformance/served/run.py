@@ -122,10 +122,10 @@ def _save(path: Path, target: ServedTarget, served: Served, played: Played, verd
     path.write_text(json.dumps(body, indent=1))
 
 
-def _attempt(served: Served, conv: Conversation, rule: str) -> tuple[bool, Played, Verdict]:
-    """Play `conv` on clean servers: the cache flushed, or fresh servers where the last attempt left the server down
-    or still holding requests (an engine's flush leaves those, and they would decide the next attempt)."""
-    if not served.clean():
+def _attempt(served: Served, conv: Conversation, rule: str, fresh: bool) -> tuple[bool, Played, Verdict]:
+    """Play `conv` on clean servers: fresh ones after a failing attempt (a failure may leave state no endpoint shows:
+    the fork's tokenizer kept a stuck request's id), else the cache flushed where the server holds no request."""
+    if fresh or not served.clean():
         served.restart()
     played = served.play(conv)
     verdict = served.judge_played(played, served.baseline)
@@ -157,13 +157,15 @@ def shrink(
 
     improved = True
     tried = 0
+    last_failed = True  # the walk's own failure came just before
     while improved and time.monotonic() < deadline:
         improved = False
         for cand in candidates(best.conversation):
             if time.monotonic() >= deadline:
                 break
             tried += 1
-            broke, p, v = _attempt(served, cand, rule)
+            broke, p, v = _attempt(served, cand, rule, fresh=last_failed)
+            last_failed = not v.passed
             if broke:
                 best, best_verdict, improved = p, v, True
                 say(f"    shrunk to {p.conversation.requests} requests in {len(p.conversation.sessions)} sessions")
