@@ -61,6 +61,8 @@ class ServedRun:
     not_checked: list[str] = field(default_factory=list)
     findings: list[FindingReplay] = field(default_factory=list)
     max_logprob_gap: float = 0.0
+    played: list[Conversation] = field(default_factory=list)
+    """The conversations played so far, with their prompts (a failure that needs them is saved after them)."""
 
 
 @dataclass(frozen=True)
@@ -105,7 +107,16 @@ def finding_path(f: ServedFinding) -> Path:
     return Path(str(files("kvcert.conformance").joinpath("findings", f.replay)))
 
 
-def _save(path: Path, target: ServedTarget, served: Served, played: Played, verdict: Verdict, seed: int) -> None:
+def _save(
+    path: Path,
+    target: ServedTarget,
+    served: Served,
+    played: Played,
+    verdict: Verdict,
+    seed: int,
+    prelude: tuple[Conversation, ...] = (),
+) -> None:
+    """A replay file: every prompt sent, and the conversations played before it where it needs them (`prelude`)."""
     body = {
         "format": SERVED_FORMAT,
         "target": target.name,
@@ -115,6 +126,7 @@ def _save(path: Path, target: ServedTarget, served: Served, played: Played, verd
         "env": served.env_extra,
         "rules": verdict.rules_broken(),
         "violations": [str(x) for x in verdict.violations[:20]],
+        "prelude": [c.to_json() for c in prelude],
         "conversation": played.conversation.to_json(),
         "replay": f"kvcert replay {path}",
     }
@@ -257,13 +269,22 @@ def _walk(run: ServedRun, opts: Options, say: Callable[[str], None]) -> None:
                 for v in verdict.violations[:5]:
                     say(f"    {v}")
                 small, small_verdict, note = played, verdict, "not shrunk (no budget)"
+                prelude: tuple[Conversation, ...] = ()
                 if opts.shrink_seconds > 0:
-                    small, small_verdict, note = shrink(served, played, verdict, opts.shrink_seconds, say)
+                    alone, _, _ = _attempt(served, played.conversation, verdict.rules_broken()[0], fresh=True)
+                    if alone:
+                        small, small_verdict, note = shrink(served, played, verdict, opts.shrink_seconds, say)
+                    else:  # the state the earlier conversations left is part of the failure: keep them, unshrunk
+                        prelude = tuple(run.played)
+                        note = f"not shrunk: the conversation alone passes on fresh servers; saved after the {i} before it"
+                        say(f"    {note}")
                 run.shrink_note = note
                 path = opts.out_dir / "served" / f"{target.name}-seed{seed}-c{i}.json"
-                _save(path, target, served, small, small_verdict, seed)
-                run.replay_path, run.minimal_requests = path, small.conversation.requests
+                _save(path, target, served, small, small_verdict, seed, prelude)
+                run.replay_path = path
+                run.minimal_requests = small.conversation.requests + sum(c.requests for c in prelude)
                 run.failure = small_verdict
+            run.played.append(played.conversation)
         run.counts.update(_coverage(served))
         run.not_checked += _unexercised(run, target)
         if run.counts.get("tokens compared"):
@@ -409,6 +430,8 @@ def replay_file(
         if body.get("model", {}).get("digest") not in (None, digest):
             say(f"  note: the model's digest differs from the saved one ({digest[:16] if digest else None})")
         served.baseline, _ = served.idle()
+        for before in body.get("prelude") or ():  # what led there, played and judged as the walk did (not reported)
+            served.judge_played(served.play(Conversation.from_json(before)), served.baseline)
         played = served.play(conv)
         verdict = served.judge_played(played, served.baseline)
     for v in verdict.violations:
