@@ -126,12 +126,18 @@ def _save(
         "env": served.env_extra,
         "rules": verdict.rules_broken(),
         "violations": [str(x) for x in verdict.violations[:20]],
-        "prelude": [c.to_json() for c in prelude],
-        "conversation": played.conversation.to_json(),
+        "prelude": [_sent(c).to_json() for c in prelude],
+        "conversation": _sent(played.conversation).to_json(),
         "replay": f"kvcert replay {path}",
     }
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(body, indent=1))
+
+
+def _sent(conv: Conversation) -> Conversation:
+    """`conv` with only the turns its clients sent (a client stops when the server is gone)."""
+    sessions = tuple(replace(s, turns=tuple(t for t in s.turns if t.prompt is not None)) for s in conv.sessions)
+    return replace(conv, sessions=tuple(s for s in sessions if s.turns))
 
 
 def _attempt(served: Served, conv: Conversation, rule: str, fresh: bool) -> tuple[bool, Played, Verdict]:
