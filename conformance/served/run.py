@@ -322,13 +322,11 @@ def _owned(known: list[ServedFinding]) -> list[str]:
 def _replay_known(served: Served, f: ServedFinding, say: Callable[[str], None]) -> FindingReplay:
     """Replay a logged finding's conversation on the target's servers (fresh ones if the walk left them down)."""
     body = json.loads(finding_path(f).read_text())
-    conv = Conversation.from_json(body["conversation"])
     want = set(body.get("rules", ()))
-    if not served.clean():
+    if body.get("prelude") or not served.clean():  # a prelude is played from a fresh server, as it was found
         served.restart()
     served.judge.replay.tolerate_sparse = False  # the finding's own replay is judged strictly
-    played = served.play(conv)
-    verdict = served.judge_played(played, served.baseline)
+    verdict = _play_file(served, body)
     served.judge.replay.tolerate_sparse = served.tolerate_sparse
     broke = sorted(want & set(verdict.rules_broken()))
     say(f"  known finding {f.id}: {'REPRODUCES' if broke else 'does not reproduce'} ({', '.join(broke) or 'no rule broken'})")
@@ -429,20 +427,24 @@ def replay_file(
     if body.get("format") != SERVED_FORMAT:
         raise ValueError(f"{path} is not a served replay file (format {body.get('format')!r})")
     target = TARGETS[target_name or body["target"]]
-    conv = Conversation.from_json(body["conversation"])
     logs = (out_dir or path.parent) / "logs" / f"replay-{target.name}-{path.stem}"
     with Served(target, int(body["seed"]), logs, python, env_extra=body.get("env") or None) as served:
         digest = served.model.get("digest")
         if body.get("model", {}).get("digest") not in (None, digest):
             say(f"  note: the model's digest differs from the saved one ({digest[:16] if digest else None})")
         served.baseline, _ = served.idle()
-        for before in body.get("prelude") or ():  # what led there, played and judged as the walk did (not reported)
-            served.judge_played(served.play(Conversation.from_json(before)), served.baseline)
-        played = served.play(conv)
-        verdict = served.judge_played(played, served.baseline)
+        verdict = _play_file(served, body)
     for v in verdict.violations:
         say(f"  {v}")
     return verdict
+
+
+def _play_file(served: Served, body: dict[str, Any]) -> Verdict:
+    """A replay file's conversation, after its prelude (played and judged as the walk did; only the last verdict
+    is the file's)."""
+    for before in body.get("prelude") or ():
+        served.judge_played(served.play(Conversation.from_json(before)), served.baseline)
+    return served.judge_played(served.play(Conversation.from_json(body["conversation"])), served.baseline)
 
 
 def describe(target: ServedTarget) -> dict[str, Any]:
