@@ -224,7 +224,7 @@ def serve_certify(
         run.failure = Verdict([rules.Violation("INV-E2E-6", f"start-up: {e}")])
     if run.replay_path is not None and opts.url is None and opts.replay_check:
         say(f"  replaying {run.replay_path} on fresh servers")
-        again = replay_file(run.replay_path, python=opts.python, say=lambda s: None)
+        again = replay_file(run.replay_path, python=opts.python, say=lambda s: None, out_dir=opts.out_dir / "served")
         run.reproduced = bool(run.failure) and not again.passed and bool(
             set(again.rules_broken()) & set(run.failure.rules_broken() if run.failure else [])
         )
@@ -427,7 +427,7 @@ def replay_file(
     if body.get("format") != SERVED_FORMAT:
         raise ValueError(f"{path} is not a served replay file (format {body.get('format')!r})")
     target = TARGETS[target_name or body["target"]]
-    logs = (out_dir or path.parent) / "logs" / f"replay-{target.name}-{path.stem}"
+    logs = (out_dir or Path("kvcert-failures") / "served") / "logs" / f"replay-{target.name}-{path.stem}"
     with Served(target, int(body["seed"]), logs, python, env_extra=body.get("env") or None) as served:
         digest = served.model.get("digest")
         if body.get("model", {}).get("digest") not in (None, digest):
