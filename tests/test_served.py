@@ -113,6 +113,26 @@ def test_both_engines_wire_formats_decode() -> None:
     assert decode_batch(1, 0.0, positional).events[0] == {"type": "BlockRemoved", "block_hashes": [4], "medium": "GPU"}
 
 
+def test_ports_are_drawn_below_the_ephemeral_range_and_never_twice() -> None:
+    """A port in the ephemeral range can be taken by any process's outgoing connection before the server binds it
+    (a start-up that failed with "address already in use"), and two servers started together must not share one."""
+    from kvcert.conformance.served.server import _ephemeral_low
+
+    ports = [free_port() for _ in range(40)]
+    assert all(12000 <= p and p + 8 <= min(22000, _ephemeral_low()) for p in ports)
+    assert len({p // 8 for p in ports}) == len(ports)
+
+
+def test_only_a_start_up_that_lost_its_port_is_started_again(tmp_path: Path) -> None:
+    from kvcert.conformance.served.harness import _port_taken
+    from kvcert.conformance.served.server import Server
+
+    lost, crashed = (Server(n, ["true"], free_port(), tmp_path / f"{n}.log") for n in ("lost", "crashed"))
+    lost.log_path.write_text("ERROR:    [Errno 98] error while attempting to bind on address: address already in use\n")
+    crashed.log_path.write_text("RuntimeError: Host pool not found\n")
+    assert _port_taken(lost) and not _port_taken(crashed)
+
+
 def test_the_stream_binds_receives_and_fills_what_it_missed_from_the_replay_socket() -> None:
     """A publisher that sent batch 0 before the subscriber was there: the replay socket hands it over."""
     port = free_port()

@@ -157,6 +157,20 @@ class Served:
         self.stop()
 
     def start(self) -> None:
+        """Start (or attach to) the servers. A server of kvcert's that exits at start-up because its port was taken
+        between kvcert's choice and its bind (another process's outgoing connection) is started again on other
+        ports, twice at most: that is kvcert's port choice, not the engine's behaviour."""
+        for attempt in range(3):
+            try:
+                self._start()
+                return
+            except ServerExited:
+                taken = [s for s in (self.server, self.twin) if isinstance(s, Server) and _port_taken(s)]
+                if not taken or attempt == 2:
+                    raise
+                self.stop()
+
+    def _start(self) -> None:
         t = self.target
         if self.url is None:
             self.model = make_model(t, self.python, self.seed)
@@ -422,3 +436,8 @@ class Served:
                 rules.Violation("INV-E2E-4", "positive control: a prompt repeated alone hit, but no event announced its blocks")
             )
         return v, played
+
+
+def _port_taken(server: Server) -> bool:
+    """Whether `server` died at start-up because its listening port was in use."""
+    return not server.alive() and "address already in use" in server.log_text().lower()

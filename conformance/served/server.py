@@ -44,14 +44,30 @@ class Endpoint(Protocol):
     def log_text(self) -> str: ...
 
 
+_HANDED_OUT: set[int] = set()
+
+
 def free_port(rng: Optional[random.Random] = None) -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on now, with the next few free too (engines take neighbours)."""
+    """A TCP port on 127.0.0.1 that nothing listens on now, with the next few free too (engines take neighbours).
+
+    Drawn below the kernel's ephemeral range (an outgoing connection of any process may take a port there between
+    this check and the server's bind) and below SGLang's own draw for its NCCL port (22000-29999), and never one
+    this process has handed out already (a server not yet bound to it looks free)."""
     pick = rng or random.Random()
-    for _ in range(200):
-        port = pick.randrange(20000, 60000, 8)
-        if all(_free(port + k) for k in range(4)):
+    high = min(22000, _ephemeral_low()) - 8
+    for _ in range(400):
+        port = pick.randrange(12000, high, 8)
+        if port not in _HANDED_OUT and all(_free(port + k) for k in range(8)):
+            _HANDED_OUT.update(range(port, port + 8))
             return port
     raise RuntimeError("no free port range found on 127.0.0.1")
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def _free(port: int) -> bool:
