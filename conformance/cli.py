@@ -271,7 +271,8 @@ def _certify_and_report(
 ) -> NoReturn:
     """`certify` with a line per cell (and a bar inside it), the certificate printed and written as JSON (after
     every cell), JUnit and Markdown where `reports_to` names a path; exit 0 if it passed, 1 if not, 2 on an error
-    a user can fix before anything runs (no Ray, a bad corpus file)."""
+    a user can fix before anything runs (no Ray, a bad corpus file), 130 if Ctrl-C stopped it (the partial
+    certificate is printed and written, `complete: false`)."""
     json_path, junit_path, markdown_path = reports_to
     budget = kwargs["examples"] if kwargs.get("seconds") is None else None
     with _CellProgress(budget, shown=kwargs.get("jobs", 1) <= 1 and kwargs.get("ray") is None) as progress:
@@ -288,7 +289,7 @@ def _certify_and_report(
             raise typer.Exit(2) from e
     print_certificate(cert)
     _write_reports(cert, json_path, junit_path, markdown_path)
-    raise typer.Exit(0 if cert.passed else 1)
+    raise typer.Exit(130 if cert.interrupted else 0 if cert.passed else 1)  # 130: stopped by Ctrl-C, as shells say
 
 
 def _progress_json(json_path: Optional[Path]) -> Optional[Callable[[Certificate], None]]:

@@ -81,6 +81,8 @@ class Certificate:
     kind: str = "api"
     """How the engine is driven (`Capabilities.kind`): "request-path" through its own scheduler code, "api" by
     the protocol's calls composed by the suite, "native" a cache written to the protocol."""
+    interrupted: bool = False
+    """Stopped by Ctrl-C: the cells that finished are kept, the one that was running is not (never complete)."""
 
     @property
     def complete(self) -> bool:

@@ -26,8 +26,10 @@ from kvcert.conformance.certification.cluster import map_ordered
 from kvcert.conformance.certification.known import replay_findings
 from kvcert.conformance.certification.scope import scope_gaps
 from kvcert.conformance.certification.walk import certify_walk
+from kvcert.conformance.generation import interrupt
 from kvcert.conformance.generation.determinism import fixed_generation
 from kvcert.conformance.generation.fuzz import run_random
+from kvcert.conformance.generation.interrupt import sigint_deferred
 from kvcert.conformance.generation.machine import CacheMachine
 from kvcert.conformance.generation.request_machine import RequestMachine, request_cells
 from kvcert.conformance.generation.runner import run_machine
@@ -515,8 +517,11 @@ def certify(
         if on_progress is not None:
             on_progress(cert)
 
-    with closing(cast(Generator[CellResult, None, None], cells)):  # a fail-fast stop ends the workers still running
-        _collect(cert, cells, on_cell, progress, fail_fast, corpus, remote=ray is not None)
+    try:
+        with sigint_deferred(), closing(cast(Generator[CellResult, None, None], cells)):  # a stop ends the workers
+            _collect(cert, cells, on_cell, progress, fail_fast, corpus, remote=ray is not None)
+    except KeyboardInterrupt:
+        cert.interrupted = True  # the running cell is dropped: the certificate is not complete, so not CERTIFIED
     cert.not_checked = scope_gaps(caps, cert.cells, bad_input)
     return cert
 
@@ -571,6 +576,7 @@ def _collect(
             on_progress(cert)
         if fail_fast and not cell.passed:
             break
+        interrupt.check()  # a Ctrl-C while workers ran cells elsewhere: stop before the next
 
 
 def _cell_by_name(profile: str, config: CacheConfig, **run: Any) -> CellResult:

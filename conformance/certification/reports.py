@@ -102,7 +102,8 @@ def verdict_reasons(cert: Certificate) -> list[str]:
     if failed:
         out.append(f"{failed} of {len(cert.cells)} cells failed")
     if not cert.complete:
-        out.append(f"incomplete: {len(cert.cells)} of {len(cert.planned)} planned cells ran")
+        why = " (interrupted)" if cert.interrupted else ""
+        out.append(f"incomplete{why}: {len(cert.cells)} of {len(cert.planned)} planned cells ran")
     elif not cert.cells:
         out.append("no cell ran")
     known = sorted({f.id for f in cert.findings if f.reproduced})

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from kvcert.conformance.backend import Factory
+from kvcert.conformance.generation import interrupt
 from kvcert.conformance.generation.determinism import StepDigest
 from kvcert.conformance.generation.draws import MAX_PAGES, Draws, booleans, draws, integers, sampled_from, tokens_of
 from kvcert.conformance.generation.race_rules import RaceRules
@@ -149,6 +150,7 @@ class CacheMachine(RunningRules, RaceRules):
         return list(cls.last.ops) if cls.last is not None else []
 
     def do(self, op: Op) -> None:
+        interrupt.check()  # a Ctrl-C pressed since the last step stops the walk here
         stats = type(self).stats
         stats.steps += 1
         stats.digest.step(op)

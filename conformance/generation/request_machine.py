@@ -14,6 +14,7 @@ from dataclasses import replace
 from typing import Any, Optional
 
 from kvcert.conformance.backend import Backend
+from kvcert.conformance.generation import interrupt
 from kvcert.conformance.generation.draws import MAX_PAGES, Draws, draws, tokens_of
 from kvcert.conformance.generation.machine import NAMESPACES, RunStats
 from kvcert.conformance.generation.runner import precondition, rule
@@ -82,6 +83,7 @@ class RequestMachine:
         return sessions
 
     def do(self, op: Op) -> None:
+        interrupt.check()  # a Ctrl-C pressed since the last step stops the walk here
         stats = type(self).stats
         stats.steps += 1
         stats.digest.step(op)
