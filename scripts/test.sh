@@ -55,5 +55,6 @@ if [[ -n "${kvcr_pid:-}" ]]; then
 fi
 echo "== pytest"
 # Two workers, one test file each at a time (module fixtures are built once); the zoo's own pool runs
-# inside its worker. KVCERT_TEST_JOBS=0 runs in one process. The 20 slowest tests are listed (CI runs near its budget).
+# inside its worker; the longest files are handed out first (tests/conftest.py). KVCERT_TEST_JOBS=0 runs in one
+# process. The 20 slowest tests are listed (CI runs near its budget).
 "$V/pytest" -q -n "${KVCERT_TEST_JOBS:-2}" --dist loadfile --durations=20 "$@"
