@@ -96,6 +96,10 @@ def _turn(request: str, session: str | None, tokens: tuple[int, ...], priority: 
     return Submit(request, None, tokens, priority, output, session)
 
 
+NEXT_TURN = turn_tokens(None, (1, 2), 2) + (7, 7)
+"""The second turn of a conversation whose first was `_turn(..., (1, 2))`: its prompt, answer and new tokens."""
+
+
 def _steps(n: int) -> list[Op]:
     return [Step() for _ in range(n)]
 
@@ -179,6 +183,7 @@ def test_a_request_trace_round_trips_and_replays(tmp_path: Path) -> None:
         ("sessions-only", [_turn("r1", None, (1, 2))]),
         ("idle-changes", [_turn("r1", "s0", (1, 2), output=3), CloseSession("s0")]),
         ("idle-changes", [_turn("r1", "s0", (1, 2), output=3), Reprioritize("s0", 0)]),
+        ("idle-changes", [_turn("r1", "s0", (1, 2)), *_steps(8), _turn("r2", "s0", NEXT_TURN, priority=0)]),
         ("distinct-ids", [_turn("r1", None, (1, 2)), _turn("r1.2", None, (2, 2))]),
         ("distinct-ids", [_turn("r10", None, (1, 2)), _turn("r1", None, (2, 2))]),
     ],
@@ -191,6 +196,19 @@ def test_a_trace_outside_the_targets_client_rules_is_out_of_its_scope(rule: str,
     assert replay(engine_factory, CAPS, CONFIG, ops).failure is None
     got = replay(engine_factory, with_(CAPS, client=(rule,)), CONFIG, ops)
     assert got.failure is None and got.invalid.endswith(rule), got.invalid
+
+
+def test_idle_changes_clients_send_a_turn_at_the_priority_they_last_set_or_after_a_close_at_any() -> None:
+    """A turn in another class without a priority change first is what the fork's R1 needs; its bench clients never
+    send one, so a shrunk trace that does is not theirs."""
+    from dataclasses import replace as with_
+
+    caps = with_(CAPS, client=("idle-changes",))
+    changed = [_turn("r1", "s0", (1, 2)), *_steps(8), Reprioritize("s0", 0), Step(), _turn("r2", "s0", NEXT_TURN, priority=0)]
+    closed = [_turn("r1", "s0", (1, 2)), *_steps(8), CloseSession("s0"), Step(), _turn("r2", "s0", (5, 6), priority=0)]
+    for ops in (changed, closed):
+        got = replay(engine_factory, caps, CONFIG, ops)
+        assert got.failure is None and not got.invalid, got.invalid
 
 
 def test_distinct_ids_clients_send_ids_none_of_which_starts_with_another(tmp_path: Path, monkeypatch: Any) -> None:

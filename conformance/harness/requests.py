@@ -221,6 +221,10 @@ class RequestHarness:
         if "idle-changes" in rules and isinstance(op, (CloseSession, Reprioritize)):
             if op.session in self.busy_sessions():
                 return "idle-changes"
+        if "idle-changes" in rules and isinstance(op, Submit) and op.session is not None:
+            st = self.sessions.get(op.session)  # a turn keeps the priority its client last set (a closed one: any)
+            if st is not None and st.closed_at is None and st.turn is not None and op.priority != st.turn:
+                return "idle-changes"
         if "distinct-ids" in rules and isinstance(op, Submit):
             rid = str(op.request)
             if any(rid.startswith(str(other)) or str(other).startswith(rid) for other in self.sent):
