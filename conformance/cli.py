@@ -24,6 +24,7 @@ from kvcert.conformance.certification.certify import CorpusError, _tier, certify
 from kvcert.conformance.certification.cluster import RayUnavailable
 from kvcert.conformance.certification.diff import NODE_FIELDS, snapshot_rows
 from kvcert.conformance.certification.walk import WALK_FORMAT, replay_walk_trace
+from kvcert.conformance.generation.interrupt import sigint_deferred
 from kvcert.conformance.generation.request_machine import run_requests
 from kvcert.conformance.harness.driver import ConformanceFailure, Harness, Outcome, run_trace
 from kvcert.conformance.harness.running import lent
@@ -275,7 +276,8 @@ def _certify_and_report(
     certificate is printed and written, `complete: false`)."""
     json_path, junit_path, markdown_path = reports_to
     budget = kwargs["examples"] if kwargs.get("seconds") is None else None
-    with _CellProgress(budget, shown=kwargs.get("jobs", 1) <= 1 and kwargs.get("ray") is None) as progress:
+    shown = kwargs.get("jobs", 1) <= 1 and kwargs.get("ray") is None
+    with _CellProgress(budget, shown=shown) as progress, sigint_deferred():  # Ctrl-C: the certificate so far
         try:
             cert = certify(
                 target,

@@ -11,6 +11,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from kvcert.conformance.generation import interrupt
 
 
@@ -48,3 +50,17 @@ def test_a_deferred_interrupt_is_raised_at_the_walks_next_step() -> None:
         else:
             raise AssertionError("check() did not raise after Ctrl-C")
     assert not interrupt.interrupted()  # the handler and the mark are gone with the context
+
+
+def test_outside_the_cli_a_keyboard_interrupt_propagates(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A library caller's own Ctrl-C (pytest's) is not turned into a partial certificate: only the CLI defers it."""
+    from kvcert.conformance.certification.certify import certify
+    from kvcert.conformance.generation.machine import CacheMachine
+
+    def pressed(self: CacheMachine, op: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(CacheMachine, "do", pressed)
+    with pytest.raises(KeyboardInterrupt):
+        certify("kvcert.gpu:factory", examples=2, steps=5, page_sizes=[1], policies=["lru"], write_policies=[],
+                prefetch_policies=[], out_dir=tmp_path)  # fmt: skip

@@ -29,7 +29,6 @@ from kvcert.conformance.certification.walk import certify_walk
 from kvcert.conformance.generation import interrupt
 from kvcert.conformance.generation.determinism import fixed_generation
 from kvcert.conformance.generation.fuzz import run_random
-from kvcert.conformance.generation.interrupt import sigint_deferred
 from kvcert.conformance.generation.machine import CacheMachine
 from kvcert.conformance.generation.request_machine import RequestMachine, request_cells
 from kvcert.conformance.generation.runner import run_machine
@@ -456,7 +455,8 @@ def certify(
     the same. `corpus` is a shared failure corpus, a directory of traces: every cell replays those recorded on its
     config before its walk, and each new failure's trace is added to it. `on_progress(cert)` sees the certificate
     after each cell (an interrupted run keeps what it did); `on_example(config, examples, steps)` sees each example
-    start inside a cell, in a run in this process (workers report per cell only)."""
+    start inside a cell, in a run in this process (workers report per cell only). Under `interrupt.sigint_deferred()`
+    (the CLI) Ctrl-C returns the certificate so far, `interrupted`; elsewhere KeyboardInterrupt propagates."""
     given_factory = factory is not None
     factory = factory or load_factory(target)
     caps = capabilities_of(factory)
@@ -518,9 +518,11 @@ def certify(
             on_progress(cert)
 
     try:
-        with sigint_deferred(), closing(cast(Generator[CellResult, None, None], cells)):  # a stop ends the workers
+        with closing(cast(Generator[CellResult, None, None], cells)):  # a stop ends the workers still running
             _collect(cert, cells, on_cell, progress, fail_fast, corpus, remote=ray is not None)
     except KeyboardInterrupt:
+        if not interrupt.interrupted():  # not under the CLI's `sigint_deferred`: a caller's own Ctrl-C goes on up
+            raise
         cert.interrupted = True  # the running cell is dropped: the certificate is not complete, so not CERTIFIED
     cert.not_checked = scope_gaps(caps, cert.cells, bad_input)
     return cert
