@@ -55,6 +55,7 @@ if [[ -n "${kvcr_pid:-}" ]]; then
 fi
 echo "== pytest"
 # Two workers, one test file each at a time (module fixtures are built once); the zoo's own pool runs
-# inside its worker; the longest files are handed out first (tests/conftest.py). KVCERT_TEST_JOBS=0 runs in one
-# process. The 20 slowest tests are listed (CI runs near its budget).
-"$V/pytest" -q -n "${KVCERT_TEST_JOBS:-2}" --dist loadfile --durations=20 "$@"
+# inside its worker. Files are handed out in collection order (--no-loadscope-reorder: xdist would otherwise hand
+# out the files with the most tests first), which tests/conftest.py starts with the served SGLang file.
+# KVCERT_TEST_JOBS=0 runs in one process. The 20 slowest tests are listed (CI runs near its budget).
+"$V/pytest" -q -n "${KVCERT_TEST_JOBS:-2}" --dist loadfile --no-loadscope-reorder --durations=20 "$@"

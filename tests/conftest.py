@@ -1,6 +1,6 @@
-"""Test order for CI's two workers (`pytest -n 2 --dist loadfile`): xdist hands out files in collection order, so
-the longest files go first and the short ones fill in beside them, instead of one long file running alone at the
-end while the other worker idles. Order only: no test depends on another."""
+"""Test order for CI's two workers (`pytest -n 2 --dist loadfile --no-loadscope-reorder`, scripts/test.sh): xdist
+then hands out files in collection order, and the served SGLang file goes first, so the short files fill in beside
+it instead of it running alone at the end while the other worker idles. Order only: no test depends on another."""
 
 from __future__ import annotations
 
