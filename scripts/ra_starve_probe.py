@@ -18,6 +18,7 @@ import requests
 
 from kvcert.conformance.served.client import Ask, Reply
 from kvcert.conformance.served.harness import Served
+from kvcert.conformance.served.run import play_file
 from kvcert.conformance.served.targets import TARGETS
 from kvcert.conformance.served.traffic import Conversation
 
@@ -34,8 +35,7 @@ def main() -> None:
     logs = ROOT / "kvcert-failures" / "served" / "logs" / "ra-starve-probe"
     with Served(TARGETS["refaware"], int(body["seed"]), logs, None, env_extra=body.get("env") or None) as served:
         served.baseline, _ = served.idle()
-        for conv in convs:
-            served.judge_played(served.play(conv), served.baseline)
+        play_file(served, body)
         client = served.client
         assert client is not None and served.server is not None
         print(f"after the replay, idle: {client.occupancy()}")

@@ -28,7 +28,7 @@ from kvcert.conformance.served.server import ServerExited
 from kvcert.conformance.served.targets import TARGETS, ServedTarget
 from kvcert.conformance.served.traffic import MALFORMED, Conversation, Traffic, conversation
 
-__all__ = ["SERVED_FORMAT", "EnvironmentMissing", "ServedRun", "replay_file", "serve_certify", "traffic_of"]
+__all__ = ["SERVED_FORMAT", "EnvironmentMissing", "ServedRun", "play_file", "replay_file", "serve_certify", "traffic_of"]
 
 SERVED_FORMAT = "kvcert-served-1"
 
@@ -326,7 +326,7 @@ def _replay_known(served: Served, f: ServedFinding, say: Callable[[str], None]) 
     if body.get("prelude") or not served.clean():  # a prelude is played from a fresh server, as it was found
         served.restart()
     served.judge.replay.tolerate_sparse = False  # the finding's own replay is judged strictly
-    verdict = _play_file(served, body)
+    verdict = play_file(served, body)
     served.judge.replay.tolerate_sparse = served.tolerate_sparse
     broke = sorted(want & set(verdict.rules_broken()))
     say(f"  known finding {f.id}: {'REPRODUCES' if broke else 'does not reproduce'} ({', '.join(broke) or 'no rule broken'})")
@@ -433,15 +433,15 @@ def replay_file(
         if body.get("model", {}).get("digest") not in (None, digest):
             say(f"  note: the model's digest differs from the saved one ({digest[:16] if digest else None})")
         served.baseline, _ = served.idle()
-        verdict = _play_file(served, body)
+        verdict = play_file(served, body)
     for v in verdict.violations:
         say(f"  {v}")
     return verdict
 
 
-def _play_file(served: Served, body: dict[str, Any]) -> Verdict:
-    """A replay file's conversation, after its prelude (played and judged as the walk did; only the last verdict
-    is the file's)."""
+def play_file(served: Served, body: dict[str, Any]) -> Verdict:
+    """A replay file's conversation on `served`, after its prelude (played and judged as the walk did; only the last
+    verdict is the file's)."""
     for before in body.get("prelude") or ():
         served.judge_played(served.play(Conversation.from_json(before)), served.baseline)
     return served.judge_played(served.play(Conversation.from_json(body["conversation"])), served.baseline)
