@@ -41,8 +41,8 @@ def sigint_deferred() -> Iterator[None]:
             raise KeyboardInterrupt("interrupted twice (Ctrl-C)")
         _pending.set()
 
+    _pending.clear()  # before the handler is in place: a Ctrl-C from then on is kept
     previous = signal.signal(signal.SIGINT, on_sigint)
-    _pending.clear()
     try:
         yield
     finally:
