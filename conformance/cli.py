@@ -18,11 +18,12 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextC
 from rich.table import Table
 
 from kvcert.conformance.backend import Factory
-from kvcert.conformance.certification import explain, reports
+from kvcert.conformance.certification import explain, known, reports
 from kvcert.conformance.certification.certificate import CellResult, Certificate
 from kvcert.conformance.certification.certify import CorpusError, _tier, certify, judged_as, load_factory
 from kvcert.conformance.certification.cluster import RayUnavailable
 from kvcert.conformance.certification.diff import NODE_FIELDS, snapshot_rows
+from kvcert.conformance.certification.fixes import FixError
 from kvcert.conformance.certification.walk import WALK_FORMAT, replay_walk_trace
 from kvcert.conformance.generation.interrupt import sigint_deferred
 from kvcert.conformance.generation.request_machine import run_requests
@@ -111,6 +112,8 @@ def print_certificate(cert: Certificate) -> None:
         console.print(f"  skipped: {note}")
     rate = cert.total_steps / max(cert.seconds, 1e-9)
     verdict = "[green]CERTIFIED[/]" if cert.passed else "[red]NOT CERTIFIED[/]"
+    if cert.with_fixes:  # not the engine as released: say so beside the verdict, not only among the gaps
+        verdict += f" (the engine with the fixes of {', '.join(cert.with_fixes)} applied)"
     why = reports.verdict_reasons(cert)
     scope = " for what it declares and this run exercised; NOT CHECKED:" if cert.not_checked else ""
     console.print(
@@ -176,7 +179,7 @@ POLICY_CONFIG = typer.Option(
     "--policy-config",
     metavar="JSON",
     help="the eviction policy's parameters, as SGLang's --radix-eviction-policy-config (e.g. "
-    "'{\"threshold\": 64, \"next_prompt_estimate\": 16}'), for the cells whose policy takes them",
+    '\'{"threshold": 64, "next_prompt_estimate": 16}\'), for the cells whose policy takes them',
 )
 BAD_INPUT = typer.Option(
     None,
@@ -238,6 +241,13 @@ def certify_cmd(
     jobs: int = typer.Option(1, "--jobs", help="run cells in this many processes (the same certificate)"),
     ray: Optional[str] = typer.Option(None, "--ray", metavar="ADDRESS", help=RAY_HELP),
     corpus: Optional[Path] = typer.Option(None, "--corpus", metavar="DIR", help=CORPUS_HELP),
+    with_fixes: Optional[str] = typer.Option(
+        None,
+        "--with-fixes",
+        metavar="IDS",
+        help="comma-separated findings of the target's engine whose minimal fixes are applied first, so the walk "
+        "goes past them (each listed under NOT CHECKED); `all` for every one logged with a fix",
+    ),
 ) -> None:
     """Run the conformance suite against a backend and print its certificate."""
     _certify_and_report(
@@ -255,7 +265,17 @@ def certify_cmd(
         jobs=jobs,
         ray=ray,
         corpus=corpus,
+        with_fixes=_fix_ids(target, with_fixes),
     )
+
+
+def _fix_ids(target: str, given: Optional[str]) -> tuple[str, ...]:
+    """`--with-fixes`: the findings named, or with `all` every finding of the target's engine that carries a fix."""
+    if not given:
+        return ()
+    if given.strip() == "all":
+        return tuple(f.id for f in known.findings_for(target) if f.fix)
+    return tuple(i.strip() for i in given.split(",") if i.strip())
 
 
 def _checked_cells(*args: Any) -> dict[str, Any]:
@@ -286,7 +306,7 @@ def _certify_and_report(
                 on_progress=_progress_json(json_path),
                 **kwargs,
             )
-        except (RayUnavailable, CorpusError, InvalidPolicyConfig) as e:
+        except (RayUnavailable, CorpusError, InvalidPolicyConfig, FixError) as e:
             typer.echo(f"error: {e}", err=True)
             raise typer.Exit(2) from e
     print_certificate(cert)
@@ -437,7 +457,9 @@ def _replay_served(path: Path, target: Optional[str]) -> None:
 @app.command("replay")
 def replay_cmd(
     trace_file: Path = typer.Argument(..., exists=True, readable=True),
-    target: Optional[str] = typer.Option(None, help="override the trace's target MODULE:FACTORY (a served file: a served target)"),
+    target: Optional[str] = typer.Option(
+        None, help="override the trace's target MODULE:FACTORY (a served file: a served target)"
+    ),
     versus_plain: bool = typer.Option(
         False,
         "--versus-plain",
@@ -709,7 +731,9 @@ def engine_zoo_cmd(
 
 @app.command("partition")
 def partition_cmd(
-    target: str = typer.Argument(..., help="MODULE:FACTORY returning a probe, e.g. kvcert.conformance.adapters.vllm_kv:probe"),
+    target: str = typer.Argument(
+        ..., help="MODULE:FACTORY returning a probe, e.g. kvcert.conformance.adapters.vllm_kv:probe"
+    ),
     cases: int = typer.Option(200, help="generated cases, after the directed ones"),
     seed: int = typer.Option(0, help="same seed, same cases"),
     json_path: Optional[Path] = typer.Option(None, "--json", help="write the report as JSON"),
@@ -725,7 +749,9 @@ def partition_cmd(
         probe = partition.load(target)
     except (ImportError, ValueError, AttributeError) as e:
         console.print(f"[red]{escape(str(e))}[/]")
-        console.print("(a vLLM probe runs in .venv-vllm: scripts/install_vllm.sh, then .venv-vllm/bin/kvcert partition)")
+        console.print(
+            "(a vLLM probe runs in .venv-vllm: scripts/install_vllm.sh, then .venv-vllm/bin/kvcert partition)"
+        )
         raise typer.Exit(2) from e
     report = partition.run(target, probe, partition.cases(cases, seed, probe.page, probe))
     verdict = "[green]PASSED[/]" if report.passed else "[red]FAILED[/]"
@@ -787,7 +813,9 @@ def serve_certify_cmd(
     list_targets: bool = typer.Option(False, "--list", help="print every served target and exit"),
     examples: int = typer.Option(20, help="conversations to play"),
     seed: int = typer.Option(0, help="same seed, same traffic"),
-    url: Optional[str] = typer.Option(None, "--url", help="attach to a server already running here instead of starting one"),
+    url: Optional[str] = typer.Option(
+        None, "--url", help="attach to a server already running here instead of starting one"
+    ),
     events: Optional[str] = typer.Option(
         None,
         "--events",
@@ -796,10 +824,16 @@ def serve_certify_cmd(
         "without a replay socket kvcert flushes the cache first and judges events from the flush on",
     ),
     twin_url: Optional[str] = typer.Option(
-        None, "--twin-url", help="with --url: a twin of that server with prefix caching off (same output is judged against it)"
+        None,
+        "--twin-url",
+        help="with --url: a twin of that server with prefix caching off (same output is judged against it)",
     ),
-    python: Optional[str] = typer.Option(None, "--python", help="the engine environment's interpreter (default: the target's)"),
-    flag: Optional[list[str]] = typer.Option(None, "--flag", help="an extra server flag for the server under test (repeat)"),
+    python: Optional[str] = typer.Option(
+        None, "--python", help="the engine environment's interpreter (default: the target's)"
+    ),
+    flag: Optional[list[str]] = typer.Option(
+        None, "--flag", help="an extra server flag for the server under test (repeat)"
+    ),
     shrink_seconds: float = typer.Option(600.0, "--shrink-seconds", help="time budget for shrinking a failure"),
     json_path: Optional[Path] = typer.Option(None, "--json", help="write the certificate as JSON"),
     junit_path: Optional[Path] = typer.Option(None, "--junit", help="write the certificate as JUnit XML"),
@@ -862,9 +896,7 @@ app.add_typer(bench_app, name="bench")
 bench_app.command("policy")(policy_cmd)  # kvcert bench policy: the serving simulator (kvcert.sim)
 
 
-@bench_app.command(
-    "harness", context_settings={"allow_extra_args": True, "ignore_unknown_options": True}
-)
+@bench_app.command("harness", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def bench_harness_cmd(
     ctx: typer.Context,
     question: str = typer.Argument(..., help="drivers | checks | profile | versus"),
@@ -896,7 +928,9 @@ def bench_meta_cmd(
     impl: Optional[list[str]] = typer.Option(None, "--impl", help="only these implementations"),
     host: bool = typer.Option(False, "--host", help="also replay with a host tier (2x the pool, write-through)"),
     json_out: Optional[Path] = typer.Option(None, "--json", help="write the figures as JSON"),
-    repeats: int = typer.Option(3, help="rounds, the implementations' order alternating; ratios print as median [spread]"),
+    repeats: int = typer.Option(
+        3, help="rounds, the implementations' order alternating; ratios print as median [spread]"
+    ),
 ) -> None:
     """Replay one multi-turn trace against every implementation; print calls/s per operation and ratios.
 

@@ -69,3 +69,7 @@ class RequestView:
     held: tuple[int, ...] = ()
     """Device slots it holds in further KV cache groups (a hybrid model's sliding window): pages it holds, counted
     among their holders (INV-PAGE-2), though its row is its first group's."""
+    max_output: Optional[int] = None
+    """The most output tokens the engine will decode for it, as the engine set that on the request's arrival (SGLang
+    clips a request's output to what its pool can hold); None where the engine keeps what the client asked. Rules that
+    weigh a request's size (INV-DEC-6) judge the engine's request, not the client's."""

@@ -92,7 +92,7 @@ def test_every_sglang_trace_still_fails_on_its_engine() -> None:
 EXPECTED_FORK = {
     "Q1": "INV-RP-2",
     "Q2": "INV-RP-3",
-    "Q3": "INV-RP-4",
+    "Q3": "INV-RP-1",
     "Q4": "INV-LIVE-2",
     "R1": "INV-",
     "SG-ABORT": "INV-RP-5",

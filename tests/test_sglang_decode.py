@@ -21,10 +21,11 @@ require_sglang()
 import sglang_decode_plants as plants  # noqa: E402
 
 from kvcert.conformance.adapters import sglang_decode  # noqa: E402
-from kvcert.conformance.certification.certify import certify  # noqa: E402
+from kvcert.conformance.certification import fixes, known  # noqa: E402
+from kvcert.conformance.certification.certify import certify, load_factory, replay  # noqa: E402
 from kvcert.conformance.harness.driver import ConformanceFailure  # noqa: E402
 from kvcert.conformance.harness.requests import RequestHarness  # noqa: E402
-from kvcert.spec.ops import PeerFault, Step, Submit  # noqa: E402
+from kvcert.spec.ops import PeerFault, Step, Submit, Trace  # noqa: E402
 from kvcert.spec.types import CacheConfig  # noqa: E402
 
 pytestmark = pytest.mark.sglang
@@ -206,3 +207,57 @@ def test_the_storage_cells_reach_l3_and_certify_with_the_leak_fixed() -> None:
 def test_a_planted_prefetch_bug_fails_under_the_rule_it_breaks(plant: str) -> None:
     got = _run_storage(plant)
     assert not got["passed"] and set(got["rules"]) & STORAGE_CAUGHT[plant], got
+
+
+RETRACT = "SG-DECODE-RETRACT-FINISHED"
+CLIPPED = "sglang_decode/SG-DECODE-RETRACT-FINISHED-running-request-aborted.json"
+"""The finding's trace, once logged as SG-DECODE-NEVER-FIT: the harness judged r000009 by the client's output."""
+AT_DEFAULT_RESERVE = Path(__file__).parent / "data" / "sg_decode_retract_finished_reserve_512.json"
+"""The finding at SGLang's default reserve, on a pool of 5200 slots (2155 steps: too long to replay before every
+certification of the decode targets, so the log's trace is the reserve-4 one)."""
+
+
+def _play(trace: Trace) -> tuple[RequestHarness, Optional[ConformanceFailure]]:
+    """`trace` on `factory` (`--num-reserved-decode-tokens 4`), then quiesced: the harness and the failure, if any."""
+    h = RequestHarness(sglang_decode.factory(trace.config), trace.config, sglang_decode.factory.capabilities)
+    try:
+        for op in trace.ops:
+            h.step(op)
+        h.quiesce()
+    except ConformanceFailure as failure:
+        return h, failure
+    finally:
+        h.close()
+    return h, None
+
+
+def test_a_request_sglang_clips_on_arrival_is_judged_by_its_clipped_output() -> None:
+    """INV-DEC-6 judges the engine's request, not the client's: r000009 asks for 44 prompt and 23 output tokens of a
+    64-slot pool, SGLang clips its output on arrival to 18 (init_req_max_new_tokens), so it fits, and no abort is
+    blamed on it. What the old verdict had found is SG-DECODE-RETRACT-FINISHED: r000011, the request running beside
+    r000009's transfer, is aborted for OOM (INV-RP-5); with that finding's fix the same trace passes."""
+    trace = Trace.from_json(known.trace_text(CLIPPED))
+    h, failure = _play(trace)
+    clipped = h.sent["r000009"]
+    assert clipped.op.output == 23 and clipped.output == 18, (clipped.op.output, clipped.output)
+    assert h.never_fits(clipped.op) and not h.never_fits(clipped.op, clipped.output)
+    assert failure is not None and {v.inv for v in failure.violations} == {"INV-RP-5"}, failure
+    assert "r000011 was aborted" in str(failure)
+    with fixes.applied([RETRACT], "kvcert.conformance.adapters.sglang_decode:factory"):
+        h, failure = _play(trace)
+    assert failure is None, failure
+    assert {r: v.state for r, v in h.finished.items()} == dict.fromkeys(("r000002", "r000009", "r000011"), "finished")
+
+
+def test_at_the_default_reserve_a_finished_request_is_not_counted_retractable() -> None:
+    """Finding SG-DECODE-RETRACT-FINISHED at SGLang's own --num-reserved-decode-tokens 512, so not an artefact of the
+    cells' small reserve: the trace fails INV-RP-5 on the released decode server and passes with the finding's fix
+    applied in-process (the patch docs/upstream hands upstream)."""
+    trace = Trace.from_json(AT_DEFAULT_RESERVE.read_text())
+    make = load_factory(trace.target)
+    got = replay(make, make.capabilities, trace.config, trace.ops)  # type: ignore[attr-defined]
+    assert got.failure is not None and {v.inv for v in got.failure.violations} == {"INV-RP-5"}, got.failure
+    with fixes.applied([RETRACT], trace.target) as done:
+        assert [f.finding for f in done] == [RETRACT]
+        got = replay(make, make.capabilities, trace.config, trace.ops)  # type: ignore[attr-defined]
+    assert got.failure is None, got.failure

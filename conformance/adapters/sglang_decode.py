@@ -69,6 +69,8 @@ PREFILL_CHUNK_PAGES = 2
 """Pages of a prompt the prefill peer computes per step (sglang_requests' --chunked-prefill-size)."""
 RESERVED_DECODE_TOKENS = 4
 """--num-reserved-decode-tokens: SGLang's 512 is sized for a GPU's pool; a cell's pool holds tens of tokens."""
+DEFAULT_RESERVED_DECODE_TOKENS = 512
+"""SGLang's own --num-reserved-decode-tokens (`factory_default_reserve`)."""
 
 
 @dataclasses.dataclass
@@ -99,7 +101,9 @@ class _OneRankCpuGroup:
 class SGLangDecodePath(_sr.SGLangRequestPath):
     """SGLang's decode worker over UnifiedRadixCache (Python tree core); the RequestPathBackend protocol."""
 
-    def __init__(self, config: CacheConfig) -> None:
+    def __init__(self, config: CacheConfig, reserve: int = RESERVED_DECODE_TOKENS) -> None:
+        """`reserve`: --num-reserved-decode-tokens (the capabilities' `output_reserve` must say the same)."""
+        self._reserve = reserve
         self._sent: list[_Sent] = []
         self._rooms = 0
         self.ledger = DecodeLedger()
@@ -120,7 +124,7 @@ class SGLangDecodePath(_sr.SGLangRequestPath):
             "disaggregation_mode": "decode",
             "disaggregation_transfer_backend": "mooncake",
             "disaggregation_decode_enable_radix_cache": True,
-            "num_reserved_decode_tokens": RESERVED_DECODE_TOKENS,
+            "num_reserved_decode_tokens": self._reserve,
         }
 
     def _build_scheduler(self) -> Any:
@@ -540,7 +544,6 @@ class SGLangDecodeStoragePath(SGLangDecodePath):
         out, self._violations = self._violations, []
         return super().observed(profile) + out
 
-
     # ------------------------------------------------------------------ the peer's and the threads' part
 
     def _learn(self) -> None:
@@ -750,6 +753,21 @@ factory_fitting.capabilities = dataclasses.replace(  # type: ignore[attr-defined
     factory.capabilities,  # type: ignore[attr-defined]
     name=factory.capabilities.name + ", a client whose requests fit the device",  # type: ignore[attr-defined]
     never_fit=False,
+)
+
+
+def factory_default_reserve(config: CacheConfig) -> SGLangDecodePath:
+    """`factory` at SGLang's own --num-reserved-decode-tokens, 512: a replay target for traces on pools of thousands
+    of slots (finding SG-DECODE-RETRACT-FINISHED); a walk's cells of tens of slots would admit nothing."""
+    return SGLangDecodePath(config, reserve=DEFAULT_RESERVED_DECODE_TOKENS)
+
+
+_BASE: Capabilities = factory.capabilities  # type: ignore[attr-defined]
+factory_default_reserve.capabilities = dataclasses.replace(  # type: ignore[attr-defined]
+    _BASE,
+    name=_BASE.name + f", --num-reserved-decode-tokens {DEFAULT_RESERVED_DECODE_TOKENS} (SGLang's default)",
+    notes=tuple(n for n in _BASE.notes if not n.startswith("--num-reserved-decode-tokens"))
+    + (f"--num-reserved-decode-tokens {DEFAULT_RESERVED_DECODE_TOKENS}, SGLang's default",),
 )
 
 

@@ -340,7 +340,12 @@ class SGLangRequestPath:
     """SGLang's Scheduler over one cache; the RequestPathBackend protocol (conformance/backend.py)."""
 
     def __init__(
-        self, config: CacheConfig, kind: str = "unified", core: str = "python", pools: Any = None, kv_events: bool = False
+        self,
+        config: CacheConfig,
+        kind: str = "unified",
+        core: str = "python",
+        pools: Any = None,
+        kv_events: bool = False,
     ) -> None:
         """`kind` kvcert: the cache is the one SGLang's registry builds for `--radix-cache-backend kvcert` over
         `pools` (`sglang_kvcert.KvcertPools`). `kv_events`: SGLang's cache is built as with --kv-events-config, and
@@ -826,6 +831,8 @@ class SGLangRequestPath:
             # is cheap, Req.set_finish_with_abort): the client's prompt, nothing decoded.
             tokens, prompt = record.prompt, len(record.prompt)
         priority = int(req.priority) if req.priority is not None else 0
+        # The output SGLang will decode: init_req_max_new_tokens clips the client's to what the pool can hold.
+        most = req.sampling_params.max_new_tokens
         base = dict(
             id=record.rid,
             session=record.session,
@@ -833,6 +840,7 @@ class SGLangRequestPath:
             tokens=tokens,
             prompt=prompt,
             priority=priority,
+            max_output=int(most) if most is not None else None,
         )
         if record.ended is not None:
             return RequestView(state=record.ended, **base)  # type: ignore[arg-type]

@@ -6,6 +6,7 @@
 | `certificate` | the record: each cell's result, each finding's replay, the certificate and its JSON |
 | `scope` | what a certificate did not check (`NOT CHECKED`) |
 | `known` | the findings log as data, replayed before every certification |
+| `fixes` | a finding's minimal fix applied to the engine in-process (`--with-fixes`) |
 | `cluster` | cells run in worker processes (`--jobs`) or on a Ray cluster (`--ray`) |
 | `reports` | JUnit and Markdown certificates |
 | `explain`, `diff` | an invariant's rule from SPEC.md; backend vs model snapshots side by side (`replay --diff-at`) |

@@ -83,6 +83,9 @@ class Certificate:
     the protocol's calls composed by the suite, "native" a cache written to the protocol."""
     interrupted: bool = False
     """Stopped by Ctrl-C: the cells that finished are kept, the one that was running is not (never complete)."""
+    with_fixes: list[str] = field(default_factory=list)
+    """Findings whose minimal fixes were applied to the engine before the walk (`--with-fixes`): the engine certified
+    is the released one with those patches, each listed under NOT CHECKED."""
 
     @property
     def complete(self) -> bool:

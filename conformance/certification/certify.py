@@ -1,3 +1,4 @@
+# Over 600 lines: one run of every cell (walk, shrink, save, replay) with each option a run takes, workers to fixes.
 """Certification: run the state machine for every (page size, policy) cell a backend declares.
 
 A cell fails at its first broken rule; the shrunk trace is saved as JSON and
@@ -21,6 +22,7 @@ from hypothesis import HealthCheck, Phase, Verbosity, settings
 from hypothesis.errors import Flaky
 
 from kvcert.conformance.backend import Factory, capabilities_of
+from kvcert.conformance.certification import fixes
 from kvcert.conformance.certification.certificate import CellResult, Certificate, FindingReplay, config_name
 from kvcert.conformance.certification.cluster import map_ordered
 from kvcert.conformance.certification.known import replay_findings
@@ -95,7 +97,11 @@ def _settings(examples: int, steps: int) -> settings:
         verbosity=Verbosity.quiet,
         print_blob=False,
         report_multiple_bugs=False,
-        phases=(Phase.explicit, Phase.reuse, Phase.generate),  # shrinking happens on the trace: conformance/generation/shrink.py
+        phases=(
+            Phase.explicit,
+            Phase.reuse,
+            Phase.generate,
+        ),  # shrinking happens on the trace: conformance/generation/shrink.py
     )
 
 
@@ -445,6 +451,7 @@ def certify(
     corpus: Optional[Path] = None,
     on_example: Optional[Callable[[CacheConfig, int, int], None]] = None,
     policy_config: Optional[dict[str, int]] = None,
+    with_fixes: Sequence[str] = (),
 ) -> Certificate:
     """Run every cell; the certificate passes only if every cell does. `fail_fast` stops at the first failing cell.
     `profile` holds the backend to that profile instead of the one it declares (SPEC.md §6). `driver` "random"
@@ -456,16 +463,32 @@ def certify(
     config before its walk, and each new failure's trace is added to it. `on_progress(cert)` sees the certificate
     after each cell (an interrupted run keeps what it did); `on_example(config, examples, steps)` sees each example
     start inside a cell, in a run in this process (workers report per cell only). Under `interrupt.sigint_deferred()`
-    (the CLI) Ctrl-C returns the certificate so far, `interrupted`; elsewhere KeyboardInterrupt propagates."""
+    (the CLI) Ctrl-C returns the certificate so far, `interrupted`; elsewhere KeyboardInterrupt propagates.
+    `with_fixes` names logged findings of the target's engine whose minimal fixes are applied to the engine first
+    (`fixes`, in every worker too): the walk goes past those defects, and the certificate lists each under NOT
+    CHECKED; their traces are still replayed, and one that still breaks a rule means the fix did not hold."""
     given_factory = factory is not None
     factory = factory or load_factory(target)
     caps = capabilities_of(factory)
+    patched = fixes.apply(with_fixes, target)
+    if patched:
+        caps = replace(caps, deviations=caps.deviations + tuple(f.describe() for f in patched))
     if profile is not None:
         caps = replace(caps, profile=profiles.profile(profile).name)
     if hasattr(factory, "walk"):  # an API-level target with its own operations (a block pool, an offload tier)
-        return certify_walk(target, factory, caps, examples=examples, steps=steps, seed=seed, out_dir=out_dir, on_cell=on_cell)
+        return certify_walk(
+            target, factory, caps, examples=examples, steps=steps, seed=seed, out_dir=out_dir, on_cell=on_cell
+        )
     configs, skipped = cells_for(
-        caps, page_sizes, policies, bad_input, write_policies, device_cells, prefetch_policies, host_cells, policy_config
+        caps,
+        page_sizes,
+        policies,
+        bad_input,
+        write_policies,
+        device_cells,
+        prefetch_policies,
+        host_cells,
+        policy_config,
     )
     cert = Certificate(
         target,
@@ -479,6 +502,7 @@ def certify(
         planned=[config_name(c) for c in configs],
         adapter_notes=list(caps.notes),
         kind=caps.kind,
+        with_fixes=[f.finding for f in patched],
     )
     cert.findings = [
         FindingReplay(j.finding.id, j.trace, j.reproduced, list(j.rules), j.summary)
@@ -508,7 +532,10 @@ def certify(
     )
     cells: Iterator[CellResult]
     if elsewhere:
-        cells = map_ordered(_cell_by_name, [((caps.profile, config), run) for config in configs], jobs=jobs, ray=ray)
+        fixed = tuple(with_fixes)
+        cells = map_ordered(
+            _cell_by_name, [((caps.profile, config, fixed), run) for config in configs], jobs=jobs, ray=ray
+        )
     else:
         cells = (run_cell(factory, caps, config, on_example=on_example, **run) for config in configs)  # type: ignore[arg-type,call-arg]
 
@@ -581,8 +608,9 @@ def _collect(
         interrupt.check()  # a Ctrl-C while workers ran cells elsewhere: stop before the next
 
 
-def _cell_by_name(profile: str, config: CacheConfig, **run: Any) -> CellResult:
-    """One cell in a worker: the target imported by name, held to `profile` as the parent holds it."""
+def _cell_by_name(profile: str, config: CacheConfig, with_fixes: tuple[str, ...], **run: Any) -> CellResult:
+    """One cell in a worker: the target imported by name, held to `profile` and with the fixes the parent applied."""
     factory = load_factory(run["target"])
+    fixes.apply(with_fixes, run["target"])
     caps = replace(capabilities_of(factory), profile=profile)
     return run_cell(factory, caps, config, **run)

@@ -52,7 +52,10 @@ if TYPE_CHECKING:
 __all__ = ["CLASSES", "Finding", "findings", "findings_for", "in_scope", "trace_text"]
 
 CLASSES: dict[str, str] = {
-    "request-path": "reachable through the engine's own request path",
+    "request-path": "reachable through the released engine's own request path",
+    "condition": "reachable through the released engine's request path only given a fault or a configuration (the "
+    "entry's `condition` says which)",
+    "unreleased": "in code no released engine runs: an unmerged pull request, or a package no released engine loads",
     "api-only": "reachable only by direct API calls the engine's scheduler never makes",
     "choice": "an engine choice the spec leaves open (calibration, not a defect)",
 }
@@ -78,6 +81,10 @@ class Finding:
     """Adapter modules driving this engine: their targets replay the traces that lie in their declared scope."""
     upstream: str
     """What the engine's public tracker knows of it, with the thread cited; or how it was searched for."""
+    condition: str = ""
+    """Class "condition": the fault or configuration it needs."""
+    fix: str = ""
+    """Its minimal fix, a unified diff inside the findings folder (`conformance.certification.fixes`); "" if none."""
 
     @property
     def defect(self) -> bool:
@@ -94,6 +101,8 @@ def findings() -> tuple[Finding, ...]:
         cls = entry["class"]
         if cls not in CLASSES:
             raise ValueError(f"finding {entry['id']}: unknown class {cls!r}")
+        if (cls == "condition") != bool(entry.get("condition")):
+            raise ValueError(f"finding {entry['id']}: a `condition` is given exactly for class condition")
         out.append(
             Finding(
                 id=entry["id"],
@@ -104,6 +113,8 @@ def findings() -> tuple[Finding, ...]:
                 traces=tuple(entry["traces"]),
                 adapters=tuple(entry["adapters"]),
                 upstream=entry["upstream"],
+                condition=entry.get("condition", ""),
+                fix=entry.get("fix", ""),
             )
         )
     return tuple(out)

@@ -81,6 +81,13 @@ class _Sent:
     at: int
     done: bool = False
     """Its finish or abort has been seen."""
+    max_output: Optional[int] = None
+    """Its output length as the engine set it on arrival (RequestView.max_output); None: as the client asked."""
+
+    @property
+    def output(self) -> int:
+        """The most output tokens the engine will decode for it: the engine's own figure where it gave one."""
+        return _int(self.op.output) if self.max_output is None else self.max_output
 
 
 @dataclass
@@ -275,11 +282,16 @@ class RequestHarness:
 
     def _snapshot(self, index: int, op: Optional[Op]) -> tuple[Any, tuple[RequestView, ...]]:
         try:
-            return self.backend.snapshot(), tuple(self.backend.requests())
+            snap, views = self.backend.snapshot(), tuple(self.backend.requests())
         except Exception as err:
             raise ConformanceFailure(
                 index, op, [Violation("INV-ERR-3", f"reading the engine raised {type(err).__name__}: {err}")]
             ) from err
+        for v in views:  # what the engine made of the request on arrival, judged from then on
+            sent = self.sent.get(v.id)
+            if sent is not None and v.max_output is not None:
+                sent.max_output = v.max_output
+        return snap, views
 
     def _check(self, index: int, op: Optional[Op]) -> None:
         snap, views = self._snapshot(index, op)
@@ -342,8 +354,8 @@ class RequestHarness:
             if sent is None or sent.done or v.state not in ("finished", "aborted"):
                 continue
             sent.done = True
-            excused = v.id in self._failed_loads() or self.never_fits(sent.op)  # INV-LINK-4, INV-DEC-6
-            never = [r for r in self.in_flight() if r != v.id and self.never_fits(self.sent[r].op)]
+            excused = v.id in self._failed_loads() or self._unfit(v.id)  # INV-LINK-4, INV-DEC-6
+            never = [r for r in self.in_flight() if r != v.id and self._unfit(r)]
             if v.state == "aborted" and v.id not in self.aborted and not excused and never:
                 out.append(Violation("INV-DEC-6", f"request {v.id} was aborted, and no client asked, while request "
                                      f"{never[0]}, which can never fit the device, was still in flight, not refused: "
@@ -356,7 +368,11 @@ class RequestHarness:
                         f"{sorted(self.aborted) or 'nothing'}",
                     )
                 )
-            if v.state == "finished" and v.id in self._failed_loads() and profile(self.capabilities.profile).aborts_failed_loads:
+            if (
+                v.state == "finished"
+                and v.id in self._failed_loads()
+                and profile(self.capabilities.profile).aborts_failed_loads
+            ):
                 out.append(Violation("INV-LINK-4", f"request {v.id} finished normally after its load failed: its "
                                      "output was computed over slots the store did not fill"))  # fmt: skip
             if v.state == "finished":
@@ -364,7 +380,7 @@ class RequestHarness:
                 st = self.sessions.get(sent.op.session) if sent.op.session is not None else None
                 if st is not None and st.closed_at is None:  # a closed session's next turn starts afresh
                     ns = kv_namespace(sent.op.namespace, sent.op.lora)
-                    turn = turn_tokens(ns, sent.op.tokens, _int(sent.op.output))
+                    turn = turn_tokens(ns, sent.op.tokens, sent.output)
                     self.conversation[sent.op.session] = ((sent.op.namespace, sent.op.lora), turn)
                 st = self.sessions.get(sent.op.session) if sent.op.session is not None else None
                 if st is not None and st.closed_at is None:
@@ -399,9 +415,17 @@ class RequestHarness:
                 )
         return out
 
-    def never_fits(self, op: Submit) -> bool:
-        """INV-DEC-6: the request's prompt and output can never fit the device, whatever else it holds."""
-        return pages.page_ceil(len(op.tokens) + _int(op.output), self.config.page_size) > self.config.capacity
+    def never_fits(self, op: Submit, output: Optional[int] = None) -> bool:
+        """INV-DEC-6: the request's prompt and output (`output`, else what the client asked) can never fit the device,
+        whatever else it holds."""
+        want = _int(op.output) if output is None else output
+        return pages.page_ceil(len(op.tokens) + want, self.config.page_size) > self.config.capacity
+
+    def _unfit(self, request: str) -> bool:
+        """INV-DEC-6 for a request sent: judged by the output the engine will decode for it, not what the client
+        asked (an engine that clips a request's output to its pool on arrival has made it fit)."""
+        sent = self.sent[request]
+        return self.never_fits(sent.op, sent.output)
 
     def _failed_loads(self) -> set[str]:
         """Requests whose external load the harness's store failed: the engine may fail them (INV-LINK-4)."""
@@ -452,17 +476,17 @@ class RequestHarness:
         client closes its sessions first (a high-priority session may hold what a low-priority request waits for) —
         and every session the client opened is closed. Afterwards nothing may be held or locked, and every index is
         back to its baseline."""
-        bound = 64 + 4 * sum(len(s.op.tokens) + _int(s.op.output) for s in self.sent.values() if not s.done)
+        bound = 64 + 4 * sum(len(s.op.tokens) + s.output for s in self.sent.values() if not s.done)
         self._run_down(bound, stall=16)
         for name in self.open_sessions():
             self.step(CloseSession(name))
-        never = any(self.never_fits(self.sent[r].op) for r in self.in_flight())
+        never = any(self._unfit(r) for r in self.in_flight())
         self._run_down(bound, stall=NEVER_FIT_IDLE if never else 0)  # INV-DEC-6: left waiting while nothing moves
         if self.in_flight():
             snap, views = self._snapshot(len(self.ops) - 1, Step())
             where = {v.id: v.state for v in views}
             stuck = ", ".join(f"{r} ({where.get(r, 'unknown to the engine')})" for r in self.in_flight()[:5])
-            unfit = [r for r in self.in_flight() if self.never_fits(self.sent[r].op)]
+            unfit = [r for r in self.in_flight() if self._unfit(r)]
             raise ConformanceFailure(
                 len(self.ops) - 1,
                 Step(),
@@ -473,10 +497,15 @@ class RequestHarness:
                         + f" after the client closed its sessions and sent nothing new, requests are unfinished: {stuck}",
                     )
                 ]
-                + [Violation("INV-DEC-6", f"request {r} can never fit the device ({len(self.sent[r].op.tokens)} prompt "
-                             f"tokens, {_int(self.sent[r].op.output)} output, {self.config.capacity} slots) and is "
-                             "still not refused: head of the line, it starves every request behind it")
-                   for r in unfit[:2]],  # fmt: skip
+                + [
+                    Violation(
+                        "INV-DEC-6",
+                        f"request {r} can never fit the device ({len(self.sent[r].op.tokens)} prompt "
+                        f"tokens, {self.sent[r].output} output, {self.config.capacity} slots) and is "
+                        "still not refused: head of the line, it starves every request behind it",
+                    )
+                    for r in unfit[:2]
+                ],  # fmt: skip
             )
         owes = getattr(self.backend, "owes", None)  # work taken and held by no request: a deferred flush
         for _ in range(8):  # the closes are taken, copies still moving land, and deferred work is done

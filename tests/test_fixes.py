@@ -1,0 +1,127 @@
+"""A finding's fix applied in-process (conformance/certification/fixes.py): the diff's changed functions are put in
+place on their class or module, `revert` restores them, and a diff that does not apply or changes more than function
+bodies is refused with FixError and changes nothing. The engines' own fixes are exercised where their engines are
+(tests/test_sglang_decode.py, tests/test_known_findings.py)."""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from kvcert.conformance.certification import fixes, known
+
+SOURCE = textwrap.dedent(
+    '''
+    LIMIT = 3
+
+
+    class Base:
+        def size(self) -> int:
+            return 1
+
+
+    class Queue(Base):
+        def size(self) -> int:
+            return super().size() + LIMIT
+
+        def admit(self, items):
+            return [x for x in items if x < LIMIT]
+
+
+    def total(items):
+        return sum(items)
+    '''
+)
+
+
+@pytest.fixture()
+def engine(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[ModuleType]:
+    """A stand-in engine package `toyengine` with one module, imported from tmp_path."""
+    pkg = tmp_path / "src" / "toyengine"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "sched.py").write_text(SOURCE)
+    monkeypatch.syspath_prepend(str(tmp_path / "src"))
+    module = importlib.import_module("toyengine.sched")
+    yield module
+    for name in ("toyengine.sched", "toyengine"):
+        sys.modules.pop(name, None)
+
+
+def _diff(new: str) -> str:
+    lines = difflib.unified_diff(
+        SOURCE.splitlines(keepends=True),
+        new.splitlines(keepends=True),
+        "a/src/toyengine/sched.py",
+        "b/src/toyengine/sched.py",
+    )
+    return "".join(lines)
+
+
+def test_a_body_edit_is_applied_and_reverted(engine: ModuleType) -> None:
+    diff = _diff(SOURCE.replace("if x < LIMIT]", "if x <= LIMIT]").replace("super().size() + LIMIT", "super().size() * 10"))
+    q = engine.Queue()
+    before = (q.admit([1, 3, 5]), q.size())
+    replaced = fixes._apply_diff(diff)
+    assert sorted(name for _, name, _ in replaced) == ["admit", "size"]
+    assert q.admit([1, 3, 5]) == [1, 3] and q.size() == 10  # zero-argument super() works in the recompiled method
+    for owner, name, original in reversed(replaced):
+        setattr(owner, name, original)
+    assert (q.admit([1, 3, 5]), q.size()) == before == ([1], 4)
+
+
+def test_a_module_function_is_replaced_on_its_module(engine: ModuleType) -> None:
+    replaced = fixes._apply_diff(_diff(SOURCE.replace("return sum(items)", "return sum(items) + 1")))
+    assert engine.total([1, 2]) == 4 and [(o, n) for o, n, _ in replaced] == [(engine, "total")]
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        pytest.param(lambda s: s + "\n\ndef added():\n    return 1\n", id="adds-a-function"),
+        pytest.param(lambda s: s.replace("LIMIT = 3", "LIMIT = 4"), id="changes-a-module-statement"),
+        pytest.param(lambda s: s.replace("class Queue(Base):", "class Queue(Base, object):"), id="changes-a-class"),
+    ],
+)
+def test_more_than_a_body_edit_is_refused_and_changes_nothing(engine: ModuleType, edit) -> None:  # type: ignore[no-untyped-def]
+    before = dict(vars(engine.Queue)), dict(vars(engine))
+    with pytest.raises(fixes.FixError, match="more than function bodies"):
+        fixes._apply_diff(_diff(edit(SOURCE).replace("if x < LIMIT]", "if x <= LIMIT]")))
+    assert (dict(vars(engine.Queue)), dict(vars(engine))) == before
+
+
+def test_a_diff_that_does_not_apply_is_refused_and_changes_nothing(engine: ModuleType) -> None:
+    stale = _diff(SOURCE.replace("if x < LIMIT]", "if x <= LIMIT]")).replace("return [x for x", "return [y for y")
+    before = dict(vars(engine.Queue))
+    with pytest.raises(fixes.FixError, match="does not apply"):
+        fixes._apply_diff(stale)
+    assert dict(vars(engine.Queue)) == before
+
+
+def test_an_unknown_or_fixless_finding_is_refused() -> None:
+    with pytest.raises(fixes.FixError, match="no finding"):
+        fixes.apply(["NO-SUCH-FINDING"])
+    fixless = next(f for f in known.findings() if not f.fix)
+    with pytest.raises(fixes.FixError, match="carries no fix"):
+        fixes.apply([fixless.id])
+
+
+def test_a_fix_for_another_engine_is_refused() -> None:
+    decode = next(f for f in known.findings() if f.id == "SG-DECODE-RETRACT-FINISHED")
+    assert decode.fix
+    with pytest.raises(fixes.FixError, match="another engine"):
+        fixes.apply([decode.id], "kvcert.refimpl:RefCache")
+
+
+def test_every_logged_fix_is_a_diff_in_the_findings_folder() -> None:
+    for f in known.findings():
+        if f.fix:
+            text = fixes.patch_text(f.id)
+            assert text.startswith("--- a/") and "\n+++ b/" in text, f.id
