@@ -25,32 +25,6 @@ PLANTS = ("commit-keeps-device-lock", "failed-restore-keeps-lock", "unevict-free
 
 
 @contextlib.contextmanager
-def wait_closed() -> Iterator[None]:
-    """SGLang with finding SG-DECODE-L3-WAIT fixed while the block runs: the decode transfer queue closes a prefetch's
-    admission wait once it takes the prefetched tokens (`finish_storage_prefetch_admission`, as the normal
-    scheduler's admission does, schedule_policy.py `_account_prefill_cache_admission`). Unmodified, the timeout
-    policy's `_storage_prefetch_wait` entry of every decode request whose prefetch was still running at its first
-    poll stays behind for the life of the server."""
-    cache = _urc.UnifiedRadixCache
-    real_pop = cache.pop_prefetch_loaded_tokens
-    real_load = _mixin.DecodeHiCacheTransferMixin._try_hicache_queue_load_back
-
-    def load_back(self: Any, dr: Any) -> bool:
-        tree = self.tree_cache
-
-        def pop(request: Any) -> int:
-            loaded = int(real_pop(tree, request))
-            tree.finish_storage_prefetch_admission(request, fulfilled_tokens=loaded, reason=None)
-            return loaded
-
-        with mock.patch.object(tree, "pop_prefetch_loaded_tokens", pop):
-            return bool(real_load(self, dr))
-
-    with mock.patch.object(_mixin.DecodeHiCacheTransferMixin, "_try_hicache_queue_load_back", load_back):
-        yield
-
-
-@contextlib.contextmanager
 def planted(name: str) -> Iterator[None]:
     """SGLang with plant `name` ("none": unmodified) while the block runs."""
     mixin = _mixin.DecodeHiCacheTransferMixin

@@ -34,6 +34,8 @@ TARGET = "kvcert.conformance.adapters.sglang_decode:factory_fitting"
 """The client sends no request that can never fit: `factory`'s fail on finding SG-DECODE-NEVER-FIT (test_known_findings
 replays it)."""
 STORAGE_TARGET = "kvcert.conformance.adapters.sglang_decode:factory_storage"
+L3_WAIT = "SG-DECODE-L3-WAIT"
+"""The storage cells run with this finding's fix applied (else every cell stops at its leak)."""
 STORAGE_EXAMPLES = 12
 """Examples per storage cell (write-through, page sizes 1 and 4): enough to issue L3 prefetches that load tokens."""
 EXAMPLES = 20
@@ -70,13 +72,14 @@ def _run_storage(plant: str) -> dict[str, Any]:
     """The storage target's write-through cells certified under `plant`, with SG-DECODE-L3-WAIT fixed (else every
     cell stops at that leak)."""
     reached: Counter[str] = Counter()
-    with tempfile.TemporaryDirectory() as out, plants.counted(reached), plants.wait_closed(), plants.planted(plant):
+    with tempfile.TemporaryDirectory() as out, plants.counted(reached), plants.planted(plant):
         cert = certify(
             STORAGE_TARGET,
             examples=STORAGE_EXAMPLES,
             out_dir=Path(out),
             device_cells=False,
             write_policies=["write_through"],
+            with_fixes=[L3_WAIT],
         )
     rules = sorted({f["invariant"] for c in cert.cells for f in c.failures})
     return {"passed": cert.passed, "rules": rules, "reached": dict(reached), "steps": sum(c.steps for c in cert.cells)}
@@ -172,7 +175,8 @@ def _replay_leak(fixed: bool) -> tuple[Optional[str], Counter[str]]:
     config = CacheConfig(page_size=1, policy="lru", capacity=24, host_capacity=48, write_policy="write_through")
     h = RequestHarness(sglang_decode.factory_storage(config), config, sglang_decode.factory_storage.capabilities)
     reached: Counter[str] = Counter()
-    with plants.counted(reached), plants.wait_closed() if fixed else contextlib.nullcontext():
+    fix = fixes.applied([L3_WAIT], STORAGE_TARGET) if fixed else contextlib.nullcontext()
+    with plants.counted(reached), fix:
         try:
             for op in LEAK_TRACE:
                 h.step(op)
@@ -186,8 +190,8 @@ def _replay_leak(fixed: bool) -> tuple[Optional[str], Counter[str]]:
 
 def test_the_decode_path_leaks_a_prefetch_wait_per_l3_hit() -> None:
     """Finding SG-DECODE-L3-WAIT: unmodified, the trace's L3 hit leaves its `_storage_prefetch_wait` entry behind
-    (INV-LIVE-2); with the decode path closing it as the normal scheduler's admission does, the same trace passes,
-    and its prefetch loaded the second prompt's suffix from L3."""
+    (INV-LIVE-2); with the finding's fix (the decode path closes it as the normal scheduler's admission does), the
+    same trace passes, and its prefetch loaded the second prompt's suffix from L3."""
     failure, reached = _replay_leak(fixed=False)
     assert failure is not None and "INV-LIVE-2: cache._storage_prefetch_wait holds 1 entries" in failure, failure
     failure, reached = _replay_leak(fixed=True)

@@ -470,89 +470,92 @@ def certify(
     given_factory = factory is not None
     factory = factory or load_factory(target)
     caps = capabilities_of(factory)
-    patched = fixes.apply(with_fixes, target)
-    if patched:
-        caps = replace(caps, deviations=caps.deviations + tuple(f.describe() for f in patched))
-    if profile is not None:
-        caps = replace(caps, profile=profiles.profile(profile).name)
-    if hasattr(factory, "walk"):  # an API-level target with its own operations (a block pool, an offload tier)
-        return certify_walk(
-            target, factory, caps, examples=examples, steps=steps, seed=seed, out_dir=out_dir, on_cell=on_cell
+    # The fixes are put back on return: the engine in this process is the released one again.
+    with fixes.applied(with_fixes, target) as patched:
+        if patched:
+            caps = replace(caps, deviations=caps.deviations + tuple(f.describe() for f in patched))
+        if profile is not None:
+            caps = replace(caps, profile=profiles.profile(profile).name)
+        if hasattr(factory, "walk"):  # an API-level target with its own operations (a block pool, an offload tier)
+            return certify_walk(
+                target, factory, caps, examples=examples, steps=steps, seed=seed, out_dir=out_dir, on_cell=on_cell
+            )
+        configs, skipped = cells_for(
+            caps,
+            page_sizes,
+            policies,
+            bad_input,
+            write_policies,
+            device_cells,
+            prefetch_policies,
+            host_cells,
+            policy_config,
         )
-    configs, skipped = cells_for(
-        caps,
-        page_sizes,
-        policies,
-        bad_input,
-        write_policies,
-        device_cells,
-        prefetch_policies,
-        host_cells,
-        policy_config,
-    )
-    cert = Certificate(
-        target,
-        caps.name,
-        seed,
-        examples,
-        steps,
-        caps.strict_input,
-        caps.profile,
-        skipped=skipped,
-        planned=[config_name(c) for c in configs],
-        adapter_notes=list(caps.notes),
-        kind=caps.kind,
-        with_fixes=[f.finding for f in patched],
-    )
-    cert.findings = [
-        FindingReplay(j.finding.id, j.trace, j.reproduced, list(j.rules), j.summary)
-        for j in replay_findings(target, factory, caps)
-    ]
-    cert.not_checked = scope_gaps(caps, cert.cells, bad_input)
-    if on_progress is not None:  # the findings' verdict is known before any cell runs
-        on_progress(cert)
-    if seconds is not None and driver != "random":
-        raise ValueError("a time budget (seconds) is the random driver's; Hypothesis runs a number of examples")
-    elsewhere = ray is not None or (jobs > 1 and len(configs) > 1)
-    if elsewhere and given_factory:
-        raise ValueError("jobs > 1 or ray needs a target loaded by name (each worker imports it), not a factory object")
-    # a time budget is wall time: `jobs` workers spend it on `jobs` cells at once (a Ray run's budget is per cell)
-    workers = len(configs) if ray is not None else min(max(1, jobs), len(configs))
-    per_cell = seconds * workers / max(1, len(configs)) if seconds is not None else None
-    run = dict(
-        examples=examples,
-        steps=steps,
-        seed=seed,
-        target=target,
-        out_dir=out_dir.resolve() if elsewhere else out_dir,  # a worker's working directory is not the caller's
-        bad_input=bad_input,
-        driver=driver,
-        seconds=per_cell,
-        corpus=load_corpus(corpus) if corpus is not None else (),
-    )
-    cells: Iterator[CellResult]
-    if elsewhere:
-        fixed = tuple(with_fixes)
-        cells = map_ordered(
-            _cell_by_name, [((caps.profile, config, fixed), run) for config in configs], jobs=jobs, ray=ray
+        cert = Certificate(
+            target,
+            caps.name,
+            seed,
+            examples,
+            steps,
+            caps.strict_input,
+            caps.profile,
+            skipped=skipped,
+            planned=[config_name(c) for c in configs],
+            adapter_notes=list(caps.notes),
+            kind=caps.kind,
+            with_fixes=[f.finding for f in patched],
         )
-    else:
-        cells = (run_cell(factory, caps, config, on_example=on_example, **run) for config in configs)  # type: ignore[arg-type,call-arg]
-
-    def progress(cert: Certificate) -> None:  # what the cells so far leave unchecked, in every rewrite
+        cert.findings = [
+            FindingReplay(j.finding.id, j.trace, j.reproduced, list(j.rules), j.summary)
+            for j in replay_findings(target, factory, caps)
+        ]
         cert.not_checked = scope_gaps(caps, cert.cells, bad_input)
-        if on_progress is not None:
+        if on_progress is not None:  # the findings' verdict is known before any cell runs
             on_progress(cert)
+        if seconds is not None and driver != "random":
+            raise ValueError("a time budget (seconds) is the random driver's; Hypothesis runs a number of examples")
+        elsewhere = ray is not None or (jobs > 1 and len(configs) > 1)
+        if elsewhere and given_factory:
+            raise ValueError(
+                "jobs > 1 or ray needs a target loaded by name (each worker imports it), not a factory object"
+            )
+        # a time budget is wall time: `jobs` workers spend it on `jobs` cells at once (a Ray run's budget is per cell)
+        workers = len(configs) if ray is not None else min(max(1, jobs), len(configs))
+        per_cell = seconds * workers / max(1, len(configs)) if seconds is not None else None
+        run = dict(
+            examples=examples,
+            steps=steps,
+            seed=seed,
+            target=target,
+            out_dir=out_dir.resolve() if elsewhere else out_dir,  # a worker's working directory is not the caller's
+            bad_input=bad_input,
+            driver=driver,
+            seconds=per_cell,
+            corpus=load_corpus(corpus) if corpus is not None else (),
+        )
+        cells: Iterator[CellResult]
+        if elsewhere:
+            fixed = tuple(with_fixes)
+            cells = map_ordered(
+                _cell_by_name, [((caps.profile, config, fixed), run) for config in configs], jobs=jobs, ray=ray
+            )
+        else:
+            cells = (run_cell(factory, caps, config, on_example=on_example, **run) for config in configs)  # type: ignore[arg-type,call-arg]
 
-    try:
-        with closing(cast(Generator[CellResult, None, None], cells)):  # a stop ends the workers still running
-            _collect(cert, cells, on_cell, progress, fail_fast, corpus, remote=ray is not None)
-    except KeyboardInterrupt:
-        if not interrupt.interrupted():  # not under the CLI's `sigint_deferred`: a caller's own Ctrl-C goes on up
-            raise
-        cert.interrupted = True  # the running cell is dropped: the certificate is not complete, so not CERTIFIED
-    cert.not_checked = scope_gaps(caps, cert.cells, bad_input)
-    return cert
+        def progress(cert: Certificate) -> None:  # what the cells so far leave unchecked, in every rewrite
+            cert.not_checked = scope_gaps(caps, cert.cells, bad_input)
+            if on_progress is not None:
+                on_progress(cert)
+
+        try:
+            with closing(cast(Generator[CellResult, None, None], cells)):  # a stop ends the workers still running
+                _collect(cert, cells, on_cell, progress, fail_fast, corpus, remote=ray is not None)
+        except KeyboardInterrupt:
+            if not interrupt.interrupted():  # not under the CLI's `sigint_deferred`: a caller's own Ctrl-C goes on up
+                raise
+            cert.interrupted = True  # the running cell is dropped: the certificate is not complete, so not CERTIFIED
+        cert.not_checked = scope_gaps(caps, cert.cells, bad_input)
+        return cert
 
 
 class CorpusError(ValueError):
