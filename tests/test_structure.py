@@ -118,7 +118,7 @@ def _results_page():  # scripts/ is not a package: load scripts/results_page.py 
 
 
 def _runs_kept(runs: Path, docs: list[Path]) -> list[str]:
-    """What under `runs` breaks its rule: one certificate per (target, profile); besides certificates, only files
+    """What under `runs` breaks its rule: one certificate per (target, profile, fixes); besides certificates, only files
     a doc (outside `runs`) links to, and the README of a folder that keeps one of either."""
     import re
     from collections import Counter
@@ -139,7 +139,7 @@ def _runs_kept(runs: Path, docs: list[Path]) -> list[str]:
         for p in sorted(runs.rglob("*"))
         if p.is_file() and p.resolve() not in kept and not (p.name == "README.md" and p.resolve().parent in folders)
     ]
-    return [f"two certificates of {t} {prof or '(no profile)'}" for t, prof in twice] + [
+    return [f"two certificates of {t} {prof or '(no profile)'}" + (f" with {fx}" if fx else "") for t, prof, fx in twice] + [
         f"{s}: neither a certificate nor linked from a doc" for s in stray
     ]
 
