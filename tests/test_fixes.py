@@ -125,3 +125,15 @@ def test_every_logged_fix_is_a_diff_in_the_findings_folder() -> None:
         if f.fix:
             text = fixes.patch_text(f.id)
             assert text.startswith("--- a/") and "\n+++ b/" in text, f.id
+
+
+def test_the_cli_refuses_an_unknown_fix_before_anything_runs(tmp_path: Path) -> None:
+    """`kvcert certify --with-fixes` with a finding not in the log: exit 2, the reason, no certificate written."""
+    from typer.testing import CliRunner
+
+    from kvcert.conformance.cli import app
+
+    out = tmp_path / "cert.json"
+    got = CliRunner().invoke(app, ["certify", "kvcert.refimpl:RefCache", "--with-fixes", "NOPE", "--json", str(out)])
+    assert got.exit_code == 2 and "no finding 'NOPE'" in got.output, got.output
+    assert not out.exists()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -36,6 +37,30 @@ for path in sys.argv[1:]:
     out[path] = sorted({v.inv for v in got.failure.violations}) if got.failure is not None else []
 print(json.dumps(out))
 """
+
+REPLAY_FIXED = REPLAY.replace("from kvcert.spec.ops import Trace", "from kvcert.spec.ops import Trace\nfrom kvcert.conformance.certification import fixes").replace(
+    "for path in sys.argv[1:]:\n    trace", "for arg in sys.argv[1:]:\n    fid, path = arg.split('=', 1)\n    trace"
+).replace(
+    "    got = replay(make, judged_as(make.capabilities, trace), trace.config, trace.ops)\n",
+    "    with fixes.applied([fid], trace.target):\n        got = replay(make, judged_as(make.capabilities, trace), trace.config, trace.ops)\n",
+).replace("out[path]", "out[arg]")
+"""REPLAY with each trace's finding's fix applied while it replays (arguments ID=path)."""
+FIXED = [(f, path) for f in known.findings() if f.fix for path in f.traces]
+
+
+def _fork_trace(path: str) -> bool:
+    return path.startswith(("refaware/", "refaware_requests/"))
+
+
+def _expect_fixed(got: dict[str, list[str]]) -> None:
+    """Each trace passes with its finding's fix, but for those the finding says its fix cannot reach (`fix_leaves`)."""
+    leaves = {(f.id, path) for f in known.findings() for path, _ in f.fix_leaves}
+    for arg, rules in got.items():
+        fid, path = arg.split("=", 1)
+        if (fid, path) in leaves:
+            assert rules, f"{path} now passes with {fid}'s fix: drop it from fix_leaves"
+        else:
+            assert not rules, f"{path} still fails with {fid}'s fix applied: {rules}"
 
 
 REUSED_IDS = frozenset({"R1", "R2"})
@@ -126,3 +151,35 @@ def test_the_findings_log_tells_every_logged_finding() -> None:
     for f in known.findings():
         assert f"\n### {f.id}\n" in text, f.id
         assert f"[{f.id}](#{f.id.lower()})" in text, f"{f.id} missing from the summary"
+
+
+def test_every_fork_fix_makes_its_findings_traces_pass() -> None:
+    """Each logged fix of the fork's findings, applied in-process (`fixes`), makes every trace of its finding pass."""
+    if not FORK_PYTHON.exists():
+        if os.environ.get("KVCERT_REFAWARE", "0") == "1":
+            pytest.fail("KVCERT_REFAWARE=1 but .venv-refaware is missing", pytrace=False)
+        pytest.skip(".venv-refaware missing: run scripts/install_refaware.sh")
+    args = [f"{f.id}={p}" for f, p in FIXED if _fork_trace(p)]
+    done = subprocess.run(
+        [str(FORK_PYTHON), "-W", "ignore", "-c", REPLAY_FIXED, *args],
+        cwd=ROOT, env={**os.environ, "PYTHONHASHSEED": "0"}, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    _expect_fixed(json.loads(done.stdout.strip().splitlines()[-1]))
+
+
+@pytest.mark.sglang
+def test_every_sglang_fix_makes_its_findings_traces_pass() -> None:
+    """The same for SGLang's findings, in this process (the fixes are put back after each trace)."""
+    import importlib.util
+
+    if importlib.util.find_spec("sglang") is None:
+        pytest.skip("sglang not installed")
+    args = [f"{f.id}={p}" for f, p in FIXED if not _fork_trace(p)]
+    assert args, "no SGLang finding carries a fix"
+    done = subprocess.run(
+        [sys.executable, "-W", "ignore", "-c", REPLAY_FIXED, *args],
+        cwd=ROOT, env={**os.environ, "PYTHONHASHSEED": "0"}, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    _expect_fixed(json.loads(done.stdout.strip().splitlines()[-1]))

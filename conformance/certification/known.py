@@ -85,6 +85,9 @@ class Finding:
     """Class "condition": the fault or configuration it needs."""
     fix: str = ""
     """Its minimal fix, a unified diff inside the findings folder (`conformance.certification.fixes`); "" if none."""
+    fix_leaves: tuple[tuple[str, str], ...] = ()
+    """(trace, why) for each of its traces the fix does not make pass (code the diff cannot reach); every other trace
+    passes with the fix applied (tests/test_known_findings.py)."""
 
     @property
     def defect(self) -> bool:
@@ -115,6 +118,7 @@ def findings() -> tuple[Finding, ...]:
                 upstream=entry["upstream"],
                 condition=entry.get("condition", ""),
                 fix=entry.get("fix", ""),
+                fix_leaves=tuple(sorted(entry.get("fix_leaves", {}).items())),
             )
         )
     return tuple(out)
