@@ -39,12 +39,13 @@ print(json.dumps(out))
 """
 
 REPLAY_FIXED = REPLAY.replace("from kvcert.spec.ops import Trace", "from kvcert.spec.ops import Trace\nfrom kvcert.conformance.certification import fixes").replace(
-    "for path in sys.argv[1:]:\n    trace", "for arg in sys.argv[1:]:\n    fid, path = arg.split('=', 1)\n    trace"
+    "for path in sys.argv[1:]:\n    trace", "for arg in sys.argv[1:]:\n    ids, path = arg.split('=', 1)\n    trace"
 ).replace(
     "    got = replay(make, judged_as(make.capabilities, trace), trace.config, trace.ops)\n",
-    "    with fixes.applied([fid], trace.target):\n        got = replay(make, judged_as(make.capabilities, trace), trace.config, trace.ops)\n",
+    "    with fixes.applied([i for i in ids.split(',') if i], trace.target):\n"
+    "        got = replay(make, judged_as(make.capabilities, trace), trace.config, trace.ops)\n",
 ).replace("out[path]", "out[arg]")
-"""REPLAY with each trace's finding's fix applied while it replays (arguments ID=path)."""
+"""REPLAY with fixes applied while each trace replays (arguments IDS=path, IDS comma-separated)."""
 FIXED = [(f, path) for f in known.findings() if f.fix for path in f.traces]
 
 
@@ -52,15 +53,32 @@ def _fork_trace(path: str) -> bool:
     return path.startswith(("refaware/", "refaware_requests/"))
 
 
+def _fix_runs(fork: bool) -> list[str]:
+    """For each trace of a finding with a fix: the trace with every fix logged for its target's engine applied, and
+    with every one but its own (findings meet on one trace: R1's with R1 fixed reaches Q5's leak)."""
+    out = []
+    for f, path in FIXED:
+        if _fork_trace(path) != fork:
+            continue
+        module = Trace.from_json(known.trace_text(path)).target.partition(":")[0]
+        every = sorted({g.id for g, _ in FIXED if module in g.adapters})
+        out += [f"{','.join(every)}={path}", f"{','.join(i for i in every if i != f.id)}={path}"]
+    return out
+
+
 def _expect_fixed(got: dict[str, list[str]]) -> None:
-    """Each trace passes with its finding's fix, but for those the finding says its fix cannot reach (`fix_leaves`)."""
-    leaves = {(f.id, path) for f in known.findings() for path, _ in f.fix_leaves}
+    """With every fix, each trace passes but for those its finding says its fix cannot reach (`fix_leaves`); with
+    every fix but its own, each still fails: the fix is what makes it pass."""
+    owner = {p: f for f, p in FIXED}
     for arg, rules in got.items():
-        fid, path = arg.split("=", 1)
-        if (fid, path) in leaves:
-            assert rules, f"{path} now passes with {fid}'s fix: drop it from fix_leaves"
+        ids, path = arg.split("=", 1)
+        f = owner[path]
+        if f.id not in ids.split(","):
+            assert rules, f"{path} passes without {f.id}'s fix"
+        elif path in dict(f.fix_leaves):
+            assert rules, f"{path} now passes with {f.id}'s fix: drop it from fix_leaves"
         else:
-            assert not rules, f"{path} still fails with {fid}'s fix applied: {rules}"
+            assert not rules, f"{path} still fails with the fixes of {ids}: {rules}"
 
 
 REUSED_IDS = frozenset({"R1", "R2"})
@@ -159,7 +177,7 @@ def test_every_fork_fix_makes_its_findings_traces_pass() -> None:
         if os.environ.get("KVCERT_REFAWARE", "0") == "1":
             pytest.fail("KVCERT_REFAWARE=1 but .venv-refaware is missing", pytrace=False)
         pytest.skip(".venv-refaware missing: run scripts/install_refaware.sh")
-    args = [f"{f.id}={p}" for f, p in FIXED if _fork_trace(p)]
+    args = _fix_runs(fork=True)
     done = subprocess.run(
         [str(FORK_PYTHON), "-W", "ignore", "-c", REPLAY_FIXED, *args],
         cwd=ROOT, env={**os.environ, "PYTHONHASHSEED": "0"}, capture_output=True, text=True, timeout=900,
@@ -175,7 +193,7 @@ def test_every_sglang_fix_makes_its_findings_traces_pass() -> None:
 
     if importlib.util.find_spec("sglang") is None:
         pytest.skip("sglang not installed")
-    args = [f"{f.id}={p}" for f, p in FIXED if not _fork_trace(p)]
+    args = _fix_runs(fork=False)
     assert args, "no SGLang finding carries a fix"
     done = subprocess.run(
         [sys.executable, "-W", "ignore", "-c", REPLAY_FIXED, *args],
