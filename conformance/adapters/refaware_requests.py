@@ -830,8 +830,11 @@ class RefAwareRequestPath(RadixTreeAdapter):
             "rid_to_ref_info": (len(infos), ids(ref_nodes)),
             "tracked_rids": (sum(len(n.tracked_rids) for n in tracked), ids(tracked)),
             "evict_scope_stack": (len(c._evict_scope_stack), ()),
-            "waiting_queue": (len(waiting), ids(r.last_node for r in waiting)),
-            "running_batch": (len(running), ids(r.last_node for r in running)),
+            # A waiting request's last_node is its last match: the scheduler matches it again before any use
+            # (SchedulePolicy._compute_prefix_matches, _init_waiting_req_for_admission), so a stale one names nothing.
+            "waiting_queue": (len(waiting), ()),
+            # A finished request stays in the running batch until the next filter_batch; nothing reads its last_node.
+            "running_batch": (len(running), ids(r.last_node for r in running if not r.finished())),
             "chunked_req": (int(s.chunked_req is not None), ids([s.chunked_req.last_node] if s.chunked_req else [])),
             "req_to_token_pool": (self.req_to_token_pool.size - self.req_to_token_pool.available_size(), ()),
             "sessions": (len(s.session_controller.sessions), ()),

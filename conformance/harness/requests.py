@@ -478,10 +478,10 @@ class RequestHarness:
         back to its baseline."""
         bound = 64 + 4 * sum(len(s.op.tokens) + s.output for s in self.sent.values() if not s.done)
         self._run_down(bound, stall=16)
-        for name in self.open_sessions():
-            self.step(CloseSession(name))
+        self._close_sessions()
         never = any(self._unfit(r) for r in self.in_flight())
         self._run_down(bound, stall=NEVER_FIT_IDLE if never else 0)  # INV-DEC-6: left waiting while nothing moves
+        self._close_sessions()  # those whose turn was still running: their client closes them once it ended
         if self.in_flight():
             snap, views = self._snapshot(len(self.ops) - 1, Step())
             where = {v.id: v.state for v in views}
@@ -513,6 +513,14 @@ class RequestHarness:
             if not self.backend.snapshot().pending and not (owes is not None and owes()):
                 break
         self._idle(len(self.ops) - 1)
+
+    def _close_sessions(self) -> None:
+        """The client closes every session it opened; under the `idle-changes` client rule only those with no turn
+        in flight (a busy one is closed after its turn ends)."""
+        busy = self.busy_sessions() if "idle-changes" in self.capabilities.client else set()
+        for name in self.open_sessions():
+            if name not in busy:
+                self.step(CloseSession(name))
 
     def _run_down(self, bound: int, stall: int = 0) -> None:
         """Step until no request is in flight, at most `bound` times; with `stall`, stop after that many steps in a
