@@ -81,12 +81,14 @@ def _expect_fixed(got: dict[str, list[str]]) -> None:
             assert not rules, f"{path} still fails with the fixes of {ids}: {rules}"
 
 
-REUSED_IDS = frozenset({"R1", "R2"})
-"""Findings whose request traces send one request id for several turns (the fork's rid names its conversation),
-which a client of kvcert's reference engine never does: those it declines to play (TraceInvalid), every other
-trace it plays to its end. A trace with linker faults is played by the reference engine with a direct linker
-(`conformance.engine_linker`), whose store takes every fault kind; a decode server's by the reference decode server
-(`conformance.engine_decode`)."""
+REUSED_IDS = frozenset({"R1", "R2", "Q6"})
+"""Findings whose request traces kvcert's reference engine declines to play (TraceInvalid); every other trace it plays
+to its end. R1's and R2's send one request id for several turns (the fork's rid names its conversation), which a
+client of the reference engine never does. Q6's sends a session's next turn once the fork has finished the one
+before (r9, then r12 of s0): the reference engine schedules differently, has not finished r9 by then, and a client
+sends no second turn of a session in flight. A trace with linker faults is played by the reference engine with a
+direct linker (`conformance.engine_linker`), whose store takes every fault kind; a decode server's by the reference
+decode server (`conformance.engine_decode`)."""
 
 
 def _is_request_trace(trace: Trace) -> bool:

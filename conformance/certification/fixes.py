@@ -102,7 +102,7 @@ def applied(ids: Sequence[str], target: Optional[str] = None) -> Iterator[list[A
 def _finding(fid: str) -> known.Finding:
     by_id = {f.id: f for f in known.findings()}
     if fid not in by_id:
-        raise FixError(f"no finding {fid!r} in the log (kvcert findings lists them)")
+        raise FixError(f"no finding {fid!r} in the log (docs/findings.md lists them)")
     return by_id[fid]
 
 
