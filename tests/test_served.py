@@ -312,3 +312,35 @@ def test_the_model_is_the_same_bytes_from_the_same_seed(tmp_path: Path) -> None:
     assert other != da
     config = json.loads((a / "config.json").read_text())
     assert config["num_hidden_layers"] == 2 and config["hidden_size"] == 128
+
+
+def test_an_attached_server_busy_answering_503_is_not_an_exit_and_a_refused_port_is() -> None:
+    """INV-E2E-6 on `--url`: SGLang's /health answers 503 while its scheduler is busy (a loaded machine); that is no
+    exit while the server answers again within `patience`. A port nothing listens on is an exit at once."""
+    import http.server
+    import threading
+    import time as _time
+
+    from kvcert.conformance.served.server import Attached, free_port
+
+    answers = iter([503, 503, 200])
+
+    class Health(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 (the stdlib's name)
+            self.send_response(next(answers, 200))
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    port = free_port()
+    httpd = http.server.HTTPServer(("127.0.0.1", port), Health)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        assert Attached(f"http://127.0.0.1:{port}", patience=30).alive()
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+    start = _time.monotonic()
+    assert not Attached(f"http://127.0.0.1:{free_port()}", patience=30).alive()
+    assert _time.monotonic() - start < 5

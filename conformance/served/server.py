@@ -182,12 +182,23 @@ class Attached:
     url: str
     name: str = "attached"
     ready_path: str = "/health"
+    patience: float = 60.0
+    """Seconds a server may go on answering 5xx or nothing before it counts as exited: SGLang's /health waits on its
+    scheduler and answers 503 while it is busy (a loaded machine), which is no exit. A refused connection is one."""
 
     def alive(self) -> bool:
-        try:
-            return requests.get(self.url.rstrip("/") + self.ready_path, timeout=10).status_code < 500
-        except requests.RequestException:
-            return False
+        deadline = time.monotonic() + self.patience
+        while True:
+            try:
+                if requests.get(self.url.rstrip("/") + self.ready_path, timeout=10).status_code < 500:
+                    return True
+            except requests.Timeout:
+                pass
+            except requests.ConnectionError:
+                return False  # nothing listens there any more
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(2.0)
 
     def exit_note(self) -> str:
         return f"{self.url} stopped answering {self.ready_path}"
