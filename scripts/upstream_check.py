@@ -12,7 +12,6 @@ else. Prints one line per finding; exit 1 if any reproducer passes unpatched or 
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
@@ -21,22 +20,24 @@ import sys
 import tempfile
 from pathlib import Path
 
+from kvcert.conformance.certification import known
+
 ROOT = Path(__file__).resolve().parent.parent
 UPSTREAM = ROOT / "docs" / "upstream"
 ENVS = {"refaware": ROOT / ".venv-refaware", "sglang": ROOT / ".venv"}
 """The environment each engine's reproducers run in, by the findings log's adapter room."""
 
 
-def _finding(fid: str) -> dict:
-    for entry in json.loads((ROOT / "conformance" / "findings" / "index.json").read_text()):
-        if entry["id"] == fid:
-            return entry
-    raise SystemExit(f"{fid}: no such finding in conformance/findings/index.json")
+def _finding(fid: str) -> known.Finding:
+    by_id = {f.id: f for f in known.findings()}
+    if fid not in by_id:
+        raise SystemExit(f"{fid}: no such finding in conformance/findings/index.json")
+    return by_id[fid]
 
 
-def _env(entry: dict) -> Path:
+def _env(finding: known.Finding) -> Path:
     """The fork's environment for a finding logged only for the fork's adapters, else SGLang's."""
-    fork = all(".refaware" in a for a in entry["adapters"])
+    fork = all(".refaware" in a for a in finding.adapters)
     return ENVS["refaware" if fork else "sglang"]
 
 
@@ -77,8 +78,7 @@ def _pytest(python: Path, folder: Path, overlay: Path | None) -> subprocess.Comp
 def check(fid: str) -> tuple[bool, str]:
     """(as expected, a line saying how each way ended)."""
     folder = UPSTREAM / fid
-    entry = _finding(fid)
-    python = _env(entry) / "bin" / "python"
+    python = _env(_finding(fid)) / "bin" / "python"
     if not python.exists():
         return False, f"{fid}: {python.parent.parent.name} missing (install the engine's environment)"
     stock = _pytest(python, folder, None)

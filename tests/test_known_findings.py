@@ -38,13 +38,21 @@ for path in sys.argv[1:]:
 print(json.dumps(out))
 """
 
-REPLAY_FIXED = REPLAY.replace("from kvcert.spec.ops import Trace", "from kvcert.spec.ops import Trace\nfrom kvcert.conformance.certification import fixes").replace(
-    "for path in sys.argv[1:]:\n    trace", "for arg in sys.argv[1:]:\n    ids, path = arg.split('=', 1)\n    trace"
-).replace(
-    "    got = replay(make, judged_as(make.capabilities, trace), trace.config, trace.ops)\n",
-    "    with fixes.applied([i for i in ids.split(',') if i], trace.target):\n"
-    "        got = replay(make, judged_as(make.capabilities, trace), trace.config, trace.ops)\n",
-).replace("out[path]", "out[arg]")
+REPLAY_FIXED = """
+import json, sys
+from kvcert.conformance.certification import fixes, known
+from kvcert.conformance.certification.certify import judged_as, load_factory, replay
+from kvcert.spec.ops import Trace
+out = {}
+for arg in sys.argv[1:]:
+    ids, path = arg.split("=", 1)
+    trace = Trace.from_json(known.trace_text(path))
+    make = load_factory(trace.target)
+    with fixes.applied([i for i in ids.split(",") if i], trace.target):
+        got = replay(make, judged_as(make.capabilities, trace), trace.config, trace.ops)
+    out[arg] = sorted({v.inv for v in got.failure.violations}) if got.failure is not None else []
+print(json.dumps(out))
+"""
 """REPLAY with fixes applied while each trace replays (arguments IDS=path, IDS comma-separated)."""
 FIXED = [(f, path) for f in known.findings() if f.fix for path in f.traces]
 

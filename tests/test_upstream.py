@@ -4,12 +4,13 @@ in the engine's own environment, the fix applied to an overlay of the installed 
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import sys
 from pathlib import Path
 
 import pytest
+
+from kvcert.conformance.certification import fixes, known
 
 ROOT = Path(__file__).parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -20,12 +21,12 @@ ENGINE_FLAG = {"refaware": "KVCERT_REFAWARE", "sglang": "KVCERT_SGLANG"}
 
 
 def test_every_folder_is_a_logged_finding_with_its_fix() -> None:
-    log = {e["id"]: e for e in json.loads((ROOT / "conformance" / "findings" / "index.json").read_text())}
+    log = {f.id: f for f in known.findings()}
     for name in FOLDERS:
         folder = ROOT / "docs" / "upstream" / name
         assert name in log, f"docs/upstream/{name} is no finding of the log"
         assert (folder / "README.md").exists() and list(folder.glob("test_*.py")), name
-        assert (folder / "fix.patch").read_text() == (ROOT / "conformance" / "findings" / log[name]["fix"]).read_text()
+        assert (folder / "fix.patch").read_text() == fixes.patch_text(name)
 
 
 @pytest.mark.parametrize("fid", FOLDERS)

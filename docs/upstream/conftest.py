@@ -7,11 +7,12 @@ machine with triton it does nothing. The reproducers themselves import only the 
 """
 
 import importlib.util
+from pathlib import Path
 
 if importlib.util.find_spec("triton") is None:
     spec = importlib.util.find_spec("sglang")
     ships_stubs = spec is not None and any(
-        (__import__("pathlib").Path(p) / "_platform_stubs.py").exists() for p in spec.submodule_search_locations or ()
+        (Path(p) / "_platform_stubs.py").exists() for p in spec.submodule_search_locations or ()
     )
     try:
         if ships_stubs:
