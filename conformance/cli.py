@@ -18,7 +18,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextC
 from rich.table import Table
 
 from kvcert.conformance.backend import Factory
-from kvcert.conformance.certification import explain, known, reports
+from kvcert.conformance.certification import explain, fixes, known, reports
 from kvcert.conformance.certification.certificate import CellResult, Certificate
 from kvcert.conformance.certification.certify import CorpusError, _tier, certify, judged_as, load_factory
 from kvcert.conformance.certification.cluster import RayUnavailable
@@ -274,7 +274,7 @@ def _fix_ids(target: str, given: Optional[str]) -> tuple[str, ...]:
     if not given:
         return ()
     if given.strip() == "all":
-        return tuple(f.id for f in known.findings_for(target) if f.fix)
+        return tuple(f.id for f in known.findings_for(target) if target.partition(":")[0] in f.fixes)
     return tuple(i.strip() for i in given.split(",") if i.strip())
 
 
@@ -490,6 +490,13 @@ def replay_cmd(
     factory = load_factory(name)
     if trace.note:
         console.print(trace.note)
+    if trace.fixes:  # found with known defects patched out: replay over the same engine
+        try:
+            for fix in fixes.apply(trace.fixes, name):
+                console.print(fix.describe())
+        except FixError as e:
+            typer.echo(f"error: {e}", err=True)
+            raise typer.Exit(2) from e
     if diff_at is not None:
         _replay_diff(factory, trace, name, diff_at)
         return

@@ -404,6 +404,9 @@ class Trace:
     note: str = ""
     profile: str = ""
     """The profile it was judged under (SPEC.md §6); "" for the one the target declares."""
+    fixes: tuple[str, ...] = ()
+    """The findings whose minimal fixes were applied to the engine when it was found (`kvcert certify --with-fixes`):
+    its replay applies them again."""
 
     def to_json(self) -> str:
         return json.dumps(
@@ -413,6 +416,7 @@ class Trace:
                 "config": config_to_json(self.config),
                 "note": self.note,
                 **({"profile": self.profile} if self.profile else {}),
+                **({"fixes": list(self.fixes)} if self.fixes else {}),
                 "ops": [op_to_json(op) for op in self.ops],
             },
             indent=1,
@@ -429,4 +433,5 @@ class Trace:
             target=obj.get("target", "kvcert.refimpl:RefCache"),
             note=obj.get("note", ""),
             profile=obj.get("profile", ""),
+            fixes=tuple(obj.get("fixes", ())),
         )

@@ -59,6 +59,8 @@ CLIENT_RULES: dict[str, str] = {
     "session's priority: a class changes through a priority change, never with a turn",
     "no-aborts": "no request is aborted",
     "distinct-ids": "no request id starts with another's: ids the engine makes (SGLang's uuid4 rids), not the client",
+    "releases-one-shot": "a client releases the id of each request it sent without a session once its answer or "
+    "abort arrives (an engine that registers every finished request, as the RefAware fork does, holds it until then)",
 }
 """Rules a request-path target's clients keep (`Capabilities.client`), as its engine's own clients do: the traffic the
 suite sends keeps them, and the certificate prints each under NOT CHECKED."""

@@ -137,3 +137,48 @@ def test_the_cli_refuses_an_unknown_fix_before_anything_runs(tmp_path: Path) -> 
     got = CliRunner().invoke(app, ["certify", "kvcert.refimpl:RefCache", "--with-fixes", "NOPE", "--json", str(out)])
     assert got.exit_code == 2 and "no finding 'NOPE'" in got.output, got.output
     assert not out.exists()
+
+
+def test_a_fix_written_for_one_version_of_a_shared_finding_is_refused_for_the_other() -> None:
+    """SG-ABORT is SGLang 0.5.23's and the fork's 0.5.10 base's; its diff is 0.5.23's (`fix_for`), so `--with-fixes`
+    refuses it on the fork's target, and `all` leaves it out there."""
+    from kvcert.conformance.cli import _fix_ids
+
+    shared = next(f for f in known.findings() if f.id == "SG-ABORT")
+    fork = "kvcert.conformance.adapters.refaware_requests:factory"
+    assert shared.fix and fork.partition(":")[0] in shared.adapters
+    with pytest.raises(fixes.FixError, match="written for"):
+        fixes.apply([shared.id], fork)
+    assert "SG-ABORT" not in _fix_ids(fork, "all")
+    assert "SG-ABORT" in _fix_ids("kvcert.conformance.adapters.sglang_requests:factory", "all")
+
+
+def test_a_trace_found_with_fixes_names_them_and_round_trips() -> None:
+    """A failure saved while fixes were applied names them (`Trace.fixes`, from `fixes.active()`), so that
+    `kvcert replay` applies them again before it plays the trace."""
+    from kvcert.spec.ops import Step, Trace
+    from kvcert.spec.types import CacheConfig
+
+    assert fixes.active() == ()
+    fixes._APPLIED["X"] = fixes.AppliedFix("X", ())
+    try:
+        assert fixes.active() == ("X",)
+    finally:
+        fixes._APPLIED.pop("X")
+    trace = Trace(config=CacheConfig(), ops=(Step(),), target="m:f", fixes=("R1", "Q5"))
+    back = Trace.from_json(trace.to_json())
+    assert back.fixes == ("R1", "Q5") and back == trace
+    assert "fixes" not in Trace.from_json(Trace(config=CacheConfig(), ops=()).to_json()).to_json()
+
+
+def test_a_fix_that_changes_the_engines_api_is_for_upstream_only() -> None:
+    """Q4's fix adds a request field: `--with-fixes` refuses it and `all` leaves it out; its reproducer runs it
+    (docs/upstream/Q4)."""
+    from kvcert.conformance.cli import _fix_ids
+
+    q4 = next(f for f in known.findings() if f.id == "Q4")
+    fork = "kvcert.conformance.adapters.refaware_requests:factory"
+    assert q4.fix and q4.fix_api and q4.fixes == ()
+    with pytest.raises(fixes.FixError, match="changes the engine's API"):
+        fixes.apply(["Q4"], fork)
+    assert "Q4" not in _fix_ids(fork, "all") and "Q5" in _fix_ids(fork, "all")

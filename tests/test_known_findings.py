@@ -54,7 +54,7 @@ for arg in sys.argv[1:]:
 print(json.dumps(out))
 """
 """REPLAY with fixes applied while each trace replays (arguments IDS=path, IDS comma-separated)."""
-FIXED = [(f, path) for f in known.findings() if f.fix for path in f.traces]
+FIXED = [(f, path) for f in known.findings() if f.fix and not f.fix_api for path in f.traces]
 
 
 def _fork_trace(path: str) -> bool:
@@ -69,7 +69,7 @@ def _fix_runs(fork: bool) -> list[str]:
         if _fork_trace(path) != fork:
             continue
         module = Trace.from_json(known.trace_text(path)).target.partition(":")[0]
-        every = sorted({g.id for g, _ in FIXED if module in g.adapters})
+        every = sorted({g.id for g, _ in FIXED if module in g.fixes})
         out += [f"{','.join(every)}={path}", f"{','.join(i for i in every if i != f.id)}={path}"]
     return out
 

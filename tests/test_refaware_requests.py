@@ -277,3 +277,34 @@ def test_the_same_run_in_any_process(runs: tuple[dict[str, Any], dict[str, Any]]
     for name in CONFIGS:
         assert first[name]["digest"] == second[name]["digest"], name
         assert first[name]["facts"] == second[name]["facts"], name
+
+
+def _replay(path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [str(ROOT / ".venv-refaware" / "bin" / "kvcert"), "replay", str(path), *args],
+        cwd=ROOT, env={**os.environ, "PYTHONHASHSEED": "0"}, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+
+
+def test_clients_that_release_one_shot_rids_leave_the_fork_nothing_q4_would_keep() -> None:
+    """`:factory_releasing_clients` (client rule `releases-one-shot`): each one-shot rid is released once answered,
+    so Q4's trace, which fails on `:factory`, leaves no entry behind."""
+    _environment()
+    q4 = ROOT / "conformance" / "findings" / "refaware_requests" / "Q4-one-shot-requests-stay-registered.json"
+    assert _replay(q4).returncode == 1
+    done = _replay(q4, "--target", "kvcert.conformance.adapters.refaware_requests:factory_releasing_clients")
+    assert done.returncode == 0, done.stdout[-2000:]
+
+
+def test_a_trace_found_with_fixes_replays_with_them(tmp_path: Path) -> None:
+    """A walk with `--with-fixes` saves the fixes in its trace, and `kvcert replay` applies them: this aborted turn at a
+    new priority (allowed, INV-RP-4) passes over R1's and Q1's fixes and fails without them, on Q1."""
+    _environment()
+    saved = ROOT / "tests" / "data" / "refaware_aborted_turn_priority.json"
+    done = _replay(saved)
+    assert done.returncode == 0 and "fix Q1 applied" in done.stdout, done.stdout[-2000:]
+    bare = json.loads(saved.read_text())
+    del bare["fixes"]
+    (tmp_path / "bare.json").write_text(json.dumps(bare))
+    done = _replay(tmp_path / "bare.json")
+    assert done.returncode == 1 and "INV-RP-2" in done.stdout, done.stdout[-2000:]

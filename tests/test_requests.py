@@ -256,3 +256,39 @@ def test_a_pending_loads_host_lock_is_judged_as_the_targets_profile_says(name: s
         assert h.checks.load_host_lock is locks
     finally:
         h.close()
+
+
+class _CachesAbortedTurn(ReferenceEngine):
+    """An aborted running turn caches what it computed and registers its session at the turn's own priority, as a
+    finished one does (the RefAware fork's abort path); `at` registers it at another priority instead."""
+
+    at: int | None = None
+
+    def _end(self, r: _Request, state: str) -> None:
+        if state != "aborted" or r.state != "running":
+            super()._end(r, state)
+            return
+        if self.at is not None and r.session is not None:
+            self.open[r.session] = self.at
+        super()._end(r, "finished")
+        r.state = "aborted"
+
+
+class _CachesAbortedTurnAtZero(_CachesAbortedTurn):
+    at = 0
+
+
+ABORTED_RAISE = [_turn("r1", "s0", (1, 2)), *_steps(3), _turn("r2", "s0", NEXT_TURN, priority=2, output=3), Step(),
+                 AbortRequest("r2"), *_steps(3)]  # fmt: skip
+"""A turn at priority 1 finishes; the next turn, at 2, is aborted once its prefill ran."""
+
+
+def test_an_aborted_turn_may_leave_its_session_at_its_own_priority_and_no_other() -> None:
+    """INV-RP-4 after an abort (SPEC.md §12.2): the session stays at its priority, or takes the aborted turn's if the
+    engine registered what the turn cached; a third priority is a defect."""
+    assert replay(engine_factory, CAPS, CONFIG, ABORTED_RAISE).failure is None
+    got = replay(_factory(_CachesAbortedTurn), CAPS, CONFIG, ABORTED_RAISE)
+    assert got.failure is None, got.failure
+    got = replay(_factory(_CachesAbortedTurnAtZero), CAPS, CONFIG, ABORTED_RAISE)
+    assert got.failure is not None and [v.inv for v in got.failure.violations] == ["INV-RP-4"], got.failure
+    assert "an aborted turn's: [2]" in str(got.failure)

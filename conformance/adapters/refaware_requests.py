@@ -331,7 +331,9 @@ class _Tracked:
 class RefAwareRequestPath(RadixTreeAdapter):
     """The fork's `Scheduler` (its own code, one event-loop iteration per `step`) over CPU pools and its cache."""
 
-    def __init__(self, config: CacheConfig) -> None:
+    def __init__(self, config: CacheConfig, release_one_shot: bool = False) -> None:
+        """`release_one_shot`: the client half of CLIENT_RULES `releases-one-shot` (each one-shot request's rid is
+        released with `/release_ref` once its answer or abort reaches the client, taken at the next step)."""
         if config.page_size not in PAGE_SIZES:
             raise ValueError(f"page_size must be one of {PAGE_SIZES}")
         if config.policy not in RADIX_POLICIES:
@@ -340,6 +342,7 @@ class RefAwareRequestPath(RadixTreeAdapter):
         if self.host and config.write_policy not in WRITE_POLICIES:
             raise ValueError(f"write_policy must be one of {WRITE_POLICIES}")
         self.config = config
+        self.release_one_shot = release_one_shot
         self.page_size = config.page_size
         self.layers = config.kv_layers
         self._now = 0
@@ -665,6 +668,8 @@ class RefAwareRequestPath(RadixTreeAdapter):
             return
         pick.ended = how
         self._ended_last_step.append(pick.request)
+        if self.release_one_shot and pick.session is None:
+            self._inbox.put(ReleaseRefReqInput(rid=pick.rid))
 
     def _row(self, req: Any, length: int) -> list[int]:
         if req.req_pool_idx is None or length <= 0:
@@ -992,4 +997,19 @@ factory_bench_clients.capabilities = replace(  # type: ignore[attr-defined]
     name=factory.capabilities.name + ", its benchmark's clients",  # type: ignore[attr-defined]
     client=("sessions-only", "idle-changes", "no-aborts"),
     priority_parts=tuple(p for p in factory.capabilities.priority_parts if p != "move"),  # type: ignore[attr-defined]
+)
+
+
+def factory_releasing_clients(config: CacheConfig) -> RefAwareRequestPath:
+    """`...:factory_releasing_clients`: as `factory`, with clients that know the fork: each releases the rid of a
+    one-shot request once its answer (or abort) arrives, as the fork asks of every rid it registers (Q4 needs a client
+    opt-in, so no engine fix can take it out of the walk), and ids never extend one another (SG-ABORT's prefix abort
+    is SGLang's deliberate match). Aborts, mid-turn changes, moves and bursts are sent as to `factory`."""
+    return RefAwareRequestPath(config, release_one_shot=True)
+
+
+factory_releasing_clients.capabilities = replace(  # type: ignore[attr-defined]
+    factory.capabilities,  # type: ignore[attr-defined]
+    name=factory.capabilities.name + ", clients that release one-shot rids",  # type: ignore[attr-defined]
+    client=("distinct-ids", "releases-one-shot"),
 )

@@ -212,7 +212,9 @@ def _failed(
     else:
         report = str(failure)
     note = report.splitlines()[-1].strip()
-    trace = Trace(config=config, ops=tuple(ops), target=target, note=note, profile=capabilities.profile)
+    trace = Trace(
+        config=config, ops=tuple(ops), target=target, note=note, profile=capabilities.profile, fixes=fixes.active()
+    )
     path.parent.mkdir(parents=True, exist_ok=True)
     result.trace_json = trace.to_json()
     path.write_text(result.trace_json)

@@ -29,7 +29,7 @@ from typing import Any, Optional
 
 from kvcert.conformance.certification import known
 
-__all__ = ["AppliedFix", "FixError", "apply", "applied", "patch_text", "revert"]
+__all__ = ["AppliedFix", "FixError", "active", "apply", "applied", "patch_text", "revert"]
 
 
 class FixError(ValueError):
@@ -74,10 +74,21 @@ def apply(ids: Sequence[str], target: Optional[str] = None) -> list[AppliedFix]:
         f = _finding(fid)
         if target is not None and target.partition(":")[0] not in f.adapters:
             raise FixError(f"finding {fid} is {f.engine}'s; {target} drives another engine")
+        if f.fix_api:
+            raise FixError(f"finding {fid}'s fix changes the engine's API ({f.fix_api}): it is for upstream, not "
+                           "applied in-process")  # fmt: skip
+        if target is not None and f.fix and target.partition(":")[0] not in f.fixes:
+            raise FixError(f"finding {fid}'s fix is written for {', '.join(f.fixes)}, not {target}'s engine")
         if fid not in _APPLIED:
             _APPLIED[fid] = AppliedFix(fid, tuple(_apply_diff(patch_text(fid))))
         out.append(_APPLIED[fid])
     return out
+
+
+def active() -> tuple[str, ...]:
+    """The findings whose fixes are applied in this process now, in the order applied: a trace found with them saves
+    them, so that its replay applies them again."""
+    return tuple(_APPLIED)
 
 
 def revert(ids: Sequence[str]) -> None:

@@ -88,6 +88,19 @@ class Finding:
     fix_leaves: tuple[tuple[str, str], ...] = ()
     """(trace, why) for each of its traces the fix does not make pass (code the diff cannot reach); every other trace
     passes with the fix applied (tests/test_known_findings.py)."""
+    fix_for: tuple[str, ...] = ()
+    """The adapter modules whose engine the fix's diff is written against; () for all of `adapters`. A finding shared
+    by two versions (SGLang 0.5.23 and the fork's 0.5.10 base) carries the diff of one; its traces on the other stay
+    unfixed."""
+
+    fix_api: str = ""
+    """Why the fix cannot be applied in-process, when it changes the engine's API (a request field, a message type):
+    it is for upstream (docs/upstream/), and `--with-fixes` refuses it."""
+
+    @property
+    def fixes(self) -> tuple[str, ...]:
+        """The adapter modules `--with-fixes` may apply the fix under."""
+        return (self.fix_for or self.adapters) if self.fix and not self.fix_api else ()
 
     @property
     def defect(self) -> bool:
@@ -119,6 +132,8 @@ def findings() -> tuple[Finding, ...]:
                 condition=entry.get("condition", ""),
                 fix=entry.get("fix", ""),
                 fix_leaves=tuple(sorted(entry.get("fix_leaves", {}).items())),
+                fix_for=tuple(entry.get("fix_for", ())),
+                fix_api=entry.get("fix_api", ""),
             )
         )
     return tuple(out)

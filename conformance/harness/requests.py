@@ -104,6 +104,8 @@ class _Session:
     """The priority its turn in flight will register at: the turn's own, or a change sent since."""
     priority_taken: bool = True
     """A step ran since the latest change."""
+    aborted_turns: frozenset[int] = frozenset()
+    """Priorities of its turns aborted since its last finished turn or change: each one it may hold (INV-RP-4)."""
 
 
 @dataclass
@@ -266,7 +268,8 @@ class RequestHarness:
             self.sent[op.request] = _Sent(op, index)
             if op.session is not None:  # a new turn reopens a closed session; its priority counts once it finishes
                 old = self.sessions.get(op.session)
-                self.sessions[op.session] = _Session(priority=old.priority if old else None, turn=op.priority)
+                kept = (old.priority, old.aborted_turns) if old else (None, frozenset[int]())
+                self.sessions[op.session] = _Session(priority=kept[0], turn=op.priority, aborted_turns=kept[1])
         elif isinstance(op, AbortRequest):
             self.aborted.add(op.request)
         elif isinstance(op, CloseSession) and op.session in self.sessions:
@@ -275,6 +278,7 @@ class RequestHarness:
         elif isinstance(op, Reprioritize) and op.session in self.sessions:
             st = self.sessions[op.session]
             st.priority, st.turn, st.priority_taken = op.priority, op.priority, False
+            st.aborted_turns = frozenset()
         elif isinstance(op, Step):
             for s in self.sessions.values():
                 s.close_taken = s.close_taken or s.closed_at is not None
@@ -375,6 +379,10 @@ class RequestHarness:
             ):
                 out.append(Violation("INV-LINK-4", f"request {v.id} finished normally after its load failed: its "
                                      "output was computed over slots the store did not fill"))  # fmt: skip
+            if v.state == "aborted" and sent.op.session is not None:
+                st = self.sessions.get(sent.op.session)
+                if st is not None and st.closed_at is None and st.turn is not None:
+                    st.aborted_turns |= {st.turn}
             if v.state == "finished":
                 self.finished[v.id] = v
                 st = self.sessions.get(sent.op.session) if sent.op.session is not None else None
@@ -385,6 +393,7 @@ class RequestHarness:
                 st = self.sessions.get(sent.op.session) if sent.op.session is not None else None
                 if st is not None and st.closed_at is None:
                     st.priority = st.turn  # the turn registered its session at its priority
+                    st.aborted_turns = frozenset()
                 out += self._registered_turn(snap, sent, v, registered)
         if not self.capabilities.priority_refs:
             return out
@@ -405,12 +414,13 @@ class RequestHarness:
                 and st.priority_taken
                 and name not in flying
                 and name in registered
-            ) and registered[name].priority != st.priority:
+            ) and registered[name].priority not in {st.priority, *st.aborted_turns}:
                 out.append(
                     Violation(
                         "INV-RP-4",
                         f"session {name} is registered at priority {registered[name].priority}; the client set "
-                        f"{st.priority} and the engine has taken it",
+                        f"{st.priority} and the engine has taken it"
+                        + (f" (an aborted turn's: {sorted(st.aborted_turns)})" if st.aborted_turns else ""),
                     )
                 )
         return out
