@@ -46,6 +46,7 @@ __all__ = [
     "Matched",
     "factory",
     "factory_page_first",
+    "factory_queued",
     "factory_threaded",
     "make_factory",
 ]
@@ -80,16 +81,22 @@ def make_factory(
     dtype: torch.dtype = torch.float32,
     engine: str = "deferred",
     device: Optional[torch.device] = None,
+    demote: str = "idle_fewest",
 ) -> Callable[[CacheConfig], GpuCache]:
-    """A factory (with `capabilities`) for caches of this layout, per-layer geometry and copy engine."""
+    """A factory (with `capabilities`) for caches of this layout, per-layer geometry, copy engine and demotion order
+    (`demote`: "queued" is another DEMOTE choice than SGLang's, so that cache is certified by the core)."""
 
     def build(config: CacheConfig) -> GpuCache:
         geometry = KVGeometry(layers=config.kv_layers, heads=heads, head_dim=head_dim, dtype=dtype)
-        return GpuCache(config, layout=layout, host_layout=host_layout, geometry=geometry, engine=engine, device=device)
+        return GpuCache(
+            config, layout=layout, host_layout=host_layout, geometry=geometry, engine=engine, device=device, demote=demote
+        )
 
     f: Any = build
     # A worker thread moves copies between calls: the harness reads every snapshot afresh.
     f.capabilities = CAPABILITIES if engine == "deferred" else replace(CAPABILITIES, still_between_calls=False)
+    if demote != "idle_fewest":
+        f.capabilities = replace(f.capabilities, name=f"kvcert.gpu (demote={demote})", profile="core")
     return build
 
 
@@ -99,3 +106,6 @@ factory_page_first = make_factory(layout="page_first", host_layout="page_first")
 """The page-first layout on both tiers."""
 factory_threaded = make_factory(engine="threaded")
 """Copies moved by a worker thread as soon as they are issued (soak runs); acks still wait for `complete`."""
+factory_queued = make_factory(demote="queued")
+"""Host pressure demotes in the RefAware fork's queue order (DEMOTE "queued"), not SGLang's idle-fewest: certified by
+the core, measured in docs/bench_policy.md ("What the gap is made of")."""

@@ -128,8 +128,9 @@ class GpuCache(RadixTree):
         agreement: Optional[Agreement] = None,
         engine_slots: Optional[SlotSource] = None,
         kv: Optional[KVPool] = None,
+        demote: str = "idle_fewest",
     ) -> None:
-        """`engine_slots`: an engine allocates the device slots and gets evicted ones back (`EngineSlots`); the
+        """`demote`: DEMOTE's order, `Sessions.demote`. `engine_slots`: an engine allocates the device slots and gets evicted ones back (`EngineSlots`); the
         tree then holds the engine's slot ids, and `alloc` / `free` refuse. `kv`: the device pool, when an engine
         owns it (its geometry is the cache's; host copies move its bytes)."""
         if config.policy not in POLICIES:
@@ -173,7 +174,7 @@ class GpuCache(RadixTree):
         """Tensor-parallel ranks agree (MIN) on the acks they consume and the pages a prefetch keeps."""
         self.host = None if host_kv is None else HostTier(self, host_kv, self.write_policy, config.load_back_threshold)
         self.stores = StorageTier(self, config)
-        self.refs = Sessions(self, config.high_priority_threshold)
+        self.refs = Sessions(self, config.high_priority_threshold, demote)
 
     # ------------------------------------------------------------------ the components' state, by its old names
 

@@ -15,6 +15,7 @@ on every call (a test may wrap it to count). The tree imports this module, not t
 
 from __future__ import annotations
 
+import heapq
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Optional, Protocol
@@ -52,9 +53,17 @@ def hand_over(n: Node, heir: Node) -> None:
 class Sessions:
     """The registered sessions of one tree, in registration order, and the demotions in force."""
 
-    def __init__(self, tree: RefTree, high_threshold: int) -> None:
+    def __init__(self, tree: RefTree, high_threshold: int, demote: str = "idle_fewest") -> None:
+        if demote not in ("idle_fewest", "queued"):
+            raise ValueError(f"demote must be idle_fewest or queued, got {demote!r}")
         self.tree = tree
         self.high_threshold = high_threshold
+        self.demote = demote
+        """DEMOTE's order (SPEC.md §6.1): "idle_fewest", an idle high session with the fewest tokens on its path
+        (§11.4); "queued", the RefAware fork's queue: every high session joins it when registered, raised or
+        restored, keyed by its tokens then, and host pressure demotes the first still high, idle or not."""
+        self._queue: list[tuple[int, str]] = []
+        self._queued: set[str] = set()
         self.sessions: dict[str, Session] = {}
         """Registered sessions in registration order (a re-registration moves one to the end)."""
         self._next_seq = 0
@@ -122,12 +131,14 @@ class Sessions:
             node.ending = {}
         node.ending[session] = s
         self._hold(s, +1)
+        self._enqueue(s)
 
     def update(self, session: object, priority: int) -> None:
         """A new (checked) priority for the session's path; clears an adaptive demotion (SPEC.md §11.4)."""
         s = self.get(session)
         s.priority, s.demoted = priority, False
         self._set_high(s, priority >= self.high_threshold)
+        self._enqueue(s)
 
     def release(self, session: object) -> None:
         """The session holds nothing any more; a high one restores the latest demotion still in force."""
@@ -142,6 +153,7 @@ class Sessions:
                 if back is not None and back.demoted:
                     back.demoted = False
                     self._set_high(back, back.priority >= self.high_threshold)
+                    self._enqueue(back)
                     break
 
     def demote_idle(self) -> bool:
@@ -153,8 +165,8 @@ class Sessions:
         device node's parent is on the device (INV-HOST-2), so that is when its own node is host only.
         A node's `end` is the tokens on its path.
         """
-        victim: Optional[Session] = None
-        for s in self.sessions.values():
+        victim: Optional[Session] = self._first_queued() if self.demote == "queued" else None
+        for s in self.sessions.values() if self.demote == "idle_fewest" else ():
             if s.high and s.node.slots is None:
                 if victim is None or (s.node.end, s.seq) < (victim.node.end, victim.seq):
                     victim = s
@@ -165,3 +177,20 @@ class Sessions:
         self.demotions.pop(victim.id, None)
         self.demotions[victim.id] = None
         return True
+
+    def _enqueue(self, s: Session) -> None:
+        """Under the "queued" order, a session high now joins the queue once (its tokens now are its key)."""
+        if self.demote == "queued" and s.high and s.id not in self._queued:
+            self._queued.add(s.id)
+            heapq.heappush(self._queue, (s.node.end, s.id))
+
+    def _first_queued(self) -> Optional[Session]:
+        """The queue's first session still high; the stale entries before it leave the queue."""
+        while self._queue:
+            sid = self._queue[0][1]
+            s = self.sessions.get(sid)
+            if s is not None and s.high:
+                return s
+            heapq.heappop(self._queue)
+            self._queued.discard(sid)
+        return None

@@ -138,7 +138,8 @@ class ProtocolDriver:
         self.name, self.c, self.priority, self.threshold = name, backend, priority, threshold
         self.stats = {"evict_calls": 0, "evicted": 0, "loads": 0}
         self._sees_demotions = priority and hasattr(backend, "demotions")
-        """kvcert.gpu keeps its demoted sessions in `demotions`; a cache that does not show them counts none."""
+        """kvcert.gpu and the model keep their demoted sessions in `demotions` and `sessions`; a cache that does not
+        show them counts none."""
         if self._sees_demotions:
             self.stats["demotions"] = 0
         self._demoted: set[str] = set()
@@ -169,7 +170,8 @@ class ProtocolDriver:
         a single call goes uncounted)."""
         if not self._sees_demotions:
             return
-        now = set(self.c.demotions)
+        sessions = self.c.sessions  # a demotion record may outlive its session's demotion (the model keeps them)
+        now = {d for d in self.c.demotions if d in sessions and sessions[d].demoted}
         self.stats["demotions"] += len(now - self._demoted)
         self._demoted = now
 

@@ -101,7 +101,8 @@ def policy_cmd(
         None,
         "--map",
         help=f"X,Y: the proactive cache's gain over the baseline, both behind the priority scheduler, at every pair "
-        f"of two sweeps' values, at the first --hp ({', '.join(policy.SWEEPS)})",
+        f"of two sweeps' values, at the first --hp ({', '.join(policy.SWEEPS)}); with --cache, those rows' figures at "
+        "every pair instead",
     ),
     workload: str = typer.Option("stress", help="stress | groups-10x50 | groups-50x10"),
     trace: Optional[Path] = typer.Option(None, "--trace", help="a JSONL trace of sessions (docs/bench_policy.md)"),
@@ -184,7 +185,8 @@ def policy_cmd(
             return lambda n: bar.advance(task, n)
 
         if axes:
-            results = policy.grid(axes[0], axes[1], hp[0], costs, spec, seed, on_run)
+            rows = tuple(cache) if cache else policy.MAP_ROWS
+            results = policy.grid(axes[0], axes[1], hp[0], costs, spec, seed, on_run, rows)
         elif sweep_ is not None:
             results = policy.sweep(sweep_, names, hp[0], costs, spec, seed, on_run)
         elif table_:
@@ -211,7 +213,9 @@ def policy_cmd(
                     s = policy.run_one(name, w, costs, seed, on_run(w.name, name, w))
                     s["hp_clients"] = sum(1 for x in w.sessions if w.high(x))
                     results.append(s)
-    if axes:
+    if axes and cache:
+        _print_map_rows(results)
+    elif axes:
         _print_map(results)
     else:
         _print(results, names, sweep_, breakdown and sweep_ is None and not table_)
@@ -266,6 +270,28 @@ def _print_map(results: list[dict[str, Any]]) -> None:
         t.add_row(
             f"{g['x']:g}", f"{g['y']:g}", f"{g['base_hit']:.4f}", f"{g['it_hit']:.4f}", f"{g['hit_gain']:+.4f}",
             f"{g['ttft_ratio']:.2f}x",
+        )  # fmt: skip
+    console.print(t)
+    for r in results:
+        if "unavailable" in r:
+            console.print(f"{r['contender']}: {r['unavailable']}")
+        elif policy.failed(r):
+            console.print(f"[red]FAILED[/] {r['contender']} ({r['workload']}): {policy.failed(r)[0]}")
+
+
+def _print_map_rows(results: list[dict[str, Any]]) -> None:
+    """A map of the rows `--cache` named: each one's HP and LP figures at every point."""
+    x, y = results[0]["map"]
+    t = Table(title=f"{results[0]['hp_clients']} HP clients, every row behind its scheduler")
+    for col in (x, y, "row", "HP hit t>=1", "HP TTFT p90 s", "LP TTFT p90 s", "checks"):
+        t.add_column(col, justify="right")
+    for r in results:
+        if "unavailable" in r:
+            continue
+        h, lo = r["high"], r["low"]
+        t.add_row(
+            f"{r['x']:g}", f"{r['y']:g}", r["contender"], f"{h['turn1_cache_hit']:.4f}", f"{h['ttft']['p90']:.1f}",
+            f"{lo['ttft']['p90']:.1f}", "FAILED" if policy.failed(r) else "ok",
         )  # fmt: skip
     console.print(t)
     for r in results:

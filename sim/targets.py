@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from kvcert.sim import engine
@@ -12,6 +12,8 @@ from kvcert.sim.bounds import InfiniteBound, OfflineBound
 from kvcert.sim.caches import CacheDriver, ProtocolDriver, SGLangDriver, _config
 from kvcert.sim.costs import Costs
 from kvcert.sim.workload import Workload, pages
+from kvcert.spec.decisions import SGLANG_0523, Decisions, Demote, LoadRoom, Room
+from kvcert.spec.profiles import REFAWARE
 
 __all__ = ["CONTENDERS", "DEFAULT", "SCHEDULERS", "Contender", "Unavailable", "build", "parse"]
 
@@ -20,18 +22,20 @@ class Unavailable(RuntimeError):
     """This cache cannot be built in this environment (its engine is not installed); says how to get it."""
 
 
-def built(target: str, costs: Costs) -> Any:
+def built(target: str, costs: Costs, **kwargs: Any) -> Any:
     """The cache a kvcert target (`module:factory`, as `kvcert certify` names it) builds over `costs`' pools.
 
     The simulator reaches every cache through its target, as certification does: it imports no cache and no
     engine adapter, so what it times is what was certified."""
     module, _, attr = target.partition(":")
-    return getattr(importlib.import_module(module), attr)(_config(costs))
+    return getattr(importlib.import_module(module), attr)(_config(costs), **kwargs)
 
 
-def _gpu(costs: Costs, w: Workload, priority: bool) -> CacheDriver:
+def _gpu(costs: Costs, w: Workload, priority: bool, target: str = "kvcert.gpu:factory") -> CacheDriver:
     name = "kvcert.gpu, proactive (SPEC.md §11)" if priority else "kvcert.gpu, priority-blind (LRU)"
-    return ProtocolDriver(name, built("kvcert.gpu:factory", costs), priority, costs.load_back_threshold)
+    if target != "kvcert.gpu:factory":
+        name += f" ({target})"
+    return ProtocolDriver(name, built(target, costs), priority, costs.load_back_threshold)
 
 
 def _sglang(costs: Costs, w: Workload) -> CacheDriver:
@@ -49,6 +53,29 @@ def _refaware(costs: Costs, w: Workload) -> CacheDriver:
     except ImportError as e:
         raise Unavailable(f"the RefAware fork is not importable here ({e}); run from .venv-refaware") from e
     return ProtocolDriver("RefAware fork (SGLang 0.5.10), proactive", backend, True, costs.load_back_threshold)
+
+
+ABLATIONS: dict[str, tuple[Decisions, str]] = {
+    "model": (SGLANG_0523, "kvcert's reference model, §11 with SGLang 0.5.23's choice at every open place: "
+              "kvcert.gpu's proactive cache, run for run"),
+    "model-queued": (replace(SGLANG_0523, demote=Demote(order="queued")),
+                     "the model, host pressure demoting in the fork's order (DEMOTE: any high session it queued at a "
+                     "registration, raise or restore, fewest tokens when queued; not only idle ones)"),
+    "model-earliest": (replace(SGLANG_0523, demote=Demote(restore="earliest")),
+                       "the model, a released high session restoring the earliest demotion (the fork's) not the latest"),
+    "model-loadroom": (replace(SGLANG_0523, load_room=LoadRoom(scope=(True, False), ask="whole")),
+                       "the model, load-back making room for its whole size in a low requester's scope (the fork's)"),
+    "model-backup": (replace(SGLANG_0523, room=Room(backup="whole")),
+                     "the model, a backup short of host room host-evicting its whole size (the fork's)"),
+    "model-fork": (REFAWARE.decisions, "the model with every choice of the fork's profile (refaware-0.5.10)"),
+}  # fmt: skip
+"""kvcert's model under one choice of the fork's at a time (SPEC.md §6), for the ablation in docs/bench_policy.md."""
+
+
+def _model(costs: Costs, name: str) -> CacheDriver:
+    decisions, _ = ABLATIONS[name]
+    backend = built("kvcert.refimpl:RefCache", costs, decisions=decisions)
+    return ProtocolDriver(f"kvcert model ({name})", backend, True, costs.load_back_threshold)
 
 
 def _offline(costs: Costs, w: Workload, future: dict[str, float]) -> CacheDriver:
@@ -79,6 +106,11 @@ CONTENDERS: dict[str, Contender] = {
     "proactive": Contender(
         "gpu-refs", "kvcert.gpu with session refs, scoped eviction and demotion (SPEC.md §11.1-§11.4)"
     ),
+    "proactive-queued": Contender(
+        "gpu-refs-queued",
+        "kvcert.gpu as proactive, host pressure demoting in the RefAware fork's queue order (kvcert.gpu:factory_queued, "
+        "DEMOTE \"queued\", certified by the core)",
+    ),
     "refaware": Contender(
         "refaware",
         "the RefAware fork's RefAwareHiRadixCache (SGLang 0.5.10) with its refs and scoped eviction, behind the "
@@ -86,6 +118,7 @@ CONTENDERS: dict[str, Contender] = {
     ),
     "infinite": Contender("infinite", "bound: an infinite cache (every token computed before is a hit)"),
     "offline": Contender("offline", "bound: device+host as one pool, evicting what is used furthest ahead"),
+    **{name: Contender(name, about) for name, (_, about) in ABLATIONS.items()},
 }
 
 SCHEDULERS: dict[str, str] = {
@@ -126,10 +159,12 @@ def build(name: str, costs: Costs, workload: Workload, future: dict[str, float])
     makers: dict[str, Callable[[], Any]] = {
         "sglang": lambda: _sglang(costs, workload),
         "gpu-refs": lambda: _gpu(costs, workload, True),
+        "gpu-refs-queued": lambda: _gpu(costs, workload, True, "kvcert.gpu:factory_queued"),
         "gpu": lambda: _gpu(costs, workload, False),
         "refaware": lambda: _refaware(costs, workload),
         "infinite": lambda: InfiniteBound(costs.device_pages),
         "offline": lambda: _offline(costs, workload, future),
+        **{m: (lambda m=m: _model(costs, m)) for m in ABLATIONS},  # type: ignore[misc]
     }
     driver: CacheDriver = makers[CONTENDERS[name].cache]()
     return driver

@@ -108,3 +108,31 @@ def test_hand_over_moves_the_sessions_to_the_heir() -> None:
     hand_over(b, a)
     assert b.ending is None and set(a.ending or {}) == {"x", "y"} and s.sessions["x"].node is a
     hand_over(b, a)  # nothing ends there any more: a no-op
+
+
+def test_the_queued_order_demotes_the_first_queued_high_session_idle_or_not() -> None:
+    """DEMOTE "queued" (the RefAware fork's order): a high session joins the queue at its registration, keyed by its
+    tokens then; host pressure demotes the queue's first session still high, even one whose KV is all on the device,
+    which SGLang's idle-fewest order never takes."""
+    t = Tree()
+    (resident,) = t.chain(2)  # on the device: not idle
+    far = Tree.chain(t, 5, device=False)[0]  # host only: idle
+    for order, expect in (("idle_fewest", "far"), ("queued", "near")):
+        for n in (resident, far):
+            n.high_ref = n.low_ref = 0
+            n.tier = UNUSED
+        t.held_sizes = [0, 0, 0]
+        s = Sessions(t, high_threshold=1, demote=order)
+        s.register("near", resident, 2)
+        s.register("far", far, 2)
+        assert s.demote_idle()
+        assert [x.id for x in s.sessions.values() if x.demoted] == [expect], order
+    queued = Sessions(Tree(), high_threshold=1, demote="queued")
+    assert not queued.demote_idle()  # nothing queued: nothing to demote
+
+
+def test_an_unknown_demotion_order_is_refused() -> None:
+    import pytest
+
+    with pytest.raises(ValueError, match="demote must be"):
+        Sessions(Tree(), high_threshold=1, demote="random")

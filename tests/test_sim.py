@@ -368,3 +368,30 @@ def test_the_map_compares_the_proactive_cache_with_the_baseline_at_every_pair(tm
         assert res.exit_code == 2 and "two different sweeps" in res.output
     res = CliRunner().invoke(app, ["bench", "policy", "--hp", "2", "--map", "lp,think"])
     assert res.exit_code == 2 and "whole number of low-priority clients" in res.output
+
+
+def test_the_model_runs_as_kvcert_gpu_and_each_ablation_changes_one_choice() -> None:
+    """`model` is kvcert's reference model with SGLang 0.5.23's choices: it serves a workload exactly as kvcert.gpu's
+    proactive cache does (same records, same clock, same demotions), so an ablation row (`model-queued`, ...)
+    differs from it by the one choice it names (docs/bench_policy.md, "What the gap is made of")."""
+    from kvcert.sim.targets import ABLATIONS, CONTENDERS
+
+    w = stress(replace(SPEC, hp_clients=8))
+    tight = replace(TINY, device_tokens=64 * 160, host_tokens=64 * 200)
+    gpu, model = _run("proactive", w, tight), _run("model", w, tight)
+    assert gpu.records == model.records and gpu.duration == model.duration
+    assert gpu.counters["demotions"] == model.counters["demotions"] > 0
+    assert set(ABLATIONS) <= set(CONTENDERS)
+    queued = _run("model-queued", w, tight)
+    assert not queued.checks and not queued.accounting(w, tight)
+
+
+def test_kvcert_gpu_in_the_forks_demotion_order_runs_as_the_model_does() -> None:
+    """`proactive-queued` (kvcert.gpu:factory_queued) serves a workload exactly as the model with DEMOTE "queued"
+    (`model-queued`): the two implementations of the order agree run for run."""
+    w = stress(replace(SPEC, hp_clients=8))
+    tight = replace(TINY, device_tokens=64 * 160, host_tokens=64 * 200)
+    gpu, model = _run("proactive-queued", w, tight), _run("model-queued", w, tight)
+    assert gpu.records == model.records and gpu.duration == model.duration
+    assert gpu.counters["demotions"] == model.counters["demotions"] > 0
+    assert gpu.records != _run("proactive", w, tight).records  # the order changes what is kept
