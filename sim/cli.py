@@ -124,6 +124,10 @@ def policy_cmd(
     model: str = typer.Option(DEFAULT_MODEL, help=f"the model the pools are sized for: {', '.join(MODELS)}"),
     gpu: str = typer.Option(DEFAULT_GPU, help=f"the GPU the pools are sized for: {', '.join(GPUS)}"),
     set_: list[str] = typer.Option([], "--set", help="override an engine cost or limit: NAME=VALUE (kvcert.sim.costs)"),
+    repeat: int = typer.Option(
+        1, help="run each row at this many workload seeds (from --workload-seed on) and print each figure's median "
+        "and range over them"
+    ),
     json_out: Optional[Path] = typer.Option(None, "--json", help="write every run's figures as JSON"),
     plots: Optional[Path] = typer.Option(None, "--plots", help="write PNG plots into this directory"),
     breakdown: bool = typer.Option(True, help="print each run's metric block and per-turn breakdown"),
@@ -189,6 +193,9 @@ def policy_cmd(
             results = policy.grid(axes[0], axes[1], hp[0], costs, spec, seed, on_run, rows)
         elif sweep_ is not None:
             results = policy.sweep(sweep_, names, hp[0], costs, spec, seed, on_run)
+        elif repeat > 1:
+            seeds = range(workload_seed, workload_seed + repeat)
+            results = policy.repeated(names, TABLE_HP if table_ else hp, costs, spec, seeds, seed, on_run)
         elif table_:
             results = policy.table(names, TABLE_HP, costs, spec, seed, on_run)
         else:
@@ -213,7 +220,9 @@ def policy_cmd(
                     s = policy.run_one(name, w, costs, seed, on_run(w.name, name, w))
                     s["hp_clients"] = sum(1 for x in w.sessions if w.high(x))
                     results.append(s)
-    if axes and cache:
+    if repeat > 1 and not axes and sweep_ is None:
+        _print_spread(results)
+    elif axes and cache:
         _print_map_rows(results)
     elif axes:
         _print_map(results)
@@ -271,6 +280,24 @@ def _print_map(results: list[dict[str, Any]]) -> None:
             f"{g['x']:g}", f"{g['y']:g}", f"{g['base_hit']:.4f}", f"{g['it_hit']:.4f}", f"{g['hit_gain']:+.4f}",
             f"{g['ttft_ratio']:.2f}x",
         )  # fmt: skip
+    console.print(t)
+    for r in results:
+        if "unavailable" in r:
+            console.print(f"{r['contender']}: {r['unavailable']}")
+        elif policy.failed(r):
+            console.print(f"[red]FAILED[/] {r['contender']} ({r['workload']}): {policy.failed(r)[0]}")
+
+
+def _print_spread(results: list[dict[str, Any]]) -> None:
+    """Each row's figures over the workload seeds: median [min, max]."""
+    t = Table(title="median \\[min, max] over workload seeds " + ", ".join(
+        str(s) for s in dict.fromkeys(r["workload_seed"] for r in results)))  # fmt: skip
+    for col in ("HP clients", "row", "runs", *policy.SPREAD_METRICS):
+        t.add_column(col, justify="right")
+    for s in policy.spread(results):
+        cells = [f"{s[m][0]:.4f} [{s[m][1]:.4f}, {s[m][2]:.4f}]" if "hit" in m else
+                 f"{s[m][0]:.1f} [{s[m][1]:.1f}, {s[m][2]:.1f}]" for m in policy.SPREAD_METRICS]  # fmt: skip
+        t.add_row(str(s["hp_clients"]), s["contender"], str(s["runs"]), *cells)
     console.print(t)
     for r in results:
         if "unavailable" in r:

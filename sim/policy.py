@@ -18,7 +18,7 @@ from kvcert.sim.engine import simulate
 from kvcert.sim.targets import CONTENDERS, SCHEDULERS, Unavailable, build, parse
 from kvcert.sim.workload import StressSpec, Workload, stress
 
-__all__ = ["MAP_ROWS", "SWEEPS", "gains", "grid", "plot_map", "run_one", "sweep", "table"]
+__all__ = ["MAP_ROWS", "SWEEPS", "gains", "grid", "plot_map", "repeated", "run_one", "spread", "sweep", "table"]
 
 
 def run_one(
@@ -204,6 +204,49 @@ def sweep(
             r = run_one(name, w, c, seed, on_run(v, name, w) if on_run else None)
             r |= {"sweep": which, "value": v, "hp_clients": hp}
             out.append(r)
+    return out
+
+
+def repeated(
+    names: Sequence[str],
+    hps: Sequence[int],
+    costs: Costs,
+    spec: StressSpec,
+    workload_seeds: Sequence[int],
+    seed: int = 0,
+    on_run: Optional[Callable[[str, str, Workload], Optional[Callable[[int], None]]]] = None,
+) -> list[dict[str, Any]]:
+    """Every row at every HP client count, once per workload seed (the fork's `--seed`: other turn counts and think
+    times): the spread a difference between two rows must clear."""
+    out = []
+    for hp in hps:
+        for ws in workload_seeds:
+            w = stress(replace(spec, hp_clients=hp, seed=ws))
+            for name in names:
+                r = run_one(name, w, costs, seed, on_run(f"{hp} HP, workload seed {ws}", name, w) if on_run else None)
+                out.append(r | {"hp_clients": hp, "workload_seed": ws})
+    return out
+
+
+SPREAD_METRICS: dict[str, Callable[[dict[str, Any]], float]] = {
+    "HP hit t>=1": lambda r: float(r["high"]["turn1_cache_hit"]),
+    "HP TTFT p90 s": lambda r: float(r["high"]["ttft"]["p90"]),
+    "LP TTFT p90 s": lambda r: float(r["low"]["ttft"]["p90"]),
+}
+
+
+def spread(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per (HP clients, row): each of SPREAD_METRICS as (median, min, max) over the workload seeds run."""
+    out = []
+    for hp, name in dict.fromkeys((r["hp_clients"], r["contender"]) for r in rows if "high" in r):
+        runs = [r for r in rows if (r["hp_clients"], r["contender"]) == (hp, name) and "high" in r]
+        stats = {}
+        for metric, get in SPREAD_METRICS.items():
+            vals = sorted(get(r) for r in runs)
+            mid = len(vals) // 2
+            median = vals[mid] if len(vals) % 2 else (vals[mid - 1] + vals[mid]) / 2
+            stats[metric] = (median, vals[0], vals[-1])
+        out.append({"hp_clients": hp, "contender": name, "runs": len(runs), **stats})
     return out
 
 

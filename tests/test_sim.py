@@ -395,3 +395,23 @@ def test_kvcert_gpu_in_the_forks_demotion_order_runs_as_the_model_does() -> None
     assert gpu.records == model.records and gpu.duration == model.duration
     assert gpu.counters["demotions"] == model.counters["demotions"] > 0
     assert gpu.records != _run("proactive", w, tight).records  # the order changes what is kept
+
+
+def test_repeated_runs_give_each_figures_median_and_range(tmp_path: Path) -> None:
+    """`--repeat N`: each row once per workload seed; the table prints median [min, max], and the runs differ (other
+    turn counts and think times), so the range is a real spread."""
+    out = tmp_path / "out.json"
+    args = ["bench", "policy", "--hp", "4", "--min-turns", "2", "--max-turns", "4", "--request-length", "2048",
+            "--set", "device_tokens=16384", "--set", "host_tokens=32768", "--cache", "proactive", "--cache", "blind",
+            "--repeat", "3", "--json", str(out)]  # fmt: skip
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 0, res.output
+    assert "median [min, max]" in res.output and "workload seeds" in res.output
+    runs = json.loads(out.read_text())["runs"]
+    assert [(r["contender"], r["workload_seed"]) for r in runs] == [
+        (name, s) for s in (42, 43, 44) for name in ("proactive", "blind")
+    ]
+    (p, b) = policy.spread(runs)
+    assert p["runs"] == 3 and p["contender"] == "proactive" and b["contender"] == "blind"
+    lo, hi = p["HP TTFT p90 s"][1], p["HP TTFT p90 s"][2]
+    assert lo <= p["HP TTFT p90 s"][0] <= hi and lo < hi
