@@ -84,7 +84,7 @@ def make_factory(
     demote: str = "idle_fewest",
 ) -> Callable[[CacheConfig], GpuCache]:
     """A factory (with `capabilities`) for caches of this layout, per-layer geometry, copy engine and demotion order
-    (`demote`: "queued" is another DEMOTE choice than SGLang's, so that cache is certified by the core)."""
+    (`demote`: "queued" is the RefAware fork's DEMOTE order; that cache declares the profile `kvcert-queued`)."""
 
     def build(config: CacheConfig) -> GpuCache:
         geometry = KVGeometry(layers=config.kv_layers, heads=heads, head_dim=head_dim, dtype=dtype)
@@ -95,8 +95,8 @@ def make_factory(
     f: Any = build
     # A worker thread moves copies between calls: the harness reads every snapshot afresh.
     f.capabilities = CAPABILITIES if engine == "deferred" else replace(CAPABILITIES, still_between_calls=False)
-    if demote != "idle_fewest":
-        f.capabilities = replace(f.capabilities, name=f"kvcert.gpu (demote={demote})", profile="core")
+    if demote != "idle_fewest":  # the profile that pins this order (kvcert.spec.profiles.KVCERT_QUEUED)
+        f.capabilities = replace(f.capabilities, name=f"kvcert.gpu (demote={demote})", profile=f"kvcert-{demote}")
     return build
 
 
@@ -107,5 +107,5 @@ factory_page_first = make_factory(layout="page_first", host_layout="page_first")
 factory_threaded = make_factory(engine="threaded")
 """Copies moved by a worker thread as soon as they are issued (soak runs); acks still wait for `complete`."""
 factory_queued = make_factory(demote="queued")
-"""Host pressure demotes in the RefAware fork's queue order (DEMOTE "queued"), not SGLang's idle-fewest: certified by
-the core, measured in docs/bench_policy.md ("What the gap is made of")."""
+"""Host pressure demotes in the RefAware fork's queue order (DEMOTE "queued"), not SGLang's idle-fewest: profile
+`kvcert-queued`, measured in docs/bench_policy.md ("What the gap is made of")."""

@@ -109,7 +109,7 @@ CONTENDERS: dict[str, Contender] = {
     "proactive-queued": Contender(
         "gpu-refs-queued",
         "kvcert.gpu as proactive, host pressure demoting in the RefAware fork's queue order (kvcert.gpu:factory_queued, "
-        "DEMOTE \"queued\", certified by the core)",
+        "DEMOTE \"queued\", certified under its profile kvcert-queued)",
     ),
     "refaware": Contender(
         "refaware",

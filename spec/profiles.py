@@ -10,7 +10,7 @@ checks the core relation and then seats the oracle on whatever legal choice the 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kvcert.spec.decisions import SGLANG_0523, Batch, Decisions, Demote, LoadLock, LoadRoom, Room
 
@@ -170,12 +170,22 @@ the earliest demoted one (H6, H9); a pending load's host copy is kept by the loa
 load makes room for its whole size in a low requester's scope (H7, H13); a backup short of host room host-evicts
 its whole size (H12). RECLAIM and RETRY stay the core's: the fork never reclaims a write-back duplicate (H2, a
 defect), and it injects no faults."""
+KVCERT_QUEUED = Profile(
+    "kvcert-queued",
+    frozenset(c.id for c in CHOICES),
+    decisions=replace(SGLANG_0523, demote=Demote(order="queued")),
+    aborts_failed_loads=True,
+)
+"""kvcert.gpu with the RefAware fork's demotion order (`kvcert.gpu:factory_queued`): SGLang 0.5.23's choice at every
+open place but DEMOTE, where host pressure demotes the first still-high session of a queue every high session joins
+when registered, raised or restored (fewest tokens then, ties to the smaller id), idle or not. The order that closes
+kvcert.gpu's gap to the fork (docs/bench_policy.md, "What the gap is made of")."""
 VLLM = Profile("vllm-0.32", frozenset())
 """vLLM 0.32's v1 prefix cache, a block-hash table judged by the page-level core (SPEC.md §13). It pins none of the
 radix choices above (they are a tree's); its own choices (block-granular eviction from the free queue's head, a
 request's blocks freed tail first, the last prompt token always recomputed, one hash held by several blocks,
 a block outliving its parent's) are named in §13.3."""
-PROFILES: dict[str, Profile] = {p.name: p for p in (CORE, SGLANG, REFAWARE, VLLM)}
+PROFILES: dict[str, Profile] = {p.name: p for p in (CORE, SGLANG, REFAWARE, KVCERT_QUEUED, VLLM)}
 
 
 def profile(name: str) -> Profile:
