@@ -158,7 +158,8 @@ class Sessions:
 
     def demote_idle(self) -> bool:
         """Host pressure (SPEC.md §11.4): demote the idle high session with the fewest tokens on its path,
-        ties to the earliest (re-)registered; False if there is none.
+        ties to the earliest (re-)registered (under the "queued" order: the queue's first session still high,
+        idle or not); False if there is none.
 
         This scans the sessions (O(sessions)): it runs only under host pressure, once host eviction has
         run out of UNUSED and LOW_REF leaves. A session is idle when its path holds a host-only node; a
