@@ -166,11 +166,14 @@ class Sessions:
         device node's parent is on the device (INV-HOST-2), so that is when its own node is host only.
         A node's `end` is the tokens on its path.
         """
-        victim: Optional[Session] = self._first_queued() if self.demote == "queued" else None
-        for s in self.sessions.values() if self.demote == "idle_fewest" else ():
-            if s.high and s.node.slots is None:
-                if victim is None or (s.node.end, s.seq) < (victim.node.end, victim.seq):
-                    victim = s
+        victim: Optional[Session] = None
+        if self.demote == "queued":
+            victim = self._first_queued()
+        else:
+            for s in self.sessions.values():
+                if s.high and s.node.slots is None:
+                    if victim is None or (s.node.end, s.seq) < (victim.node.end, victim.seq):
+                        victim = s
         if victim is None:
             return False
         victim.demoted = True

@@ -281,6 +281,11 @@ def _print_map(results: list[dict[str, Any]]) -> None:
             f"{g['ttft_ratio']:.2f}x",
         )  # fmt: skip
     console.print(t)
+    _print_problems(results)
+
+
+def _print_problems(results: list[dict[str, Any]]) -> None:
+    """Under a table: each row that could not run here, and each run's first failed check."""
     for r in results:
         if "unavailable" in r:
             console.print(f"{r['contender']}: {r['unavailable']}")
@@ -299,11 +304,7 @@ def _print_spread(results: list[dict[str, Any]]) -> None:
                  f"{s[m][0]:.1f} [{s[m][1]:.1f}, {s[m][2]:.1f}]" for m in policy.SPREAD_METRICS]  # fmt: skip
         t.add_row(str(s["hp_clients"]), s["contender"], str(s["runs"]), *cells)
     console.print(t)
-    for r in results:
-        if "unavailable" in r:
-            console.print(f"{r['contender']}: {r['unavailable']}")
-        elif policy.failed(r):
-            console.print(f"[red]FAILED[/] {r['contender']} ({r['workload']}): {policy.failed(r)[0]}")
+    _print_problems(results)
 
 
 def _print_map_rows(results: list[dict[str, Any]]) -> None:
@@ -321,11 +322,7 @@ def _print_map_rows(results: list[dict[str, Any]]) -> None:
             f"{lo['ttft']['p90']:.1f}", "FAILED" if policy.failed(r) else "ok",
         )  # fmt: skip
     console.print(t)
-    for r in results:
-        if "unavailable" in r:
-            console.print(f"{r['contender']}: {r['unavailable']}")
-        elif policy.failed(r):
-            console.print(f"[red]FAILED[/] {r['contender']} ({r['workload']}): {policy.failed(r)[0]}")
+    _print_problems(results)
 
 
 def _plots(results: list[dict[str, Any]], where: Path, sweep_: Optional[str]) -> list[Path]:

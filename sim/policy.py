@@ -7,6 +7,7 @@ accounting is reported as such, and the command exits 1.
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -242,10 +243,8 @@ def spread(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         runs = [r for r in rows if (r["hp_clients"], r["contender"]) == (hp, name) and "high" in r]
         stats = {}
         for metric, get in SPREAD_METRICS.items():
-            vals = sorted(get(r) for r in runs)
-            mid = len(vals) // 2
-            median = vals[mid] if len(vals) % 2 else (vals[mid - 1] + vals[mid]) / 2
-            stats[metric] = (median, vals[0], vals[-1])
+            vals = [get(r) for r in runs]
+            stats[metric] = (statistics.median(vals), min(vals), max(vals))
         out.append({"hp_clients": hp, "contender": name, "runs": len(runs), **stats})
     return out
 

@@ -54,7 +54,7 @@ for arg in sys.argv[1:]:
 print(json.dumps(out))
 """
 """REPLAY with fixes applied while each trace replays (arguments IDS=path, IDS comma-separated)."""
-FIXED = [(f, path) for f in known.findings() if f.fix and not f.fix_api for path in f.traces]
+FIXED = [(f, path) for f in known.findings() if f.fixes for path in f.traces]
 
 
 def _fork_trace(path: str) -> bool:
