@@ -139,18 +139,37 @@ def test_the_cli_refuses_an_unknown_fix_before_anything_runs(tmp_path: Path) -> 
     assert not out.exists()
 
 
-def test_a_fix_written_for_one_version_of_a_shared_finding_is_refused_for_the_other() -> None:
-    """SG-ABORT is SGLang 0.5.23's and the fork's 0.5.10 base's; its diff is 0.5.23's (`fix_for`), so `--with-fixes`
-    refuses it on the fork's target, and `all` leaves it out there."""
+def test_a_finding_shared_by_two_versions_carries_a_diff_for_each() -> None:
+    """SG-ABORT is SGLang 0.5.23's and the fork's 0.5.10 base's: `fix` is 0.5.23's diff and `fix_by` the fork's, so
+    each target gets the diff written against its engine, and `all` takes it on both."""
     from kvcert.conformance.cli import _fix_ids
 
     shared = next(f for f in known.findings() if f.id == "SG-ABORT")
+    fork, stock = "kvcert.conformance.adapters.refaware_requests", "kvcert.conformance.adapters.sglang_requests"
+    assert set(shared.fixes) == {fork, stock}
+    assert fixes.patch_text("SG-ABORT", fork) != fixes.patch_text("SG-ABORT", stock) == fixes.patch_text("SG-ABORT")
+    assert "@@ -3548," in fixes.patch_text("SG-ABORT", fork)  # 0.5.10's abort_request, not 0.5.23's
+    assert "SG-ABORT" in _fix_ids(fork + ":factory", "all") and "SG-ABORT" in _fix_ids(stock + ":factory", "all")
+
+
+def test_a_fix_written_for_one_version_only_is_refused_for_the_other(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A shared finding whose diff is written for one version only (`fix_for`, no `fix_by`): `--with-fixes` refuses it
+    on the other's target, and `all` leaves it out there."""
+    from dataclasses import replace
+
+    from kvcert.conformance.cli import _fix_ids
+
+    shared = next(f for f in known.findings() if f.id == "SG-ABORT")
+    one = replace(shared, fix_by=())
+    monkeypatch.setattr(known, "findings", lambda: tuple(one if f.id == "SG-ABORT" else f for f in _ALL))
     fork = "kvcert.conformance.adapters.refaware_requests:factory"
-    assert shared.fix and fork.partition(":")[0] in shared.adapters
     with pytest.raises(fixes.FixError, match="written for"):
         fixes.apply([shared.id], fork)
     assert "SG-ABORT" not in _fix_ids(fork, "all")
     assert "SG-ABORT" in _fix_ids("kvcert.conformance.adapters.sglang_requests:factory", "all")
+
+
+_ALL = known.findings()
 
 
 def test_a_trace_found_with_fixes_names_them_and_round_trips() -> None:
@@ -171,14 +190,27 @@ def test_a_trace_found_with_fixes_names_them_and_round_trips() -> None:
     assert "fixes" not in Trace.from_json(Trace(config=CacheConfig(), ops=()).to_json()).to_json()
 
 
-def test_a_fix_that_changes_the_engines_api_is_for_upstream_only() -> None:
-    """Q4's fix adds a request field: `--with-fixes` refuses it and `all` leaves it out; its reproducer runs it
-    (docs/upstream/Q4)."""
+def test_a_fix_that_changes_the_engines_api_applies_only_its_client_half(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Q4's fix adds a request field, so in-process only its client half applies: the fork's clients keep client rule
+    `releases-one-shot` (the adapter's CLIENT_HALVES) and nothing of the engine is replaced; revert takes the rule
+    back. An API fix without a client half is refused. (The fork's own run: tests/test_refaware_requests.py.)"""
+    from dataclasses import replace
+
     from kvcert.conformance.cli import _fix_ids
 
     q4 = next(f for f in known.findings() if f.id == "Q4")
-    fork = "kvcert.conformance.adapters.refaware_requests:factory"
-    assert q4.fix and q4.fix_api and q4.fixes == ()
+    fork = "kvcert.conformance.adapters.refaware_requests"
+    assert q4.fix and q4.fix_api and q4.fix_client == "releases-one-shot" and q4.fixes == (fork,)
+    assert "Q4" in _fix_ids(fork + ":factory", "all")
+    adapter = ModuleType(fork)
+    adapter.CLIENT_HALVES = set()  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, fork, adapter)
+    with fixes.applied(["Q4"], fork + ":factory") as done:
+        assert adapter.CLIENT_HALVES == {"releases-one-shot"}  # type: ignore[attr-defined]
+        assert done[0].replaced == () and "its client half only" in done[0].describe()
+    assert adapter.CLIENT_HALVES == set()  # type: ignore[attr-defined]
+    bare = replace(q4, fix_client="")
+    monkeypatch.setattr(known, "findings", lambda: tuple(bare if f.id == "Q4" else f for f in _ALL))
+    assert bare.fixes == () and "Q4" not in _fix_ids(fork + ":factory", "all")
     with pytest.raises(fixes.FixError, match="changes the engine's API"):
-        fixes.apply(["Q4"], fork)
-    assert "Q4" not in _fix_ids(fork, "all") and "Q5" in _fix_ids(fork, "all")
+        fixes.apply(["Q4"], fork + ":factory")

@@ -286,14 +286,19 @@ def _replay(path: Path, *args: str) -> subprocess.CompletedProcess[str]:
     )  # fmt: skip
 
 
-def test_clients_that_release_one_shot_rids_leave_the_fork_nothing_q4_would_keep() -> None:
+def test_clients_that_release_one_shot_rids_leave_the_fork_nothing_q4_would_keep(tmp_path: Path) -> None:
     """`:factory_releasing_clients` (client rule `releases-one-shot`): each one-shot rid is released once answered,
-    so Q4's trace, which fails on `:factory`, leaves no entry behind."""
+    so Q4's trace, which fails on `:factory`, leaves no entry behind. Q4's fix applied (its client half only, the
+    engine half being an API change) makes `:factory`'s clients do the same, and says so."""
     _environment()
     q4 = ROOT / "conformance" / "findings" / "refaware_requests" / "Q4-one-shot-requests-stay-registered.json"
     assert _replay(q4).returncode == 1
     done = _replay(q4, "--target", "kvcert.conformance.adapters.refaware_requests:factory_releasing_clients")
     assert done.returncode == 0, done.stdout[-2000:]
+    fixed = json.loads(q4.read_text()) | {"fixes": ["Q4"]}
+    (tmp_path / "q4.json").write_text(json.dumps(fixed))
+    done = _replay(tmp_path / "q4.json")
+    assert done.returncode == 0 and "fix Q4, its client half only" in done.stdout, done.stdout[-2000:]
 
 
 def test_a_trace_found_with_fixes_replays_with_them(tmp_path: Path) -> None:

@@ -328,12 +328,18 @@ class _Tracked:
     """"finished" or "aborted", once the engine's output said so."""
 
 
+CLIENT_HALVES: set[str] = set()
+"""Client rules this module's clients keep while a finding's API fix is applied by its client half (`kvcert certify
+--with-fixes Q4`: each one-shot rid released once answered, what Q4's `keep_ref: false` would say)."""
+
+
 class RefAwareRequestPath(RadixTreeAdapter):
     """The fork's `Scheduler` (its own code, one event-loop iteration per `step`) over CPU pools and its cache."""
 
     def __init__(self, config: CacheConfig, release_one_shot: bool = False) -> None:
         """`release_one_shot`: the client half of CLIENT_RULES `releases-one-shot` (each one-shot request's rid is
-        released with `/release_ref` once its answer or abort reaches the client, taken at the next step)."""
+        released with `/release_ref` once its answer or abort reaches the client, taken at the next step); on too
+        while `CLIENT_HALVES` holds that rule."""
         if config.page_size not in PAGE_SIZES:
             raise ValueError(f"page_size must be one of {PAGE_SIZES}")
         if config.policy not in RADIX_POLICIES:
@@ -342,7 +348,7 @@ class RefAwareRequestPath(RadixTreeAdapter):
         if self.host and config.write_policy not in WRITE_POLICIES:
             raise ValueError(f"write_policy must be one of {WRITE_POLICIES}")
         self.config = config
-        self.release_one_shot = release_one_shot
+        self.release_one_shot = release_one_shot or "releases-one-shot" in CLIENT_HALVES
         self.page_size = config.page_size
         self.layers = config.kv_layers
         self._now = 0
@@ -1002,9 +1008,10 @@ factory_bench_clients.capabilities = replace(  # type: ignore[attr-defined]
 
 def factory_releasing_clients(config: CacheConfig) -> RefAwareRequestPath:
     """`...:factory_releasing_clients`: as `factory`, with clients that know the fork: each releases the rid of a
-    one-shot request once its answer (or abort) arrives, as the fork asks of every rid it registers (Q4 needs a client
-    opt-in, so no engine fix can take it out of the walk), and ids never extend one another (SG-ABORT's prefix abort
-    is SGLang's deliberate match). Aborts, mid-turn changes, moves and bursts are sent as to `factory`."""
+    one-shot request once its answer (or abort) arrives, as the fork asks of every rid it registers (what `factory`'s
+    clients do too under `--with-fixes Q4`: Q4's fix is an API change, applied in-process by its client half), and ids
+    never extend one another (SG-ABORT's prefix abort). Aborts, mid-turn changes, moves and bursts are sent as to
+    `factory`."""
     return RefAwareRequestPath(config, release_one_shot=True)
 
 

@@ -7,6 +7,8 @@ reproducer both ways. In-process the same diff is applied by `patch` to the text
 function whose text it changed is compiled from the patched text into the module's own namespace and put where the
 old one was (on its class, or on the module). Nothing else may change: a fix that adds, removes or edits anything but
 function bodies and their decorators is refused, since it could not be applied to the running engine faithfully.
+A fix that changes the engine's API (a new request field) is for upstream; in-process only its client half can be
+applied, when the finding names one: a client rule the adapter's clients keep under the released API.
 
 A certificate run with fixes lists each one under NOT CHECKED: the walk goes past that defect, so it says nothing of it.
 """
@@ -14,6 +16,7 @@ A certificate run with fixes lists each one under NOT CHECKED: the walk goes pas
 from __future__ import annotations
 
 import ast
+import importlib
 import re
 import subprocess
 import sys
@@ -28,6 +31,7 @@ from types import ModuleType
 from typing import Any, Optional
 
 from kvcert.conformance.certification import known
+from kvcert.spec.types import CLIENT_RULES
 
 __all__ = ["AppliedFix", "FixError", "active", "apply", "applied", "patch_text", "revert"]
 
@@ -43,9 +47,20 @@ class AppliedFix:
     finding: str
     replaced: tuple[tuple[Any, str, Any], ...]
     """(owner, attribute, the original) for each function put in place."""
+    texts: tuple[tuple[str, Optional[str]], ...] = ()
+    """(module file, its patched text before this fix, None for the file as installed), for `revert`."""
+    client: tuple[ModuleType, ...] = ()
+    """For an API fix, the adapter modules whose clients took on its client half (their `CLIENT_HALVES`)."""
 
     def describe(self) -> str:
         f = {x.id: x for x in known.findings()}[self.finding]
+        if self.client:
+            return (
+                f"fix {self.finding}, its client half only: {f.title}. Its engine half is an API change "
+                f"({f.fix_api}), not applied; the clients keep client rule {f.fix_client} instead "
+                f"({CLIENT_RULES[f.fix_client]}). The walk goes past this known defect: NOT CHECKED with the engine "
+                "as released, nor with clients that break that rule"
+            )
         names = ", ".join(
             sorted({f"{getattr(o, '__qualname__', getattr(o, '__name__', '?'))}.{a}" for o, a, _ in self.replaced})
         )
@@ -58,31 +73,50 @@ class AppliedFix:
 _APPLIED: dict[str, AppliedFix] = {}
 
 
-def patch_text(finding_id: str) -> str:
-    """The finding's fix, a unified diff; FixError if the finding has none."""
+def patch_text(finding_id: str, module: str = "") -> str:
+    """The finding's fix, a unified diff (the one for the engine adapter `module` drives, when it has its own);
+    FixError if the finding has none."""
     f = _finding(finding_id)
     if not f.fix:
         raise FixError(f"finding {finding_id} carries no fix")
-    return files("kvcert.conformance").joinpath("findings", f.fix).read_text()
+    return files("kvcert.conformance").joinpath("findings", f.diff_for(module)).read_text()
 
 
 def apply(ids: Sequence[str], target: Optional[str] = None) -> list[AppliedFix]:
     """Apply each finding's fix to the engine imported in this process (once: applying again is a no-op). With
-    `target` (`module:factory`), each finding must be one logged for the engine that target drives."""
+    `target` (`module:factory`), each finding must be one logged for the engine that target drives. An API fix is
+    applied by its client half: each adapter module of the finding puts the client rule in its `CLIENT_HALVES`."""
     out = []
     for fid in ids:
         f = _finding(fid)
-        if target is not None and target.partition(":")[0] not in f.adapters:
+        module = "" if target is None else target.partition(":")[0]
+        if target is not None and module not in f.adapters:
             raise FixError(f"finding {fid} is {f.engine}'s; {target} drives another engine")
-        if f.fix_api:
+        if f.fix_api and not f.fix_client:
             raise FixError(f"finding {fid}'s fix changes the engine's API ({f.fix_api}): it is for upstream, not "
                            "applied in-process")  # fmt: skip
-        if target is not None and f.fix and target.partition(":")[0] not in f.fixes:
+        if target is not None and f.fix and module not in f.fixes:
             raise FixError(f"finding {fid}'s fix is written for {', '.join(f.fixes)}, not {target}'s engine")
         if fid not in _APPLIED:
-            _APPLIED[fid] = AppliedFix(fid, tuple(_apply_diff(patch_text(fid))))
+            if f.fix_api:
+                _APPLIED[fid] = _client_half(f)
+            else:
+                undo: list[tuple[str, Optional[str]]] = []
+                _APPLIED[fid] = AppliedFix(fid, tuple(_apply_diff(patch_text(fid, module), undo)), texts=tuple(undo))
         out.append(_APPLIED[fid])
     return out
+
+
+def _client_half(f: known.Finding) -> AppliedFix:
+    modules = []
+    for name in f.fixes:
+        module = importlib.import_module(name)
+        halves = getattr(module, "CLIENT_HALVES", None)
+        if not isinstance(halves, set):
+            raise FixError(f"finding {f.id}: {name} has no CLIENT_HALVES, so its clients cannot take on {f.fix_client}")
+        halves.add(f.fix_client)
+        modules.append(module)
+    return AppliedFix(f.id, (), client=tuple(modules))
 
 
 def active() -> tuple[str, ...]:
@@ -96,6 +130,14 @@ def revert(ids: Sequence[str]) -> None:
     for fid in reversed(list(ids)):
         done = _APPLIED.pop(fid, None)
         if done is not None:
+            f = _finding(fid)
+            for module in done.client:
+                module.CLIENT_HALVES.discard(f.fix_client)
+            for file, text in reversed(done.texts):
+                if text is None:
+                    _TEXT.pop(file, None)
+                else:
+                    _TEXT[file] = text
             for owner, name, original in reversed(done.replaced):
                 setattr(owner, name, original)
 
@@ -197,13 +239,23 @@ def _functions(tree: ast.Module, text: str) -> dict[str, tuple[Optional[str], as
     return out
 
 
-def _apply_diff(diff: str) -> list[tuple[Any, str, Any]]:
+_TEXT: dict[str, str] = {}
+"""A module file's text with the fixes applied in this process so far: a later fix is patched onto it, so that two
+fixes of one function (Q6's and RA-STARVE's `_add_one_ref_aware_req`) both hold."""
+
+
+def _apply_diff(diff: str, undo: Optional[list[tuple[str, Optional[str]]]] = None) -> list[tuple[Any, str, Any]]:
+    """Put the functions the diff changes in place (patched onto the text earlier fixes left); with `undo`, record
+    each file's patched text for the next fix, and (file, its text before) in `undo` for `revert`."""
     replaced: list[tuple[Any, str, Any]] = []
+    texts: list[tuple[str, str]] = []
     try:
         for path, part in _files(diff):
             module = _module_of(path)
-            original = Path(module.__file__ or "").read_text()
+            file = module.__file__ or ""
+            original = _TEXT.get(file) or Path(file).read_text()
             patched = _patched(original, part, path)
+            texts.append((file, patched))
             before, after = _functions(ast.parse(original), original), _functions(ast.parse(patched), patched)
             if before.keys() != after.keys() or before["<module>"][2] != after["<module>"][2]:
                 raise FixError(f"{path}: the fix changes more than function bodies; it cannot be applied in-process")
@@ -221,6 +273,10 @@ def _apply_diff(diff: str) -> list[tuple[Any, str, Any]]:
         for owner, name, original_fn in reversed(replaced):
             setattr(owner, name, original_fn)
         raise
+    if undo is not None:
+        for file, patched in texts:
+            undo.append((file, _TEXT.get(file)))
+            _TEXT[file] = patched
     return replaced
 
 

@@ -43,7 +43,7 @@ from kvcert.spec.ops import (
     Trace,
     UpdateRef,
 )
-from kvcert.spec.types import ONE_CLASS_THRESHOLD, Capabilities
+from kvcert.spec.types import CLIENT_RULES, ONE_CLASS_THRESHOLD, Capabilities
 
 if TYPE_CHECKING:
     from kvcert.conformance.backend import Factory
@@ -93,14 +93,29 @@ class Finding:
     by two versions (SGLang 0.5.23 and the fork's 0.5.10 base) carries the diff of one; its traces on the other stay
     unfixed."""
 
+    fix_by: tuple[tuple[str, str], ...] = ()
+    """(adapter module, diff) for an engine version `fix` is not written against: a finding shared by SGLang 0.5.23
+    and the fork's 0.5.10 base carries a diff for each."""
+
     fix_api: str = ""
     """Why the fix cannot be applied in-process, when it changes the engine's API (a request field, a message type):
-    it is for upstream (docs/upstream/), and `--with-fixes` refuses it."""
+    its diff is for upstream (docs/upstream/)."""
+
+    fix_client: str = ""
+    """An API fix's client half under the released API, as a client rule (CLIENT_RULES): what a client does that the
+    new field would have said. `--with-fixes` applies only this half (the adapters' clients take the rule on) and
+    refuses an API fix without one."""
 
     @property
     def fixes(self) -> tuple[str, ...]:
         """The adapter modules `--with-fixes` may apply the fix under."""
-        return (self.fix_for or self.adapters) if self.fix and not self.fix_api else ()
+        if not self.fix or (self.fix_api and not self.fix_client):
+            return ()
+        return tuple(dict.fromkeys((self.fix_for or self.adapters) + tuple(m for m, _ in self.fix_by)))
+
+    def diff_for(self, module: str) -> str:
+        """The path of the fix's diff for the engine `module` drives."""
+        return dict(self.fix_by).get(module, self.fix)
 
     @property
     def defect(self) -> bool:
@@ -119,6 +134,8 @@ def findings() -> tuple[Finding, ...]:
             raise ValueError(f"finding {entry['id']}: unknown class {cls!r}")
         if (cls == "condition") != bool(entry.get("condition")):
             raise ValueError(f"finding {entry['id']}: a `condition` is given exactly for class condition")
+        if entry.get("fix_client", "") not in ("", *CLIENT_RULES):
+            raise ValueError(f"finding {entry['id']}: fix_client {entry['fix_client']!r} is no client rule")
         out.append(
             Finding(
                 id=entry["id"],
@@ -133,7 +150,9 @@ def findings() -> tuple[Finding, ...]:
                 fix=entry.get("fix", ""),
                 fix_leaves=tuple(sorted(entry.get("fix_leaves", {}).items())),
                 fix_for=tuple(entry.get("fix_for", ())),
+                fix_by=tuple(sorted(entry.get("fix_by", {}).items())),
                 fix_api=entry.get("fix_api", ""),
+                fix_client=entry.get("fix_client", ""),
             )
         )
     return tuple(out)
