@@ -42,6 +42,7 @@ __all__ = [
     "Model",
     "PriorityBackend",
     "RequestPathBackend",
+    "RetainingBackend",
     "RetractionBackend",
     "StorageTierBackend",
     "Walk",
@@ -182,6 +183,14 @@ class PriorityBackend(Backend, Protocol):
 
     def evict(self, n: int, allow_low: bool = True, allow_high: bool = True) -> int:  # type: ignore[override]
         """Free at least `n` device tokens, touching only the ref tiers the scope allows."""
+
+
+@runtime_checkable
+class RetainingBackend(PriorityBackend, Protocol):
+    """Retention across a declared pause (SPEC.md §11.7); declared by priority part `retain`."""
+
+    def retain(self, session: str, ttl: int) -> None:
+        """Session `session` will come back: its path is retained for `ttl` time units."""
 
     def plan_admission(
         self, tokens: int, priority: int, running: Sequence[Running], profile: Optional[AdmissionProfile]

@@ -63,6 +63,7 @@ CAPABILITIES = Capabilities(
     retraction=True,
     kv_reads=True,
     priority_refs=True,
+    priority_parts=("high", "scope", "update", "admission", "move", "retain"),
     still_between_calls=True,
     profile="sglang-0.5.23",
     reports_choices=True,

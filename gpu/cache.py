@@ -76,6 +76,7 @@ from kvcert.spec.types import (
     check_scope,
     check_session,
     check_tokens,
+    check_ttl,
 )
 
 __all__ = ["GpuCache", "Inserted", "Matched", "SlotRun", "TokenKey"]
@@ -222,6 +223,7 @@ class GpuCache(RadixTree):
 
     def set_clock(self, now: int) -> None:
         self.now = now
+        self.refs.expire(now)  # retentions whose deadline has come end before anything ranks (SPEC.md §11.7)
         self.chosen.clear()  # a report covers one step (the harness sets the clock before each)
 
     def free_count(self) -> int:
@@ -454,6 +456,12 @@ class GpuCache(RadixTree):
         self.refs.update(session, priority)
         self.compact()
 
+    def retain(self, session: str, ttl: int) -> None:
+        """The session will come back: its path is retained for `ttl` time units (SPEC.md §11.7)."""
+        check_ttl(ttl)
+        self.refs.retain(session, ttl, self.now)
+        self.compact()
+
     def release_ref(self, session: str) -> None:
         """The session holds nothing any more; a high one restores the latest demotion still in force."""
         self.refs.release(session)
@@ -552,7 +560,9 @@ class GpuCache(RadixTree):
                 for p in self.stores.prefetches.values()
             ),
             retractions=tuple(RetractionView(r.id, r.tokens, r.host_slots) for r in self.retractions.values()),
-            sessions=tuple(SessionView(x.id, x.node.id, x.priority, x.high, x.demoted) for x in self.sessions.values()),
+            sessions=tuple(
+                SessionView(x.id, x.node.id, x.priority, x.high, x.demoted, x.until) for x in self.sessions.values()
+            ),
             tier_evictable=self.tier_evictable,
             high_priority_threshold=self.refs.high_threshold,
             choices=tuple(self.chosen),

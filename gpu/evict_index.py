@@ -11,8 +11,9 @@ The first two are ordered by heaps of flat int tuples, the node id last. A node'
 is `dev_pushed` / `host_pushed`; any other entry of it is stale and skipped when popped (an
 identity test), so re-ranking a node never searches a heap. The UNUSED tier's heaps hold
 `(*policy_rank, id)` — exactly what a workload without sessions pushed before tiers existed —
-LOW_REF ones `(low_ref, *policy_rank, id)`, HIGH_REF ones `(high_ref, low_ref, *policy_rank, id)`:
-the rank `(tier, high_ref, low_ref, *policy_rank)` with the tier made the heap (SPEC.md §11.3).
+LOW_REF ones `(retained, -deadline, low_ref, *policy_rank, id)`, HIGH_REF ones `(retained, -deadline,
+high_ref, low_ref, *policy_rank, id)`: the rank `(tier, retained, -deadline, high_ref, low_ref, *policy_rank)`
+with the tier made the heap (SPEC.md §11.3, §11.7; an UNUSED node is on no session's path, so never retained).
 Entries of different tiers differ in length, so an entry equal to a node's live one is in the right
 heap. Host eviction never takes a HIGH_REF copy, so a HIGH_REF host leaf is pushed nowhere until a
 demotion drops it to LOW_REF. `compact` rebuilds the heaps from the sets once stale entries
@@ -123,10 +124,14 @@ class EvictionIndex:
         return (*rank, n.id)
 
     def tier_entry(self, n: Node) -> Entry:
-        """A held node's entry in its ref tier's heap: `(low_ref, *rank, id)` or `(high_ref, low_ref, *rank, id)`."""
+        """A held node's entry in its ref tier's heap: `(retained, -deadline, low_ref, *rank, id)` or `(retained,
+        -deadline, high_ref, low_ref, *rank, id)`; `retained` 0 or 1 and `deadline` the earliest of the retentions
+        holding it (0 when none): SPEC.md §11.7, a retained node after its tier's others, the latest back first."""
+        held = n.retained
+        ret = (1, -min(held)) if held else (0, 0)
         if n.high_ref:
-            return (n.high_ref, n.low_ref, *self.entry(n))
-        return (n.low_ref, *self.entry(n))
+            return (*ret, n.high_ref, n.low_ref, *self.entry(n))
+        return (*ret, n.low_ref, *self.entry(n))
 
     def refresh(self, n: Node) -> None:
         """Re-derive `n`'s memberships (O(1)); push a heap entry when it joins or re-ranks."""

@@ -51,6 +51,7 @@ class Node:
         "hl_owners",
         "end",
         "high_ref",
+        "retained",
         "low_ref",
         "tier",
         "ending",
@@ -94,6 +95,9 @@ class Node:
         """High-priority sessions whose path holds this node (SPEC.md §11.1)."""
         self.low_ref = 0
         """Low-priority sessions whose path holds this node."""
+        self.retained: Optional[dict[int, int]] = None
+        """Deadline -> how many live retentions with it hold the node (SPEC.md §11.7); None if none: a retained node
+        ranks after its tier's unretained ones, the earliest deadline holding it last."""
         self.tier = UNUSED
         """`tier_of(high_ref, low_ref)`, kept with the refs: the hot path reads one int (0: no session holds it)."""
         self.ending: Optional[dict[str, Session]] = None
@@ -150,6 +154,8 @@ class Session:
     high: bool
     """Counts as high now: priority at or above the threshold and not demoted."""
     demoted: bool = False
+    until: Optional[int] = None
+    """Its live retention's deadline (SPEC.md §11.7); cleared when the clock reaches it."""
 
 
 @dataclass(eq=False)

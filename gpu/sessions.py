@@ -69,6 +69,8 @@ class Sessions:
         self._next_seq = 0
         self.demotions: OrderedDict[str, None] = OrderedDict()
         """Sessions adaptive demotion demoted, latest last (a session demoted again moves to the end)."""
+        self._deadlines: list[tuple[int, int, str]] = []
+        """(deadline, seq, session) of retentions, earliest first; an entry whose session has moved on is stale."""
 
     def tier_evictable(self, evictable_size: int) -> tuple[int, int, int]:
         """Device tokens of unlocked nodes per tier (UNUSED, LOW_REF, HIGH_REF), in O(1) (SPEC.md §11.2)."""
@@ -96,6 +98,47 @@ class Sessions:
             tree.refresh(cur)
             cur = cur.parent
 
+    def _retain_path(self, node: Node, deadline: int, d: int) -> None:
+        """Count `deadline` in (d = +1) or out of (d = -1) the retentions of every node from `node` up to the root,
+        re-ranking each (SPEC.md §11.7: a node ranks by the earliest deadline of the retentions holding it).
+        O(depth)."""
+        tree = self.tree
+        cur: Optional[Node] = node
+        while cur is not None and cur is not tree.root:
+            held = cur.retained
+            if held is None:
+                held = cur.retained = {}
+            left = held.get(deadline, 0) + d
+            if left:
+                held[deadline] = left
+            else:
+                del held[deadline]
+                if not held:
+                    cur.retained = None
+            tree.refresh(cur)
+            cur = cur.parent
+
+    def retain(self, session: object, ttl: int, now: int) -> None:
+        """The session's path is retained until `now + ttl` (a checked ttl; a new deadline replaces the old)."""
+        s = self.get(session)
+        self._unretain(s)
+        s.until = now + ttl
+        self._retain_path(s.node, s.until, +1)
+        heapq.heappush(self._deadlines, (s.until, s.seq, s.id))
+
+    def expire(self, now: int) -> None:
+        """Retentions whose deadline `now` has reached end (the clock moved). O(log n) per retention."""
+        while self._deadlines and self._deadlines[0][0] <= now:
+            until, seq, sid = heapq.heappop(self._deadlines)
+            s = self.sessions.get(sid)
+            if s is not None and s.seq == seq and s.until == until:
+                self._unretain(s)
+
+    def _unretain(self, s: Session) -> None:
+        if s.until is not None:
+            self._retain_path(s.node, s.until, -1)
+            s.until = None
+
     def _hold(self, session: Session, sign: int) -> None:
         """Add (+1) or remove (-1) the session's refs along its path."""
         if session.high:
@@ -121,6 +164,7 @@ class Sessions:
         """`session` (checked) holds the path to `node` at `priority`; again: moved, last in order, undemoted."""
         old = self.sessions.pop(session, None)
         if old is not None:
+            self._unretain(old)  # its next turn came: the pause it declared is over
             self._hold(old, -1)
             if old.node.ending is not None:
                 old.node.ending.pop(session, None)
@@ -143,6 +187,7 @@ class Sessions:
     def release(self, session: object) -> None:
         """The session holds nothing any more; a high one restores the latest demotion still in force."""
         s = self.get(session)
+        self._unretain(s)
         self._hold(s, -1)
         del self.sessions[s.id]
         if s.node.ending is not None:
@@ -159,7 +204,8 @@ class Sessions:
     def demote_idle(self) -> bool:
         """Host pressure (SPEC.md §11.4): demote the idle high session with the fewest tokens on its path,
         ties to the earliest (re-)registered (under the "queued" order: the queue's first session still high,
-        idle or not); False if there is none.
+        idle or not), an unretained one while there is one, else the retained one back last (§11.7); False if there is
+        none.
 
         This scans the sessions (O(sessions)): it runs only under host pressure, once host eviction has
         run out of UNUSED and LOW_REF leaves. A session is idle when its path holds a host-only node; a
@@ -169,10 +215,14 @@ class Sessions:
         victim: Optional[Session] = None
         if self.demote == "queued":
             victim = self._first_queued()
+            if victim is not None and victim.until is not None:  # retained: an unretained one first (§11.7)
+                victim = self._first_unretained() or self._latest_retained()
         else:
             for s in self.sessions.values():
                 if s.high and s.node.slots is None:
-                    if victim is None or (s.node.end, s.seq) < (victim.node.end, victim.seq):
+                    key = (s.until is not None, -(s.until or 0), s.node.end, s.seq)
+                    if victim is None or key < (victim.until is not None, -(victim.until or 0), victim.node.end,
+                                                victim.seq):  # fmt: skip
                         victim = s
         if victim is None:
             return False
@@ -187,6 +237,25 @@ class Sessions:
         if self.demote == "queued" and s.high and s.id not in self._queued:
             self._queued.add(s.id)
             heapq.heappush(self._queue, (s.node.end, s.id))
+
+    def _first_unretained(self) -> Optional[Session]:
+        """The queue's first session still high and not retained; the queue left as it is (O(n log n): under host
+        pressure only, when the first is retained)."""
+        for _, sid in sorted(self._queue):
+            s = self.sessions.get(sid)
+            if s is not None and s.high and s.until is None:
+                return s
+        return None
+
+    def _latest_retained(self) -> Optional[Session]:
+        """Of the queue's sessions still high (all retained), the one back last: the latest deadline, ties in queue
+        order."""
+        best: Optional[Session] = None
+        for _, sid in sorted(self._queue):
+            s = self.sessions.get(sid)
+            if s is not None and s.high and (best is None or (s.until or 0) > (best.until or 0)):
+                best = s
+        return best
 
     def _first_queued(self) -> Optional[Session]:
         """The queue's first session still high; the stale entries before it leave the queue."""

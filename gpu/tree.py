@@ -262,6 +262,7 @@ class RadixTree:
         head.history = child.history  # a split adds no depth to the branch: the head takes its high-water mark
         # the head lies on every path the suffix lies on: it takes its refs (SPEC.md §11.1)
         head.high_ref, head.low_ref, head.tier = child.high_ref, child.low_ref, child.tier
+        head.retained = None if child.retained is None else dict(child.retained)
         parent.children[self.selector(parent, child)] = head
         child.key = child.key.tail(cut)
         child.size -= cut

@@ -75,6 +75,7 @@ class RefCache(DeviceTier, HostTier, SessionTier, StorageTier):
         retraction=True,
         kv_reads=True,
         priority_refs=True,
+        priority_parts=("high", "scope", "update", "admission", "move", "retain"),
         still_between_calls=True,
         profile="sglang-0.5.23",
         reports_choices=True,
@@ -150,7 +151,10 @@ class RefCache(DeviceTier, HostTier, SessionTier, StorageTier):
             ),
             retractions=tuple(RetractionView(r.id, r.tokens, r.host_slots) for r in self.retractions),
             sessions=tuple(
-                SessionView(s.id, s.node.id, s.priority, self._is_high(s), s.demoted) for s in self.sessions.values()
+                SessionView(
+                    s.id, s.node.id, s.priority, self._is_high(s), s.demoted, s.until if self.retained(s) else None
+                )
+                for s in self.sessions.values()
             ),
             tier_evictable=(self.tier_evictable[0], self.tier_evictable[1], self.tier_evictable[2]),
             high_priority_threshold=self.threshold,

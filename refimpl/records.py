@@ -152,6 +152,8 @@ class Session:
     seq: int
     """When it was (re-)registered: ties between idle sessions go to the earliest (§11.4)."""
     demoted: bool = False
+    until: Optional[int] = None
+    """Its retention's deadline (SPEC.md §11.7): retained while `now` is below it."""
 
 
 @dataclass(eq=False)
@@ -209,5 +211,3 @@ def _move_kv(src: dict[int, bytes], src_slots: Sequence[int], dst: dict[int, byt
 
 def _cut(slots: Optional[tuple[int, ...]], at: int) -> tuple[Optional[tuple[int, ...]], Optional[tuple[int, ...]]]:
     return (None, None) if slots is None else (slots[:at], slots[at:])
-
-

@@ -23,6 +23,7 @@ from kvcert.spec.types import (
     UnknownSession,
     check_priority,
     check_session,
+    check_ttl,
 )
 
 
@@ -44,6 +45,20 @@ class SessionTier(Tree):
                 node.low_ref += sign
             if node.slots is not None:
                 self._account(node, +1)
+
+    def retained(self, session: Session) -> bool:
+        """Its retention is live (SPEC.md §11.7): a deadline still ahead of the clock."""
+        return session.until is not None and self.now < session.until
+
+    def retained_deadline(self, node: Node) -> Optional[int]:
+        """The earliest deadline of the live retentions whose path holds `node`; None if none holds it."""
+        held = [s.until for s in self.sessions.values() if self.retained(s) and node in self._path_to_root(s.node)]
+        return min(held) if held else None  # type: ignore[type-var]
+
+    def retain(self, session_id: str, ttl: int) -> None:
+        """The session will come back: its path is retained for `ttl` time units (SPEC.md §11.7)."""
+        check_ttl(ttl)
+        self._session(session_id).until = self.now + ttl
 
     def _session(self, session_id: object) -> Session:
         found = self.sessions.get(session_id) if isinstance(session_id, str) else None
@@ -125,8 +140,21 @@ class SessionTier(Tree):
         self.queued.add(session.id)
         heapq.heappush(self.idle_queue, (len(self._full_path(session.node)), session.id))
 
-    def _queued_high(self) -> Optional[Session]:
-        """The queue's first session that is still high; the stale entries before it leave the queue."""
+    def _latest_retained(self) -> Session:
+        """Of the queue's sessions still high (all retained), the one back last: the latest deadline, ties in queue
+        order."""
+        queued = [self.sessions[sid] for _, sid in sorted(self.idle_queue) if sid in self.sessions]
+        return max((s for s in queued if self._is_high(s)), key=lambda s: s.until or 0)
+
+    def _queued_high(self, spare_retained: bool = False) -> Optional[Session]:
+        """The queue's first session that is still high; the stale entries before it leave the queue. With
+        `spare_retained`, the first still high and not retained (§11.7), the queue left as it is."""
+        if spare_retained:
+            for _, sid in sorted(self.idle_queue):
+                found = self.sessions.get(sid)
+                if found is not None and self._is_high(found) and not self.retained(found):
+                    return found
+            return None
         while self.idle_queue:
             _, sid = self.idle_queue[0]
             session = self.sessions.get(sid)
@@ -137,22 +165,28 @@ class SessionTier(Tree):
         return None
 
     def _demote_idle_session(self) -> bool:
-        """Host pressure: demote the idle high session with the fewest tokens (SPEC.md §11.4); False if none."""
+        """Host pressure: demote the idle high session with the fewest tokens (SPEC.md §11.4), an unretained one
+        while DEMOTE's order has one, else the retained one back last (§11.7); False if none."""
         high = sorted((s for s in self.sessions.values() if self._is_high(s)), key=lambda s: s.seq)
         demote = self.decided.demote
-        pick = demote.pick([s.id for s in high]) if demote.pick is not None else None
+        if demote.order == "queued":
+            first = self._queued_high()
+            if first is not None and self.retained(first):
+                first = self._queued_high(spare_retained=True) or first
+            candidates = [] if first is None else [first]
+        else:
+            candidates = [s for s in high if any(n.slots is None for n in self._path_to_root(s.node))]
+        spare = [s for s in candidates if not self.retained(s)]
+        offered = [s for s in high if not self.retained(s)] if spare else high
+        pick = demote.pick([s.id for s in offered]) if demote.pick is not None else None
         if pick is not None:
             victim = self.sessions[pick]
-        elif demote.order == "queued":
-            queued = self._queued_high()
-            if queued is None:
-                return False
-            victim = queued
+        elif not candidates:
+            return False
+        elif spare or demote.order != "queued":  # among retained ones, the latest back first (§11.7)
+            victim = min(spare or candidates, key=lambda s: (-(s.until or 0), len(self._full_path(s.node)), s.seq))
         else:
-            idle = [s for s in high if any(n.slots is None for n in self._path_to_root(s.node))]
-            if not idle:
-                return False
-            victim = min(idle, key=lambda s: (len(self._full_path(s.node)), s.seq))
+            victim = self._latest_retained()
         self._hold(victim, -1)
         victim.demoted = True
         self._hold(victim, +1)

@@ -256,14 +256,18 @@ class Tree:
         return tier_of(node.high_ref, node.low_ref)
 
     def rank(self, node: Node) -> tuple[int, ...]:
-        """SPEC.md §11.3: tier and refs first (fewer sessions hurt first), then the policy."""
+        """SPEC.md §11.3: tier, retention (§11.7: unretained first, then the latest back) and refs first (fewer
+        sessions hurt first), then the policy."""
         shape = {}
         if self.policy == "tlru":  # the only policy that reads the node's place in the tree
             shape = {"depth": self.depth(node), "size": len(node.key), "history": node.history}
         policy = pages.policy_rank(
             self.policy, node.last_access, node.hit_count, node.creation, node.priority, **self.policy_params, **shape
         )
-        return (self.tier(node), node.high_ref, node.low_ref, *policy)
+        tier = self.tier(node)
+        deadline = self.retained_deadline(node) if tier else None
+        held = (0, 0) if deadline is None else (1, -deadline)
+        return (tier, *held, node.high_ref, node.low_ref, *policy)
 
     def _pick(self, candidates: list[Node], choose: Optional[Chooser]) -> Node:
         if self.decided.rank.free and choose is not None:
@@ -307,6 +311,9 @@ class Tree:
         raise NotImplementedError("sessions.py")
 
     def _is_high(self, session: Session) -> bool:
+        raise NotImplementedError("sessions.py")
+
+    def retained_deadline(self, node: Node) -> Optional[int]:
         raise NotImplementedError("sessions.py")
 
     def _store(self, nodes: list[Node]) -> None:

@@ -134,8 +134,15 @@ def _config(costs: Any) -> CacheConfig:
 class ProtocolDriver:
     """A kvcert `Backend`, driven as an engine drives it; `priority`: with §11's session refs and scopes."""
 
-    def __init__(self, name: str, backend: Any, priority: bool, threshold: int) -> None:
+    def __init__(
+        self, name: str, backend: Any, priority: bool, threshold: int, retain_slack: Optional[float] = None
+    ) -> None:
+        """`retain_slack`: with it, a session whose client pauses for `think` seconds is retained for `think +
+        retain_slack` seconds (SPEC.md §11.7), and the cache's clock follows the simulated time in microseconds
+        (each call still a tick later than the last, so stamps keep their order)."""
         self.name, self.c, self.priority, self.threshold = name, backend, priority, threshold
+        self.retain_slack = retain_slack
+        self._time = 0.0
         self.stats = {"evict_calls": 0, "evicted": 0, "loads": 0}
         self._sees_demotions = priority and hasattr(backend, "demotions")
         """kvcert.gpu and the model keep their demoted sessions in `demotions` and `sessions`; a cache that does not
@@ -150,8 +157,20 @@ class ProtocolDriver:
         """Advance the cache's clock before each of the engine's calls: a kvcert backend stamps nodes from the
         clock it is given (`set_clock`), as SGLang's tree stamps them from its own counter; left alone it would
         stamp every node 0, and LRU would rank by node id."""
-        self._now += 1
+        self._now = self._now + 1 if self.retain_slack is None else max(self._now + 1, round(self._time * 1e6))
         self.c.set_clock(self._now)
+
+    def at(self, now: float) -> None:
+        """The simulated time (seconds), which a retention's TTL is counted in."""
+        self._time = now
+
+    def pause(self, session: str, seconds: float) -> None:
+        """The session's client comes back in `seconds` (its think time): with `retain_slack`, retain its path
+        that long and the slack more."""
+        if self.retain_slack is not None and session in self._registered:
+            self._tick()
+            self.c.retain(session, max(1, round((seconds + self.retain_slack) * 1e6)))
+            self.stats["retained"] = self.stats.get("retained", 0) + 1
 
     # -- plumbing
     def _free(self) -> int:

@@ -42,9 +42,18 @@ def _progress() -> Progress:
     )
 
 
-def _row(t: Table, s: dict[str, Any], base: Optional[dict[str, Any]], lead: list[str]) -> None:
+def _to_bound(s: dict[str, Any], bound: Optional[dict[str, Any]]) -> str:
+    """The offline bound's HP turn>=1 hit less this row's, when the table has the bound's row at this point."""
+    if bound is None or "high" not in bound or "high" not in s:
+        return "-"
+    return f"{bound['high']['turn1_cache_hit'] - s['high']['turn1_cache_hit']:.4f}"
+
+
+def _row(
+    t: Table, s: dict[str, Any], base: Optional[dict[str, Any]], lead: list[str], bound: Optional[dict[str, Any]] = None
+) -> None:
     if "unavailable" in s:
-        t.add_row(*lead, s["contender"], *["-"] * 7, "unavailable here (below)")
+        t.add_row(*lead, s["contender"], *["-"] * 8, "unavailable here (below)")
         return
     hp, lp = s["high"], s["low"]
     p90 = hp["ttft"]["p90"]
@@ -60,6 +69,7 @@ def _row(t: Table, s: dict[str, Any], base: Optional[dict[str, Any]], lead: list
         *lead,
         s["contender"],
         hit(hp),
+        _to_bound(s, bound) if later else "-",
         f"{s['hp_min_turn_hit']:.2f}" if later else "-",
         f"{p90:.1f}{vs}",
         hit(lp),
@@ -78,6 +88,7 @@ def _table(title: str, lead: list[str]) -> Table:
         *lead,
         "contender",
         "HP hit t>=1",
+        "to bound",
         "HP min turn",
         "HP TTFT p90 s (baseline/it)",
         "LP hit t>=1",
@@ -88,7 +99,8 @@ def _table(title: str, lead: list[str]) -> Table:
         "retracted/preempted/released",
         "checks",
     ):
-        t.add_column(col, justify="left" if col in ("contender", "checks") else "right")
+        t.add_column(col, justify="left" if col in ("contender", "checks") else "right",
+                     overflow="fold" if col == "contender" else "ellipsis")  # fmt: skip
     return t
 
 
@@ -251,15 +263,17 @@ def _print(results: list[dict[str, Any]], names: list[str], sweep_: Optional[str
         f"sweep: {policy.SWEEPS[sweep_].label}"
         if sweep_
         else "HP = high priority, LP = low; turn>=1 hit token-weighted (* a one-turn workload: the hit over every turn); "
-        "refused allocs: rounds a scoped cache ended where SGLang's prefill would fail its allocation"
+        "to bound: the offline bound's HP hit less the row's (with an offline row); refused allocs: rounds a scoped "
+        "cache ended where SGLang's prefill would fail its allocation"
     )
     t = _table(title, lead)
     key = "value" if sweep_ else "hp_clients"
     for group in dict.fromkeys(r[key] for r in results):
         rows = [r for r in results if r[key] == group]
         base = next((r for r in rows if r["contender"] == "baseline"), None)
+        bound = next((r for r in rows if r["contender"] == "offline"), None)
         for r in rows:
-            _row(t, r, base, [f"{group}"])
+            _row(t, r, base, [f"{group}"], bound)
     console.print(t)
     for r in results:
         if "unavailable" in r:
@@ -311,15 +325,17 @@ def _print_map_rows(results: list[dict[str, Any]]) -> None:
     """A map of the rows `--cache` named: each one's HP and LP figures at every point."""
     x, y = results[0]["map"]
     t = Table(title=f"{results[0]['hp_clients']} HP clients, every row behind its scheduler")
-    for col in (x, y, "row", "HP hit t>=1", "HP TTFT p90 s", "LP TTFT p90 s", "checks"):
+    for col in (x, y, "row", "HP hit t>=1", "to bound", "HP TTFT p90 s", "LP TTFT p90 s", "checks"):
         t.add_column(col, justify="right")
+    bounds = {(r["x"], r["y"]): r for r in results if r["contender"] == "offline"}
     for r in results:
         if "unavailable" in r:
             continue
         h, lo = r["high"], r["low"]
         t.add_row(
-            f"{r['x']:g}", f"{r['y']:g}", r["contender"], f"{h['turn1_cache_hit']:.4f}", f"{h['ttft']['p90']:.1f}",
-            f"{lo['ttft']['p90']:.1f}", "FAILED" if policy.failed(r) else "ok",
+            f"{r['x']:g}", f"{r['y']:g}", r["contender"], f"{h['turn1_cache_hit']:.4f}",
+            _to_bound(r, bounds.get((r["x"], r["y"]))), f"{h['ttft']['p90']:.1f}", f"{lo['ttft']['p90']:.1f}",
+            "FAILED" if policy.failed(r) else "ok",
         )  # fmt: skip
     console.print(t)
     _print_problems(results)

@@ -270,6 +270,8 @@ def simulate(
         in_flight += 1
         enqueue(req)
 
+    pause = getattr(cache, "pause", None)
+
     def end_turn(r: _Req, outcome: str) -> None:
         nonlocal in_flight
         i, s = r.sess, sessions[r.sess]
@@ -287,6 +289,8 @@ def simulate(
             t = now + s.turns[nxt].think
             next_use[s.id] = t
             heapq.heappush(arrivals, (t, r.rid, i))
+            if pause is not None:  # the client says when it comes back: its think time (SPEC.md §11.7)
+                pause(s.id, s.turns[nxt].think)
             return
         next_use[s.id] = math.inf
         for k in range(nxt, len(s.turns)):  # a turn that did not finish ends its session
@@ -375,7 +379,10 @@ def simulate(
 
     fits = fits_fork if fork else fits_sglang
 
+    clock = getattr(cache, "at", None)  # a cache that takes retentions in seconds follows the simulated time
     while arrivals or waiting or prefilling or decoding or blocked:
+        if clock is not None:
+            clock(now)
         while arrivals and arrivals[0][0] <= now:
             t, _, i = heapq.heappop(arrivals)
             arrive(i, t)

@@ -72,6 +72,11 @@ ABLATIONS: dict[str, tuple[Decisions, str]] = {
 """kvcert's model under one choice of the fork's at a time (SPEC.md §6), for the ablation in docs/bench_policy.md."""
 
 
+def _retaining(costs: Costs, slack: float, target: str = "kvcert.gpu:factory") -> CacheDriver:
+    name = f"kvcert.gpu, proactive, retaining each paused session for its think time + {slack:g} s (SPEC.md §11.7)"
+    return ProtocolDriver(name, built(target, costs), True, costs.load_back_threshold, retain_slack=slack)
+
+
 def _model(costs: Costs, name: str) -> CacheDriver:
     decisions, _ = ABLATIONS[name]
     backend = built("kvcert.refimpl:RefCache", costs, decisions=decisions)
@@ -110,6 +115,22 @@ CONTENDERS: dict[str, Contender] = {
         "gpu-refs-queued",
         "kvcert.gpu as proactive, host pressure demoting in the RefAware fork's queue order (kvcert.gpu:factory_queued, "
         "DEMOTE \"queued\", certified under its profile kvcert-queued)",
+    ),
+    "proactive-retain": Contender(
+        "gpu-refs-retain",
+        "kvcert.gpu as proactive, each session's client retaining its path for its think time when its turn ends "
+        "(retain(session, ttl), SPEC.md §11.7: the hint the offline bound has, given to the cache)",
+    ),
+    "proactive-retain-30": Contender(
+        "gpu-refs-retain-30",
+        "as proactive-retain, each retention 30 s longer than the think time (it covers the next turn's wait in the "
+        "queue, where an expired retention no longer protects the path)",
+    ),
+    "proactive-retain-120": Contender(
+        "gpu-refs-retain-120", "as proactive-retain, each retention 120 s longer than the think time"
+    ),
+    "proactive-queued-retain-30": Contender(
+        "gpu-refs-queued-retain-30", "kvcert.gpu:factory_queued with retention as proactive-retain-30"
     ),
     "refaware": Contender(
         "refaware",
@@ -161,6 +182,10 @@ def build(name: str, costs: Costs, workload: Workload, future: dict[str, float])
         "gpu-refs": lambda: _gpu(costs, workload, True),
         "gpu-refs-queued": lambda: _gpu(costs, workload, True, "kvcert.gpu:factory_queued"),
         "gpu": lambda: _gpu(costs, workload, False),
+        "gpu-refs-retain": lambda: _retaining(costs, 0.0),
+        "gpu-refs-retain-30": lambda: _retaining(costs, 30.0),
+        "gpu-refs-retain-120": lambda: _retaining(costs, 120.0),
+        "gpu-refs-queued-retain-30": lambda: _retaining(costs, 30.0, "kvcert.gpu:factory_queued"),
         "refaware": lambda: _refaware(costs, workload),
         "infinite": lambda: InfiniteBound(costs.device_pages),
         "offline": lambda: _offline(costs, workload, future),

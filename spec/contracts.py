@@ -1,3 +1,4 @@
+# Over 600 lines: one contract per operation over the same snapshot helpers (paths, pins, tiers, retention); split by tier, each part would import the others.
 """Operation contracts: relations over (snapshot before, arguments, result, snapshot after).
 
 Where backends may legitimately differ (SPEC.md §6: tie-breaks, slot choice,
@@ -426,6 +427,21 @@ def _session_paths(s: Snapshot) -> list[tuple[str, Path, int, bool, bool]]:
     return [(x.id, paths.get(x.node, (None, ())), x.priority, x.high, x.demoted) for x in s.sessions]
 
 
+def retained_nodes(s: Snapshot, live: Optional[set[str]] = None) -> set[int]:
+    """The nodes a live retention holds (SPEC.md §11.7): those on the path of a session with a deadline; with
+    `live`, only the sessions it names."""
+    nodes = s.by_id()
+    out: set[int] = set()
+    for x in s.sessions:
+        if x.retained_until is None or (live is not None and x.id not in live):
+            continue
+        cur: Optional[int] = x.node
+        while cur is not None and cur != s.root and cur in nodes and cur not in out:
+            out.add(cur)
+            cur = nodes[cur].parent
+    return out
+
+
 def scope_tiers(allow_low: bool, allow_high: bool) -> frozenset[int]:
     """The ref tiers a scope lets an eviction touch (SPEC.md §11.3)."""
     return frozenset({UNUSED} | ({LOW_REF} if allow_low else set()) | ({HIGH_REF} if allow_high else set()))
@@ -434,10 +450,12 @@ def scope_tiers(allow_low: bool, allow_high: bool) -> frozenset[int]:
 def tier_eviction_violations(
     before: Snapshot, after: Snapshot, allow_low: bool, allow_high: bool
 ) -> list[tuple[str, str]]:
-    """INV-TIER-3/4 for one device eviction: nothing outside the scope, and no lower tier left behind.
+    """INV-TIER-3/4 and INV-RET-1 for one device eviction: nothing outside the scope, no lower tier left behind,
+    and no unretained candidate left in a tier that lost a retained node.
 
-    Tiers are read off `before` (an eviction may demote sessions on the way, §11.4; the oracle
-    comparison checks that part). Nodes it could skip (§9.3, `pinned_nodes` after it) are no candidates.
+    Tiers and retention are read off `before` (an eviction may demote sessions on the way, §11.4; the oracle
+    comparison checks that part), retentions only of sessions still retained after it (one whose deadline came
+    with this op's clock is not). Nodes it could skip (§9.3, `pinned_nodes` after it) are no candidates.
     """
     allowed = scope_tiers(allow_low, allow_high)
     paths_after = set(device_paths(after).values())
@@ -453,6 +471,8 @@ def tier_eviction_violations(
             )
         )
     top = max((_tier(before, i) for i in gone), default=-1)
+    kept = retained_nodes(before, {x.id for x in after.sessions if x.retained_until is not None})
+    spared = {_tier(before, i) for i in gone if i in kept}  # tiers that lost a retained node
     nodes, kids, skip, known = after.by_id(), after.children(), pinned_nodes(after), before.by_id()
     for n in after.nodes:
         if (
@@ -467,6 +487,11 @@ def tier_eviction_violations(
         tier = _tier(before, n.id)
         if tier in allowed and tier < top:
             out.append(("INV-TIER-4", f"a tier-{top} node was evicted while tier-{tier} node {n.id} stays a candidate"))
+            break
+        if tier in spared and n.id not in kept:
+            lost = sorted(i for i in gone if i in kept and _tier(before, i) == tier)
+            out.append(("INV-RET-1", f"retained tier-{tier} nodes {lost} were evicted while unretained tier-{tier} "
+                                      f"node {n.id} stays a candidate"))  # fmt: skip
             break
     return out
 

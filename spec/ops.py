@@ -188,6 +188,14 @@ class UpdateRef:
 
 
 @dataclass(frozen=True)
+class Retain:
+    """Session `session` will come back: its path is retained for `ttl` time units (SPEC.md §11.7)."""
+
+    session: Any
+    ttl: Any = 1
+
+
+@dataclass(frozen=True)
 class ReleaseRef:
     """Session `session` ends: it holds nothing any more."""
 
@@ -336,6 +344,7 @@ Op = Union[
     Discard,
     RegisterRef,
     UpdateRef,
+    Retain,
     ReleaseRef,
     Admit,
     Start,

@@ -47,6 +47,8 @@ PRIORITY_PARTS: dict[str, str] = {
     "admission": "plan_admission and partial residency (SPEC.md §11.5-§11.6, INV-ADMIT-*); needs scope",
     "move": "register_ref of a registered session anywhere moves it (SPEC.md §11.1); without it a session is "
     "registered again only at or below the node it holds (the conversation's next turn), else released first",
+    "retain": "retain(session, ttl): a session's path retained across a declared pause, ranked after its tier's "
+    "unretained nodes and spared by demotion until its deadline (SPEC.md §11.7, INV-RET-*)",
 }
 """The parts of §11 a priority-aware backend may offer (`Capabilities.priority_parts`)."""
 ONE_CLASS_THRESHOLD = 3
@@ -178,6 +180,13 @@ def check_priority(priority: object) -> int:
     if not isinstance(priority, int) or isinstance(priority, bool):
         raise InvalidCount(f"priority must be an int, got {priority!r}")
     return priority
+
+
+def check_ttl(ttl: object) -> int:
+    """A retention's TTL (SPEC.md §11.7): an int ≥ 1, never a bool; `InvalidCount` otherwise."""
+    if not isinstance(ttl, int) or isinstance(ttl, bool) or ttl < 1:
+        raise InvalidCount(f"ttl must be an int >= 1, got {ttl!r}")
+    return ttl
 
 
 def check_session(session: object) -> str:
@@ -422,6 +431,8 @@ class SessionView:
     """Counts as high priority now: priority at or above the threshold and not demoted."""
     demoted: bool = False
     """Adaptive demotion (SPEC.md §11.4) made it count as low."""
+    retained_until: Optional[int] = None
+    """The live deadline of its retention (SPEC.md §11.7): its path is retained while `now` is below it."""
 
 
 UNUSED, LOW_REF, HIGH_REF = 0, 1, 2

@@ -99,8 +99,8 @@ def test_tiers_have_their_own_heaps_and_the_scope_picks_them() -> None:
         t.nodes[nid] = n
         t.index.refresh(n)
     idx = t.index
-    assert idx.dev_heap == [(1, 1)] and sorted(idx.dev_heap_low) == [(1, 0, 4), (2, 2, 2)]
-    assert idx.dev_heap_high == [(1, 0, 3, 3)]  # (high_ref, low_ref, *rank, id)
+    assert idx.dev_heap == [(1, 1)] and sorted(idx.dev_heap_low) == [(0, 0, 1, 0, 4), (0, 0, 2, 2, 2)]
+    assert idx.dev_heap_high == [(0, 0, 1, 0, 3, 3)]  # (retained, -deadline, high_ref, low_ref, *rank, id)
     assert t.drain(allow_low=False, allow_high=False) == [1]
     assert t.drain(allow_low=True, allow_high=False) == [4, 2]  # fewer low refs first
     assert t.drain() == [3]
@@ -115,7 +115,7 @@ def test_host_eviction_never_ranks_a_high_ref_copy() -> None:
     assert t.index.pop_host(t.nodes) is None  # its UNUSED entry went stale: it is no host candidate now
     n.high_ref, n.low_ref, n.tier = 0, 1, LOW_REF  # a demotion
     t.index.refresh(n)
-    assert t.index.host_heap_low == [(1, 1, 1)] and t.index.pop_host(t.nodes) is n
+    assert t.index.host_heap_low == [(0, 0, 1, 1, 1)] and t.index.pop_host(t.nodes) is n
 
 
 def test_settled_duplicates_go_oldest_first() -> None:
@@ -157,4 +157,6 @@ def test_entries_rank_as_the_spec_says(policy: str) -> None:
     shape = {"depth": n.end, "size": n.size, "history": n.history} if policy == "tlru" else {}
     assert t.index.entry(n) == (*pages.policy_rank(policy, 4, 3, 2, 5, **t.index.params, **shape), 7)
     n.low_ref = 2
-    assert t.index.tier_entry(n) == (2, *t.index.entry(n))
+    assert t.index.tier_entry(n) == (0, 0, 2, *t.index.entry(n))
+    n.retained = {9: 1, 12: 2}  # held by retentions ending at 9 and 12: it counts the earlier (SPEC.md §11.7)
+    assert t.index.tier_entry(n) == (1, -9, 2, *t.index.entry(n))

@@ -415,3 +415,23 @@ def test_repeated_runs_give_each_figures_median_and_range(tmp_path: Path) -> Non
     assert p["runs"] == 3 and p["contender"] == "proactive" and b["contender"] == "blind"
     lo, hi = p["HP TTFT p90 s"][1], p["HP TTFT p90 s"][2]
     assert lo <= p["HP TTFT p90 s"][0] <= hi and lo < hi
+
+
+def test_retention_runs_clean_and_agrees_with_the_model() -> None:
+    """`proactive-retain`: each session's client retains its path for its think time when its turn ends (SPEC.md
+    §11.7). The run accounts for every turn and ends clean, and kvcert's model given the same retentions serves it
+    run for run as kvcert.gpu does."""
+    from kvcert.refimpl import RefCache
+    from kvcert.sim.caches import ProtocolDriver, _config
+
+    w = stress(replace(SPEC, hp_clients=8))
+    tight = replace(TINY, device_tokens=64 * 160, host_tokens=64 * 200)
+    gpu = _run("proactive-retain", w, tight)
+    assert not gpu.checks and not gpu.accounting(w, tight)
+    assert gpu.counters["retained"] > 0
+    model_cache = ProtocolDriver("model", RefCache(_config(tight)), True, tight.load_back_threshold, retain_slack=0.0)
+    try:
+        model = engine.simulate(w, model_cache, tight, future={})
+    finally:
+        model_cache.close()
+    assert model.records == gpu.records and model.duration == gpu.duration

@@ -30,6 +30,8 @@ def _part_exercised(part: str, ops: dict[str, int], host_cells: bool) -> bool:
         return ops.get("UpdateRef", 0) > 0
     if part == "move":
         return ops.get("event:move", 0) > 0
+    if part == "retain":  # a retained node evicted last, and a retention that ended while its session lived on
+        return ops.get("event:retained-evict", 0) > 0 and ops.get("event:retention-ends", 0) > 0
     return ops.get("Admit", 0) > 0
 
 

@@ -47,6 +47,7 @@ from kvcert.spec.ops import (
     RegisterRef,
     ReleaseRef,
     Restore,
+    Retain,
     Retract,
     StorageFault,
     Unlock,
@@ -292,7 +293,12 @@ class CacheMachine(RunningRules, RaceRules):
     @rule(data=draws(), action=sampled_from(["register", "register", "fork", "update", "release"]))
     def session(self, data: Draws, action: str) -> None:
         """A conversation's turn ends and it holds its path (again), forks (a rollout group sharing its
-        prefix: a second session on the same node), changes priority, or ends."""
+        prefix: a second session on the same node), changes priority, or ends; with part `retain`, half the time
+        a turn ends on a tool call instead (`tool_call`: drawn only for such backends, so others' runs are as
+        before)."""
+        if self.part("retain") and data.boolean("a tool call"):
+            self.tool_call(data)
+            return
         registered = self.h.sessions()
         priority = data.integer(0, 2, "priority")
         if action == "fork" and registered:
@@ -312,6 +318,48 @@ class CacheMachine(RunningRules, RaceRules):
             if high and self.h.any_demoted() and data.boolean("high ends"):
                 registered = high  # a high-priority session ending is what gives a demoted one back its tier
             self.do(ReleaseRef(data.choice(registered, "session")))
+
+    def tool_call(self, data: Draws) -> None:
+        """An agent's turn ends on a tool call (SPEC.md §11.7): its path cached and held by its session (a new turn,
+        or one already holding KV), and its client says it comes back within `ttl` steps. Meanwhile another
+        session's turn of the same class may cache its own path, and other traffic may need room: all of the tiers
+        below the paused session's and a little of its own, where retention decides what goes; and host room, where
+        it decides which idle high session is demoted."""
+        priority = data.integer(0, 2, "priority")
+        holding = self.h.holding_sessions()
+        if holding and data.boolean("an earlier turn"):
+            paused = data.choice(holding, "paused")
+        else:
+            paused = data.choice(SESSIONS, "paused")
+            if not self.turn(data, paused, priority):
+                return
+        self.do(Retain(paused, data.integer(2, 24, "ttl")))
+        if data.boolean("another turn meanwhile"):
+            self.turn(data, data.choice([s for s in SESSIONS if s != paused], "other"), priority)
+        if data.boolean("pressure meanwhile"):
+            below = self.h.tier_tokens()
+            tiers = 2 if paused in self.h.high_sessions() else 1
+            self.do(Evict(sum(below[:tiers]) + data.integer(1, 4 * self.config.page_size, "tokens")))
+        if self.host() and data.boolean("host pressure meanwhile"):  # idle high sessions demoted: retained last
+            if data.boolean("all idle"):  # the backups land, then every session's KV leaves the device: all idle
+                for copy in self.h.open_copies():
+                    self.do(Complete(copy))
+                self.do(Poll())
+                self.do(Evict(sum(self.h.tier_tokens())))
+            self.do(EvictHost(data.integer(1, self.config.host_capacity, "host tokens")))
+
+    def turn(self, data: Draws, session: str, priority: int) -> bool:
+        """A session's turn caches a fresh path and the session holds it; False if the insert left no node."""
+        ns, codes = self.draw_key(data, remember=True)
+        tokens = tokens_of(codes, self.config.page_size, 0)
+        if self.host() and len(tokens) > self.h.free_tokens():
+            self.make_room(len(tokens))
+        self.do(Insert(ns, tokens, priority))
+        handle = len(self.h.ops) - 1
+        if handle not in self.h.live_handles():
+            return False
+        self.register(session, handle, priority)
+        return True
 
     def register(self, name: str, handle: int, priority: int) -> None:
         """Register `name` on `handle`'s node; a backend without moves first releases a session registered
@@ -606,6 +654,12 @@ class CacheMachine(RunningRules, RaceRules):
     def malformed(self, data: Draws, kind: str) -> None:
         """One rule for every kind of bad input, so valid traffic keeps most of the steps."""
         ps = self.config.page_size
+        if kind == "session" and self.priority() and self.part("retain") and data.boolean("bad retention"):
+            # a retention of no registered session, or a TTL that is no int >= 1 (SPEC.md §11.7)
+            bad = data.choice(["unknown", "zero", "bool", "float"], "retain defect")
+            ttl = {"unknown": 3, "zero": 0, "bool": True, "float": 2.5}[bad]
+            self.do(Retain("nobody" if bad == "unknown" else data.choice(SESSIONS, "session"), ttl))
+            return
         if kind == "session" and self.priority():
             bad = data.choice(["id", "unknown", "priority", "scope", "handle", "plan"], "session defect")
             if bad == "plan":

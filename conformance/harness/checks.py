@@ -244,6 +244,7 @@ class Checks:
                         "INV-TIER-5", f"session (id, path, priority, high, demoted) {differ[0]}, spec says {differ[1]}"
                     )
                 )
+            violations += retention_violations(snap, spec)
             mine_rt = [r.tokens for r in snap.retractions]
             spec_rt = [r.tokens for r in oracle.retractions]
             if mine_rt != spec_rt:
@@ -545,4 +546,20 @@ def _split(flat: list[bytes], runs: list[tuple[int, ...]]) -> list[list[bytes]]:
     for run in runs:
         out.append(flat[at : at + len(run)])
         at += len(run)
+    return out
+
+
+def retention_violations(snap: Snapshot, spec: Snapshot) -> list[Violation]:
+    """INV-RET-2/3 (SPEC.md §11.7) against the oracle's snapshot: a retained session demoted where the spec demoted
+    none or another, and retention deadlines that differ (one outliving its TTL, its release or the next turn)."""
+    out = []
+    theirs = {x.id for x in spec.sessions if x.demoted}
+    wrong = [x.id for x in snap.sessions if x.demoted and x.id not in theirs and x.retained_until is not None]
+    if wrong:
+        out.append(Violation("INV-RET-2", f"retained sessions {wrong} demoted; the spec demotes {sorted(theirs)}"))
+    mine_ru = [(x.id, x.retained_until) for x in snap.sessions]
+    spec_ru = [(x.id, x.retained_until) for x in spec.sessions]
+    if mine_ru != spec_ru:
+        differ = next((a, b) for a, b in itertools.zip_longest(mine_ru, spec_ru) if a != b)
+        out.append(Violation("INV-RET-3", f"session (id, retained until) {differ[0]}, spec says {differ[1]}"))
     return out

@@ -212,9 +212,18 @@ class Queries:
         """Device tokens eviction could free now."""
         return self.spec_snapshot().evictable_size
 
+    def tier_tokens(self) -> tuple[int, int, int]:
+        """Device tokens eviction could free now, per tier (UNUSED, LOW_REF, HIGH_REF)."""
+        return self.spec_snapshot().tier_evictable or (0, 0, 0)
+
     def sessions(self) -> list[str]:
         """Registered session ids, in registration order."""
         return [x.id for x in self.spec_snapshot().sessions]
+
+    def holding_sessions(self) -> list[str]:
+        """Registered sessions whose path holds a node (a deletion can leave one at the root, holding nothing)."""
+        snap = self.spec_snapshot()
+        return [x.id for x in snap.sessions if x.node != snap.root]
 
     def high_sessions(self) -> list[str]:
         """Registered sessions of high priority."""

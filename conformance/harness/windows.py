@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from kvcert.spec.contracts import newly_demoted
+from kvcert.spec.contracts import newly_demoted, retained_nodes
 from kvcert.spec.ops import (
     Checkpoint,
     Evict,
@@ -91,6 +91,9 @@ EVENTS = {
     "demotion": "host pressure demoted a high session (SPEC.md §11.4)",
     "restore": "a released high session gave a demoted one its tier back (SPEC.md §11.4)",
     "move": "a registered session registered again off its own path's end (SPEC.md §11.1)",
+    "retained-evict": "an eviction took a retained node's device KV, its tier's unretained ones gone (SPEC.md §11.7)",
+    "retention-ends": "a retention ended with its session still registered: its deadline came, or its next turn "
+    "(SPEC.md §11.7)",
 }
 """§11 events the machine counts per cell ("event:<name>"), so a certificate shows they happened, not only that
 their ops were sent."""
@@ -108,12 +111,25 @@ def events(op: Op, before: Snapshot, after: Snapshot) -> list[str]:
     was = {x.id for x in before.sessions if x.demoted}
     if isinstance(op, ReleaseRef) and any(not x.demoted and x.id in was for x in after.sessions):
         out.append("restore")
+    kept = retained_nodes(before)
+    if kept:
+        nodes_before, nodes_after = before.by_id(), after.by_id()
+        gone = [i for i in kept if nodes_after.get(i) is None or nodes_after[i].slots is None]
+        if any(nodes_before[i].slots is not None for i in gone):
+            out.append("retained-evict")
+        still = {x.id for x in after.sessions if x.retained_until is not None}
+        if any(x.retained_until is not None and x.id in _ids(after) and x.id not in still for x in before.sessions):
+            out.append("retention-ends")
     if isinstance(op, RegisterRef):
         old = next((x.node for x in before.sessions if x.id == op.session), None)
         new = next((x.node for x in after.sessions if x.id == op.session), None)
         if old is not None and new is not None and not _path_meets(after.by_id(), new, {old}):
             out.append("move")
     return out
+
+
+def _ids(s: Snapshot) -> set[str]:
+    return {x.id for x in s.sessions}
 
 
 def _path_meets(nodes: dict[int, Any], node: int, targets: set[int]) -> bool:
