@@ -120,44 +120,45 @@ def test_a_bad_retention_is_refused_with_a_typed_error_and_changes_nothing(sessi
     assert [replace(s, choices=()) for s in after] == [replace(s, choices=()) for s in before]
 
 
+def two_idle_high_sessions() -> Twin:
+    """`short` on (1, 1) and `long` on (2, 2, 2), both high, backed up and then evicted to the host: both idle."""
+    from kvcert.conformance.harness import scheduler
+
+    t = Twin(capacity=8, host=6)
+    t.put([1, 1])
+    t.put([2, 2, 2])
+    for cache in (t.gpu, t.ref):
+        scheduler.settle(cache)
+    t.register("short", (1, 1), 1)
+    t.register("long", (2, 2, 2), 1)
+    t.call("evict", 8)
+    return t
+
+
+def demoted_after_host_pressure(t: Twin) -> set[str]:
+    """Host pressure past every unprotected host leaf; the sessions it demoted, the same on both caches."""
+    t.call("evict_host", 2)
+    demoted = {s.id for s in t.gpu.snapshot().sessions if s.demoted}
+    assert demoted == {s.id for s in t.ref.snapshot().sessions if s.demoted}
+    return demoted
+
+
 def test_host_pressure_demotes_an_unretained_session_before_a_retained_one() -> None:
     """Two idle high sessions on the host only: without retention the shorter goes first (§11.4); retained, it is
     spared while the longer one can go."""
     for keep, expect in ((None, "short"), ("short", "long")):
-        t = Twin(capacity=8, host=6)
-        t.put([1, 1])
-        t.put([2, 2, 2])
-        for cache in (t.gpu, t.ref):
-            from kvcert.conformance.harness import scheduler
-
-            scheduler.settle(cache)
-        t.register("short", (1, 1), 1)
-        t.register("long", (2, 2, 2), 1)
-        t.call("evict", 8)
+        t = two_idle_high_sessions()
         if keep:
             t.call("retain", keep, 50)
-        t.call("evict_host", 2)
-        demoted = {s.id for s in t.gpu.snapshot().sessions if s.demoted}
-        assert demoted == {s.id for s in t.ref.snapshot().sessions if s.demoted} == {expect}, keep
+        assert demoted_after_host_pressure(t) == {expect}, keep
 
 
 def test_host_pressure_demotes_the_retained_session_back_last_when_every_one_is_retained() -> None:
     for later, expect in (("short", "short"), ("long", "long")):
-        t = Twin(capacity=8, host=6)
-        t.put([1, 1])
-        t.put([2, 2, 2])
-        for cache in (t.gpu, t.ref):
-            from kvcert.conformance.harness import scheduler
-
-            scheduler.settle(cache)
-        t.register("short", (1, 1), 1)
-        t.register("long", (2, 2, 2), 1)
-        t.call("evict", 8)
+        t = two_idle_high_sessions()
         t.call("retain", later, 60)
         t.call("retain", "long" if later == "short" else "short", 30)
-        t.call("evict_host", 2)
-        demoted = {s.id for s in t.gpu.snapshot().sessions if s.demoted}
-        assert demoted == {s.id for s in t.ref.snapshot().sessions if s.demoted} == {expect}, later
+        assert demoted_after_host_pressure(t) == {expect}, later
 
 
 def test_the_queued_order_spares_a_retained_session_too() -> None:

@@ -117,8 +117,9 @@ def events(op: Op, before: Snapshot, after: Snapshot) -> list[str]:
         gone = [i for i in kept if nodes_after.get(i) is None or nodes_after[i].slots is None]
         if any(nodes_before[i].slots is not None for i in gone):
             out.append("retained-evict")
+        registered = {x.id for x in after.sessions}
         still = {x.id for x in after.sessions if x.retained_until is not None}
-        if any(x.retained_until is not None and x.id in _ids(after) and x.id not in still for x in before.sessions):
+        if any(x.retained_until is not None and x.id in registered - still for x in before.sessions):
             out.append("retention-ends")
     if isinstance(op, RegisterRef):
         old = next((x.node for x in before.sessions if x.id == op.session), None)
@@ -126,10 +127,6 @@ def events(op: Op, before: Snapshot, after: Snapshot) -> list[str]:
         if old is not None and new is not None and not _path_meets(after.by_id(), new, {old}):
             out.append("move")
     return out
-
-
-def _ids(s: Snapshot) -> set[str]:
-    return {x.id for x in s.sessions}
 
 
 def _path_meets(nodes: dict[int, Any], node: int, targets: set[int]) -> bool:
