@@ -903,6 +903,44 @@ app.add_typer(bench_app, name="bench")
 bench_app.command("policy")(policy_cmd)  # kvcert bench policy: the serving simulator (kvcert.sim)
 
 
+@bench_app.command("served")
+def bench_served_cmd(
+    target: Optional[list[str]] = typer.Option(
+        None, "--target", help="a served target (default: sglang, sglang-hicache, sglang-kvcert)"
+    ),
+    repeat: int = typer.Option(5, help="workload seeds, from --seed on: one run of every target at each"),
+    seed: int = typer.Option(0, help="the first workload seed"),
+    hp: int = typer.Option(6, help="high-priority clients (half as many low-priority ones)"),
+    think_max: float = typer.Option(3.0, help="think time between turns, seconds (max; min 1)"),
+    python: Optional[str] = typer.Option(None, "--python", help="the engine environment's interpreter"),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="write every run's figures as JSON"),
+    logs: Path = typer.Option(Path("kvcert-failures/bench-served"), help="where the servers' logs go"),
+) -> None:
+    """kvcert's plugin against SGLang's default cache and HiCache, served on the same multi-turn traffic with
+    priorities: HP hit from the engine's reported cached tokens, TTFT from the stream, the simulator's prediction
+    for the same pools and traffic beside each figure. Measured, never asserted."""
+    from kvcert.conformance.served import bench as served_bench
+
+    names = list(target or served_bench.BENCH_TARGETS)
+    unknown = [n for n in names if n not in served_bench.PREDICTED_BY]
+    if unknown or repeat < 1:
+        typer.echo(f"error: targets are {', '.join(served_bench.BENCH_TARGETS)}; --repeat >= 1", err=True)
+        raise typer.Exit(2)
+    spec = served_bench.BenchSpec(hp_clients=hp, think_max=think_max)
+    try:
+        result = served_bench.bench(
+            names, spec, range(seed, seed + repeat), logs, python, say=lambda line: console.print(escape(line))
+        )
+    except (served_bench.EnvironmentMissing, ValueError) as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from e
+    for table in served_bench.tables(result):
+        console.print(table)
+    if json_out is not None:
+        json_out.write_text(json.dumps(result, indent=1))
+        console.print(f"figures: {json_out}")
+
+
 @bench_app.command("harness", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def bench_harness_cmd(
     ctx: typer.Context,

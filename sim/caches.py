@@ -135,13 +135,30 @@ class ProtocolDriver:
     """A kvcert `Backend`, driven as an engine drives it; `priority`: with §11's session refs and scopes."""
 
     def __init__(
-        self, name: str, backend: Any, priority: bool, threshold: int, retain_slack: Optional[float] = None
+        self,
+        name: str,
+        backend: Any,
+        priority: bool,
+        threshold: int,
+        retain_slack: Optional[float] = None,
+        retain_ttl: Optional[float] = None,
+        scoped: bool = True,
     ) -> None:
         """`retain_slack`: with it, a session whose client pauses for `think` seconds is retained for `think +
-        retain_slack` seconds (SPEC.md §11.7), and the cache's clock follows the simulated time in microseconds
-        (each call still a tick later than the last, so stamps keep their order)."""
+        retain_slack` seconds (SPEC.md §11.7). `retain_ttl`: instead, a paused session is retained for exactly
+        `retain_ttl` seconds whatever its think time (a client that knows it is pausing, for a tool call, but not
+        for how long). With either, the cache's clock follows the simulated time in microseconds (each call still
+        a tick later than the last, so stamps keep their order). ValueError for both, or a TTL that is not > 0.
+        `scoped=False`: evictions run unscoped (every tier, in §11's order) as under an engine whose scheduler never
+        tells the cache which request it makes room for (SGLang 0.5.23's `evict_for_alloc`)."""
+        if retain_slack is not None and retain_ttl is not None:
+            raise ValueError("retain_slack and retain_ttl are exclusive: a retention follows the think time or not")
+        if retain_ttl is not None and not retain_ttl > 0:
+            raise ValueError(f"retain_ttl must be > 0 seconds, got {retain_ttl!r}")
         self.name, self.c, self.priority, self.threshold = name, backend, priority, threshold
-        self.retain_slack = retain_slack
+        self.retain_slack, self.retain_ttl = retain_slack, retain_ttl
+        self.scoped = scoped
+        self._retains = retain_slack is not None or retain_ttl is not None
         self._time = 0.0
         self.stats = {"evict_calls": 0, "evicted": 0, "loads": 0}
         self._sees_demotions = priority and hasattr(backend, "demotions")
@@ -157,7 +174,7 @@ class ProtocolDriver:
         """Advance the cache's clock before each of the engine's calls: a kvcert backend stamps nodes from the
         clock it is given (`set_clock`), as SGLang's tree stamps them from its own counter; left alone it would
         stamp every node 0, and LRU would rank by node id."""
-        self._now = self._now + 1 if self.retain_slack is None else max(self._now + 1, round(self._time * 1e6))
+        self._now = max(self._now + 1, round(self._time * 1e6)) if self._retains else self._now + 1
         self.c.set_clock(self._now)
 
     def at(self, now: float) -> None:
@@ -166,10 +183,11 @@ class ProtocolDriver:
 
     def pause(self, session: str, seconds: float) -> None:
         """The session's client comes back in `seconds` (its think time): with `retain_slack`, retain its path
-        that long and the slack more."""
-        if self.retain_slack is not None and session in self._registered:
+        that long and the slack more; with `retain_ttl`, for the TTL, whatever `seconds` is."""
+        if self._retains and session in self._registered:
             self._tick()
-            self.c.retain(session, max(1, round((seconds + self.retain_slack) * 1e6)))
+            ttl = self.retain_ttl if self.retain_ttl is not None else seconds + (self.retain_slack or 0.0)
+            self.c.retain(session, max(1, round(ttl * 1e6)))
             self.stats["retained"] = self.stats.get("retained", 0) + 1
 
     # -- plumbing
@@ -196,7 +214,7 @@ class ProtocolDriver:
 
     def _evict(self, n: int, high: bool) -> None:
         self.stats["evict_calls"] += 1
-        got = self.c.evict(n, allow_low=True, allow_high=high) if self.priority else self.c.evict(n)
+        got = self.c.evict(n, allow_low=True, allow_high=high) if self.priority and self.scoped else self.c.evict(n)
         self.stats["evicted"] += got
         self.settle()
 

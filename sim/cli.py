@@ -17,7 +17,17 @@ from kvcert.sim import policy, report
 from kvcert.sim.costs import engine, with_overrides
 from kvcert.sim.sizing import DEFAULT_GPU, DEFAULT_MODEL, GPUS, MODELS, size
 from kvcert.sim.targets import CONTENDERS, DEFAULT, SCHEDULERS, parse
-from kvcert.sim.workload import GroupsSpec, StressSpec, TraceError, Workload, groups, read_trace, stress
+from kvcert.sim.workload import (
+    AgenticSpec,
+    GroupsSpec,
+    StressSpec,
+    TraceError,
+    Workload,
+    agentic,
+    groups,
+    read_trace,
+    stress,
+)
 
 console = Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 200)
 
@@ -116,17 +126,27 @@ def policy_cmd(
         f"of two sweeps' values, at the first --hp ({', '.join(policy.SWEEPS)}); with --cache, those rows' figures at "
         "every pair instead",
     ),
-    workload: str = typer.Option("stress", help="stress | groups-10x50 | groups-50x10"),
+    workload: str = typer.Option(
+        "stress",
+        help="stress | agentic-syfi | groups-10x50 | groups-50x10 (agentic-syfi: the stress test's clients, turns and "
+        "lengths, each pause a tool call's, drawn from the SyFI trace's per-tool means; docs/bench_policy.md)",
+    ),
     trace: Optional[Path] = typer.Option(None, "--trace", help="a JSONL trace of sessions (docs/bench_policy.md)"),
-    min_turns: int = typer.Option(5, help="stress: fewest turns per client (the fork's --min-turns)"),
-    max_turns: int = typer.Option(20, help="stress: most turns per client"),
-    request_length: int = typer.Option(15360, help="stress: first prompt, tokens"),
-    sub_question_length: int = typer.Option(1024, help="stress: tokens appended each later turn"),
-    output_length: int = typer.Option(256, help="stress: output tokens per turn"),
-    think_min: float = typer.Option(5.0, help="stress: think time between turns, seconds (min)"),
-    think_max: float = typer.Option(10.0, help="stress: think time between turns, seconds (max)"),
+    min_turns: int = typer.Option(5, help="stress, agentic-syfi: fewest turns per client (the fork's --min-turns)"),
+    max_turns: int = typer.Option(20, help="stress, agentic-syfi: most turns per client"),
+    request_length: int = typer.Option(15360, help="stress, agentic-syfi: first prompt, tokens"),
+    sub_question_length: int = typer.Option(1024, help="stress, agentic-syfi: tokens appended each later turn"),
+    output_length: int = typer.Option(256, help="stress, agentic-syfi: output tokens per turn"),
+    think_min: float = typer.Option(
+        5.0, help="stress: think time between turns, seconds (min); not agentic-syfi, whose pauses are tool calls'"
+    ),
+    think_max: float = typer.Option(
+        10.0, help="stress: think time between turns, seconds (max); not agentic-syfi, whose pauses are tool calls'"
+    ),
     rate: float = typer.Option(4.0, help="groups: prompts arriving per second (Poisson)"),
-    workload_seed: int = typer.Option(42, help="the workload's seed (turn counts, think times; the fork's --seed)"),
+    workload_seed: int = typer.Option(
+        42, help="the workload's seed (turn counts, think times or tool-call pauses; the fork's --seed)"
+    ),
     seed: int = typer.Option(0, help="the simulator's seed (token ids)"),
     engine_: str = typer.Option(
         "physical",
@@ -160,7 +180,14 @@ def policy_cmd(
             think_max,
             workload_seed,
         )
-        stress(spec)  # validates the spec before any run
+        tools: Optional[AgenticSpec] = None
+        if workload == "agentic-syfi" and trace is None:
+            tools = AgenticSpec(
+                hp[0], min_turns, max_turns, request_length, sub_question_length, output_length, workload_seed
+            )
+            agentic(tools)  # validates the spec before any run
+        else:
+            stress(spec)
     except ValueError as e:
         console.print(f"[red]error:[/] {e}")
         raise typer.Exit(2) from None
@@ -178,8 +205,15 @@ def policy_cmd(
     if map_ is not None and (len(axes) != 2 or len(set(axes)) != 2 or not set(axes) <= set(policy.SWEEPS)):
         console.print(f"[red]error:[/] --map {map_!r}: two different sweeps X,Y of {', '.join(policy.SWEEPS)}")
         raise typer.Exit(2)
+    if tools is not None and (axes or sweep_ is not None):
+        console.print(
+            "[red]error:[/] --sweep and --map vary the stress test (its think time among their axes) and run only "
+            "--workload stress, not agentic-syfi"
+        )
+        raise typer.Exit(2)
     try:
-        policy.points(axes or ([sweep_] if sweep_ else []), hp[0], costs, spec)
+        if tools is None:
+            policy.points(axes or ([sweep_] if sweep_ else []), hp[0], costs, spec)
     except ValueError as e:
         console.print(f"[red]error:[/] {e}")
         raise typer.Exit(2) from None
@@ -207,9 +241,9 @@ def policy_cmd(
             results = policy.sweep(sweep_, names, hp[0], costs, spec, seed, on_run)
         elif repeat > 1:
             seeds = range(workload_seed, workload_seed + repeat)
-            results = policy.repeated(names, TABLE_HP if table_ else hp, costs, spec, seeds, seed, on_run)
+            results = policy.repeated(names, TABLE_HP if table_ else hp, costs, tools or spec, seeds, seed, on_run)
         elif table_:
-            results = policy.table(names, TABLE_HP, costs, spec, seed, on_run)
+            results = policy.table(names, TABLE_HP, costs, tools or spec, seed, on_run)
         else:
             workloads: list[Workload] = []
             try:
@@ -217,13 +251,15 @@ def policy_cmd(
                     workloads = [read_trace(trace)]
                 elif workload == "stress":
                     workloads = [stress(replace(spec, hp_clients=h)) for h in hp]
+                elif tools is not None:
+                    workloads = [agentic(replace(tools, hp_clients=h)) for h in hp]
                 elif workload in ("groups-10x50", "groups-50x10"):
                     g, p = (10, 50) if workload == "groups-10x50" else (50, 10)
                     workloads = [
                         groups(GroupsSpec(groups=g, prompts=p, hp_groups=g // 2, rate=rate, seed=workload_seed))
                     ]
                 else:
-                    raise ValueError(f"--workload {workload!r}: stress, groups-10x50 or groups-50x10")
+                    raise ValueError(f"--workload {workload!r}: stress, agentic-syfi, groups-10x50 or groups-50x10")
             except (TraceError, ValueError, OSError) as e:
                 console.print(f"[red]error:[/] {e}")
                 raise typer.Exit(2) from None
@@ -244,7 +280,8 @@ def policy_cmd(
         for path in _plots(results, plots, sweep_):
             console.print(f"plot: {path}")
     if json_out is not None:
-        json_out.write_text(json.dumps({"costs": costs.__dict__, "stress": spec.__dict__, "runs": results}, indent=1))
+        spec_ = {"agentic": tools.__dict__} if tools is not None else {"stress": spec.__dict__}
+        json_out.write_text(json.dumps({"costs": costs.__dict__, **spec_, "runs": results}, indent=1))
         console.print(f"figures: {json_out}")
     if any(policy.failed(r) for r in results):
         raise typer.Exit(1)

@@ -17,9 +17,11 @@ from kvcert.sim import remote, report
 from kvcert.sim.costs import Costs
 from kvcert.sim.engine import simulate
 from kvcert.sim.targets import CONTENDERS, SCHEDULERS, Unavailable, build, parse
-from kvcert.sim.workload import StressSpec, Workload, stress
+from kvcert.sim.workload import AgenticSpec, StressSpec, Workload, agentic, stress
 
-__all__ = ["MAP_ROWS", "SWEEPS", "gains", "grid", "plot_map", "repeated", "run_one", "spread", "sweep", "table"]
+__all__ = [
+    "MAP_ROWS", "SWEEPS", "gains", "generate", "grid", "plot_map", "repeated", "run_one", "spread", "sweep", "table",
+]
 
 
 def run_one(
@@ -65,6 +67,11 @@ def run_one(
     return report.summary(run, workload, run.accounting(workload, costs), extra)
 
 
+def generate(spec: StressSpec | AgenticSpec) -> Workload:
+    """The multi-turn workload a spec describes: the stress test, or its agentic variant (tool-call pauses)."""
+    return agentic(spec) if isinstance(spec, AgenticSpec) else stress(spec)
+
+
 def failed(s: dict[str, Any]) -> list[str]:
     return [*s.get("checks", []), *s.get("accounting", [])]
 
@@ -73,14 +80,14 @@ def table(
     names: Sequence[str],
     hps: Sequence[int],
     costs: Costs,
-    spec: StressSpec,
+    spec: StressSpec | AgenticSpec,
     seed: int = 0,
     on_run: Optional[Callable[[int, str, Workload], Optional[Callable[[int], None]]]] = None,
 ) -> list[dict[str, Any]]:
     """Every contender at every high-priority client count: one summary each (hp recorded)."""
     out = []
     for hp in hps:
-        w = stress(replace(spec, hp_clients=hp))
+        w = generate(replace(spec, hp_clients=hp))
         for name in names:
             s = run_one(name, w, costs, seed, on_run(hp, name, w) if on_run else None)
             s["hp_clients"] = hp
@@ -212,17 +219,17 @@ def repeated(
     names: Sequence[str],
     hps: Sequence[int],
     costs: Costs,
-    spec: StressSpec,
+    spec: StressSpec | AgenticSpec,
     workload_seeds: Sequence[int],
     seed: int = 0,
     on_run: Optional[Callable[[str, str, Workload], Optional[Callable[[int], None]]]] = None,
 ) -> list[dict[str, Any]]:
     """Every row at every HP client count, once per workload seed (the fork's `--seed`: other turn counts and think
-    times): the spread a difference between two rows must clear."""
+    times, or tool-call pauses for an `AgenticSpec`): the spread a difference between two rows must clear."""
     out = []
     for hp in hps:
         for ws in workload_seeds:
-            w = stress(replace(spec, hp_clients=hp, seed=ws))
+            w = generate(replace(spec, hp_clients=hp, seed=ws))
             for name in names:
                 r = run_one(name, w, costs, seed, on_run(f"{hp} HP, workload seed {ws}", name, w) if on_run else None)
                 out.append(r | {"hp_clients": hp, "workload_seed": ws})

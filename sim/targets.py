@@ -31,11 +31,15 @@ def built(target: str, costs: Costs, **kwargs: Any) -> Any:
     return getattr(importlib.import_module(module), attr)(_config(costs), **kwargs)
 
 
-def _gpu(costs: Costs, w: Workload, priority: bool, target: str = "kvcert.gpu:factory") -> CacheDriver:
+def _gpu(
+    costs: Costs, w: Workload, priority: bool, target: str = "kvcert.gpu:factory", scoped: bool = True
+) -> CacheDriver:
     name = "kvcert.gpu, proactive (SPEC.md §11)" if priority else "kvcert.gpu, priority-blind (LRU)"
     if target != "kvcert.gpu:factory":
         name += f" ({target})"
-    return ProtocolDriver(name, built(target, costs), priority, costs.load_back_threshold)
+    if not scoped:
+        name += ", evictions unscoped"
+    return ProtocolDriver(name, built(target, costs), priority, costs.load_back_threshold, scoped=scoped)
 
 
 def _sglang(costs: Costs, w: Workload) -> CacheDriver:
@@ -77,6 +81,11 @@ def _retaining(costs: Costs, slack: float, target: str = "kvcert.gpu:factory") -
     return ProtocolDriver(name, built(target, costs), True, costs.load_back_threshold, retain_slack=slack)
 
 
+def _fixed_ttl(costs: Costs, ttl: float, target: str = "kvcert.gpu:factory") -> CacheDriver:
+    name = f"kvcert.gpu, proactive, retaining each paused session for a fixed {ttl:g} s (SPEC.md §11.7)"
+    return ProtocolDriver(name, built(target, costs), True, costs.load_back_threshold, retain_ttl=ttl)
+
+
 def _model(costs: Costs, name: str) -> CacheDriver:
     decisions, _ = ABLATIONS[name]
     backend = built("kvcert.refimpl:RefCache", costs, decisions=decisions)
@@ -111,6 +120,11 @@ CONTENDERS: dict[str, Contender] = {
     "proactive": Contender(
         "gpu-refs", "kvcert.gpu with session refs, scoped eviction and demotion (SPEC.md §11.1-§11.4)"
     ),
+    "proactive-unscoped": Contender(
+        "gpu-refs-unscoped",
+        "kvcert.gpu as proactive, every eviction unscoped (all tiers, §11's order): the cache as SGLang 0.5.23 runs "
+        "it (--radix-cache-backend kvcert), whose scheduler never says which request an eviction makes room for",
+    ),
     "proactive-queued": Contender(
         "gpu-refs-queued",
         "kvcert.gpu as proactive, host pressure demoting in the RefAware fork's queue order (kvcert.gpu:factory_queued, "
@@ -131,6 +145,15 @@ CONTENDERS: dict[str, Contender] = {
     ),
     "proactive-queued-retain-30": Contender(
         "gpu-refs-queued-retain-30", "kvcert.gpu:factory_queued with retention as proactive-retain-30"
+    ),
+    "proactive-ttl-10": Contender(
+        "gpu-refs-ttl-10",
+        "kvcert.gpu as proactive, each paused session retained for a fixed 10 s: a TTL that does not know the pause "
+        "(the client knows it is running a tool, not for how long)",
+    ),
+    "proactive-ttl-30": Contender(
+        "gpu-refs-ttl-30",
+        "kvcert.gpu as proactive, each paused session retained for a fixed 30 s: a TTL that does not know the pause",
     ),
     "refaware": Contender(
         "refaware",
@@ -181,11 +204,14 @@ def build(name: str, costs: Costs, workload: Workload, future: dict[str, float])
         "sglang": lambda: _sglang(costs, workload),
         "gpu-refs": lambda: _gpu(costs, workload, True),
         "gpu-refs-queued": lambda: _gpu(costs, workload, True, "kvcert.gpu:factory_queued"),
+        "gpu-refs-unscoped": lambda: _gpu(costs, workload, True, scoped=False),
         "gpu": lambda: _gpu(costs, workload, False),
         "gpu-refs-retain": lambda: _retaining(costs, 0.0),
         "gpu-refs-retain-30": lambda: _retaining(costs, 30.0),
         "gpu-refs-retain-120": lambda: _retaining(costs, 120.0),
         "gpu-refs-queued-retain-30": lambda: _retaining(costs, 30.0, "kvcert.gpu:factory_queued"),
+        "gpu-refs-ttl-10": lambda: _fixed_ttl(costs, 10.0),
+        "gpu-refs-ttl-30": lambda: _fixed_ttl(costs, 30.0),
         "refaware": lambda: _refaware(costs, workload),
         "infinite": lambda: InfiniteBound(costs.device_pages),
         "offline": lambda: _offline(costs, workload, future),

@@ -1,4 +1,4 @@
-"""Workloads: sessions of turns, generated from the seed's stress test or read from a JSONL trace.
+"""Workloads: sessions of turns, generated from the seed's stress test (or its agentic variant) or read from a trace.
 
 A session is a conversation: turn k's prompt is turn k-1's prompt, its output and turn k's new
 tokens, so everything but the new tokens is reusable KV. The simulator is closed-loop as the
@@ -21,15 +21,20 @@ from pathlib import Path
 from typing import Any, Optional
 
 __all__ = [
+    "SYFI_TOOL_CALLS",
+    "AgenticSpec",
     "Session",
     "StressSpec",
     "GroupsSpec",
     "Turn",
     "TraceError",
     "Workload",
+    "agentic",
     "groups",
     "read_trace",
     "stress",
+    "tool_mean_s",
+    "tool_pause",
 ]
 
 
@@ -97,13 +102,7 @@ class StressSpec:
 
 def stress(spec: StressSpec) -> Workload:
     """The seed's multi-turn stress test: every client arrives at t=0 (the script gathers them at once)."""
-    if spec.hp_clients <= 0 or spec.lp_per_hp < 0 or not float(spec.hp_clients * spec.lp_per_hp).is_integer():
-        raise ValueError(
-            f"need hp_clients > 0 and a whole number of low-priority clients (hp_clients x lp_per_hp), got "
-            f"{spec.hp_clients} x {spec.lp_per_hp}"
-        )
-    if not 1 <= spec.min_turns <= spec.max_turns:
-        raise ValueError(f"need 1 <= min_turns <= max_turns, got {spec.min_turns}, {spec.max_turns}")
+    _check_clients_and_turns(spec)
     if not 0 <= spec.think_min <= spec.think_max:
         raise ValueError(f"need 0 <= think_min <= think_max, got {spec.think_min}, {spec.think_max}")
     rng = random.Random(spec.seed)
@@ -120,6 +119,99 @@ def stress(spec: StressSpec) -> Workload:
         tuple(sessions),
         max_in_flight=spec.hp_clients + 100,
         params={"kind": "stress", **spec.__dict__},
+    )
+
+
+def _check_clients_and_turns(spec: StressSpec | AgenticSpec) -> None:
+    """ValueError unless the spec makes whole clients of both priorities and at least one turn each."""
+    if spec.hp_clients <= 0 or spec.lp_per_hp < 0 or not float(spec.hp_clients * spec.lp_per_hp).is_integer():
+        raise ValueError(
+            f"need hp_clients > 0 and a whole number of low-priority clients (hp_clients x lp_per_hp), got "
+            f"{spec.hp_clients} x {spec.lp_per_hp}"
+        )
+    if not 1 <= spec.min_turns <= spec.max_turns:
+        raise ValueError(f"need 1 <= min_turns <= max_turns, got {spec.min_turns}, {spec.max_turns}")
+
+
+# --------------------------------------------------------------------------- agentic: pauses from a published trace
+
+SYFI_URL = "https://tracelab.cs.washington.edu/exp/tool_calls/codex_wall_internal_gap/"
+
+SYFI_TOOL_CALLS: dict[str, tuple[int, float]] = {
+    "exec_command": (184_000, 97.8),
+    "write_stdin": (61_000, 314.6),
+    "shell_command": (6_100, 5.3),
+    "apply_patch": (2_500, 0.5),
+}
+"""Per Codex tool: (timed calls, summed end-to-end latency in hours), as printed (rounded) in Table 1, "Codex tool
+end-to-end vs internal latency and the residual gap, by tool", of the SyFI TraceLab page "Codex tool end-to-end vs
+internal latency" (University of Washington; SYFI_URL):
+
+    https://tracelab.cs.washington.edu/exp/tool_calls/codex_wall_internal_gap/
+
+253k Codex tool calls with both timings, from the public SyFI pool of Claude Code and Codex traces. End-to-end is the
+span from the model emitting the call to its output being recorded: the pause between two model calls of a session.
+
+The page gives per tool only totals, so only a mean (`tool_mean_s`, computed from them, never typed); its percentiles
+(P50/90/99) are of the residual gap (end-to-end less the runner's internal time), not of the end-to-end latency. How
+the pauses of one tool spread is therefore not in the source: the exponential shape `agentic` draws within a tool is
+kvcert's assumption."""
+
+
+def tool_mean_s(tool: str) -> float:
+    """A tool's mean end-to-end latency in seconds: its summed hours over its calls (SYFI_TOOL_CALLS)."""
+    calls, hours = SYFI_TOOL_CALLS[tool]
+    return hours * 3600 / calls
+
+
+@dataclass(frozen=True)
+class AgenticSpec:
+    """The stress test (`StressSpec`, the same clients, turns and lengths) with each later turn after a tool call:
+    its pause is a tool kind drawn in proportion to its calls, then an exponential draw with that tool's mean
+    end-to-end latency (SYFI_TOOL_CALLS; the exponential shape is kvcert's assumption, the page gives means)."""
+
+    hp_clients: int = 128
+    min_turns: int = 5
+    max_turns: int = 20
+    request_length: int = 15360
+    sub_question_length: int = 1024
+    output_length: int = 256
+    seed: int = 42
+    lp_per_hp: float = 0.5
+    """Low-priority clients per high-priority one: the script's fixed 2:1 split is 0.5."""
+
+
+def tool_pause(rng: random.Random) -> tuple[str, float]:
+    """One tool call's pause: (tool, seconds), the tool drawn in proportion to its calls, the seconds from an
+    exponential distribution with the tool's mean (SYFI_TOOL_CALLS)."""
+    tools = list(SYFI_TOOL_CALLS)
+    tool = rng.choices(tools, weights=[SYFI_TOOL_CALLS[t][0] for t in tools])[0]
+    return tool, rng.expovariate(1 / tool_mean_s(tool))
+
+
+def agentic(spec: AgenticSpec) -> Workload:
+    """The stress test with tool-call pauses (`AgenticSpec`): every client arrives at t=0, and at the same seed its
+    turn counts are `stress()`'s (drawn from the same stream, which advances past the stress test's think draws as
+    `stress()` does), the pauses from a stream of their own: only the pause distribution differs."""
+    _check_clients_and_turns(spec)
+    rng = random.Random(spec.seed)
+    pauses = random.Random(f"{spec.seed}/syfi-tool-pauses")
+    lp = int(spec.hp_clients * spec.lp_per_hp)
+    sessions, tools = [], dict.fromkeys(SYFI_TOOL_CALLS, 0)
+    for i in range(spec.hp_clients + lp):
+        turns = rng.randint(spec.min_turns, spec.max_turns)
+        seq = [Turn(spec.request_length, spec.output_length)]
+        for _ in range(turns - 1):
+            rng.random()  # the draw stress() spends on this turn's think time: the turn counts stay stress()'s
+            tool, pause = tool_pause(pauses)
+            tools[tool] += 1
+            seq.append(Turn(spec.sub_question_length, spec.output_length, pause))
+        sessions.append(Session(f"c{i}", 1 if i < spec.hp_clients else 0, 0.0, tuple(seq)))
+    return Workload(
+        f"agentic-syfi-hp{spec.hp_clients}",
+        tuple(sessions),
+        max_in_flight=spec.hp_clients + 100,
+        params={"kind": "agentic", **spec.__dict__, "source": SYFI_URL, "tool_calls": tools},
     )
 
 

@@ -266,9 +266,12 @@ class Submit:
     lora: Any = None
     """The LoRA adapter it runs under, (name, path), or None for the base model: the adapter's weights change every
     token's KV (`kvcert.spec.requests.kv_namespace`). Left out of a trace's JSON when None."""
+    retain: Any = None
+    """The client's retention hint (SPEC.md §11.7, §12.3): seconds until its session's next turn, sent with the turn;
+    the session's path is retained that long once the turn finishes. None: no hint (left out of a trace's JSON)."""
 
 
-OMITTED_WHEN_NONE = frozenset({"lora"})
+OMITTED_WHEN_NONE = frozenset({"lora", "retain"})
 """Op fields a trace's JSON (and a run's digest) leaves out when None: fields added after traces were recorded."""
 
 

@@ -112,6 +112,21 @@ def test_factories_are_module_level_targets() -> None:
         adapter.make_factory("cython")
 
 
+def test_a_host_pool_builds_whatever_memory_the_machine_has_free(monkeypatch: Any) -> None:
+    """SGLang's host pool checks the machine's free RAM less a 10 GiB reserve; a cell's pool is kilobytes, so the
+    adapter books it against a fixed budget (SGLang's own host_memory_budget_scope, a declared deviation): a machine
+    with next to nothing free still builds it, and SGLang's check itself still refuses outside that scope."""
+    from sglang.srt.mem_cache.pool_host import base as host_base
+
+    from kvcert.conformance.adapters.sglang_hicache import HOST_BUDGET_DEVIATION
+
+    monkeypatch.setattr(host_base, "available_host_memory_bytes", lambda **kw: 1 << 20)  # 1 MiB free
+    assert host_base.host_memory_budget_bytes(1024) < 0  # what the check would read without the budget
+    b = tracked()(_config(1, host_pages=17))
+    assert b.snapshot().host_capacity == 17
+    assert HOST_BUDGET_DEVIATION in adapter.factory.capabilities.deviations
+
+
 @pytest.mark.parametrize(("core", "layout"), CORE_LAYOUTS)
 @pytest.mark.parametrize("page_size", [1, 4])
 @pytest.mark.parametrize("host_pages", [1, 17, 40])

@@ -27,7 +27,12 @@ from test_sglang_requests import Model  # noqa: E402
 from kvcert.conformance.adapters import sglang_kvcert  # noqa: E402
 from kvcert.integrations import sglang as plugin  # noqa: E402
 from kvcert.integrations.sglang import cache as backend  # noqa: E402
-from kvcert.integrations.sglang.options import HIGH_PRIORITY_ENV, UnsupportedOption  # noqa: E402
+from kvcert.integrations.sglang.options import (  # noqa: E402
+    HIGH_PRIORITY_ENV,
+    RETAIN_PARAM,
+    RETENTION_ENV,
+    UnsupportedOption,
+)
 from kvcert.spec import contracts  # noqa: E402
 from kvcert.spec.types import CacheConfig  # noqa: E402
 
@@ -81,6 +86,7 @@ def _context(**overrides: Any) -> Any:
         eviction_policy_config=overrides.pop("policy_config", None),
         is_eagle=overrides.pop("is_eagle", False),
         enable_kv_cache_events=overrides.pop("events", False),
+        enable_session_radix_cache=overrides.pop("sessions", False),
     )
     args = types.SimpleNamespace(**overrides.pop("args", {}))
     return sglang_kvcert.tree_context(params, args, **overrides)
@@ -301,6 +307,66 @@ def test_a_planted_defect_fails_certification(plant: str, monkeypatch: Any, tmp_
         target, examples=30, steps=30, page_sizes=[page_size], policies=["lru"], write_policies=[], out_dir=tmp_path
     )
     assert not cert.passed, f"{plant}: certified"
+
+
+def test_retention_is_refused_where_it_cannot_hold(monkeypatch: Any) -> None:
+    """KVCERT_RETENTION=1 needs radix-native sessions (it holds a session's path) and one tensor-parallel rank (its
+    deadlines are wall time); an unknown value is refused too. Off, the hint changes nothing."""
+    assert not plugin.factory(_context(sessions=True)).options.retention
+    monkeypatch.setenv(RETENTION_ENV, "1")
+    assert plugin.factory(_context(sessions=True)).options.retention
+    with pytest.raises(UnsupportedOption, match="--enable-session-radix-cache"):
+        plugin.factory(_context())
+    with pytest.raises(UnsupportedOption, match="--tp-size"):
+        plugin.factory(_context(sessions=True, args={"tp_size": 2}))
+    monkeypatch.setenv(RETENTION_ENV, "yes")
+    with pytest.raises(UnsupportedOption, match=RETENTION_ENV):
+        plugin.factory(_context(sessions=True))
+
+
+@pytest.mark.parametrize(
+    ("params", "micros"),
+    [(None, None), ({}, None), ({RETAIN_PARAM: 2.5}, 2_500_000), ({RETAIN_PARAM: 3}, 3_000_000),
+     ({RETAIN_PARAM: -1}, None), ({RETAIN_PARAM: 0}, None), ({RETAIN_PARAM: "3"}, None), ({RETAIN_PARAM: True}, None),
+     ({RETAIN_PARAM: float("nan")}, None), ({RETAIN_PARAM: float("inf")}, None)],
+)  # fmt: skip
+def test_a_retention_hint_is_read_from_custom_params_and_a_bad_one_retains_nothing(params: Any, micros: Any) -> None:
+    req = types.SimpleNamespace(rid="r1", sampling_params=types.SimpleNamespace(custom_params=params))
+    assert backend.retain_hint(req) == micros
+
+
+def _ignores_hints(req: Any) -> None:
+    return None
+
+
+def _outlives_its_hint(req: Any) -> Any:
+    got = RETAIN_HINT(req)
+    return None if got is None else got * 10
+
+
+RETAIN_HINT = backend.retain_hint
+
+
+@pytest.mark.parametrize("plant", [_ignores_hints, _outlives_its_hint], ids=["hint ignored", "retained 10x the hint"])
+def test_a_retention_the_hint_did_not_ask_for_fails_under_inv_rp_6(plant: Any, monkeypatch: Any, tmp_path: Path) -> None:
+    from kvcert.conformance.certification.certify import certify
+
+    monkeypatch.setattr(backend, "retain_hint", plant)
+    target = "kvcert.conformance.adapters.sglang_kvcert:factory_retention"
+    cert = certify(target, examples=30, steps=30, page_sizes=[1], policies=["lru"], write_policies=[], out_dir=tmp_path)
+    assert not cert.passed
+    assert "INV-RP-6" in (cert.cells[0].failure or ""), cert.cells[0].failure
+
+
+def test_retention_hints_reach_the_tree_and_certify(tmp_path: Path) -> None:
+    """The unplanted backend passes with hints on, and the run both sent hints and saw sessions retained."""
+    from kvcert.conformance.certification.certify import certify
+
+    target = "kvcert.conformance.adapters.sglang_kvcert:factory_retention"
+    cert = certify(target, examples=30, steps=30, page_sizes=[1], policies=["lru"], write_policies=[], out_dir=tmp_path)
+    assert cert.passed, cert.cells[0].failure
+    ops = cert.cells[0].ops
+    assert ops.get("retain:sent", 0) > 0 and ops.get("retain:held", 0) > 0, ops
 
 
 def test_slots_evicted_go_back_to_sglangs_allocator() -> None:

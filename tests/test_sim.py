@@ -18,7 +18,7 @@ from kvcert.conformance.cli import app
 from kvcert.sim import caches, engine, policy, workload
 from kvcert.sim.costs import SEED_PREFILL_SLOWDOWN, Costs, with_overrides
 from kvcert.sim.costs import engine as named_engine
-from kvcert.sim.workload import StressSpec, TraceError, read_trace, stress, write_trace
+from kvcert.sim.workload import AgenticSpec, StressSpec, TraceError, agentic, read_trace, stress, write_trace
 
 SPEC = StressSpec(
     hp_clients=4,
@@ -30,6 +30,10 @@ SPEC = StressSpec(
     think_min=0.5,
     think_max=1.0,
 )
+ASPEC = AgenticSpec(
+    hp_clients=4, min_turns=2, max_turns=4, request_length=2048, sub_question_length=512, output_length=128
+)
+"""SPEC's agentic twin: the same clients, turns and lengths, tool-call pauses for think times."""
 
 
 _run = serve
@@ -62,6 +66,49 @@ def test_the_stress_workload_follows_the_forks_script() -> None:
 def test_a_bad_stress_spec_is_refused(bad: dict[str, object]) -> None:
     with pytest.raises(ValueError):
         stress(replace(SPEC, **bad))  # type: ignore[arg-type]
+
+
+def test_the_agentic_workload_is_the_stress_test_with_tool_call_pauses() -> None:
+    """agentic() is a pure function of its spec, and at the same seed it is stress() but for the pauses: the same
+    clients, priorities, turn counts, lengths and in-flight limit (at the figures' spec too), other pauses."""
+    for a_spec, s_spec in ((ASPEC, SPEC), (AgenticSpec(), StressSpec())):
+        a, s = agentic(a_spec), stress(s_spec)
+        assert agentic(a_spec) == a
+        assert a.max_in_flight == s.max_in_flight and a.params["kind"] == "agentic"
+        assert len(a.sessions) == len(s.sessions)
+        for x, y in zip(a.sessions, s.sessions):
+            assert (x.id, x.priority, x.arrival, len(x.turns)) == (y.id, y.priority, y.arrival, len(y.turns))
+            lengths = [(t.new_tokens, t.output_tokens) for t in x.turns]
+            assert lengths == [(t.new_tokens, t.output_tokens) for t in y.turns]
+            assert all(t.think > 0 for t in x.turns[1:])
+        assert [t.think for x in a.sessions for t in x.turns] != [t.think for x in s.sessions for t in x.turns]
+    assert agentic(replace(ASPEC, seed=43)) != agentic(ASPEC)
+
+
+def test_the_agentic_pauses_have_the_tables_mean() -> None:
+    """Over about 100,000 pauses the sample mean is within 3% of the mixture's mean, which the table's totals give
+    directly (all hours over all calls): with the mixture's standard deviation of about 11.7 s that is about five
+    standard errors. Each tool's share of the pauses is within 0.01 of its share of the calls."""
+    w = agentic(AgenticSpec(hp_clients=6000, request_length=64, sub_question_length=64, output_length=64))
+    pauses = [t.think for s in w.sessions for t in s.turns[1:]]
+    assert len(pauses) > 90_000
+    calls = sum(c for c, _ in workload.SYFI_TOOL_CALLS.values())
+    mean = sum(h for _, h in workload.SYFI_TOOL_CALLS.values()) * 3600 / calls
+    assert math.isclose(sum(pauses) / len(pauses), mean, rel_tol=0.03), (sum(pauses) / len(pauses), mean)
+    drawn = w.params["tool_calls"]
+    assert sum(drawn.values()) == len(pauses)
+    for tool, (n, hours) in workload.SYFI_TOOL_CALLS.items():
+        assert abs(drawn[tool] / len(pauses) - n / calls) < 0.01, tool
+        assert workload.tool_mean_s(tool) == hours * 3600 / n
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [dict(hp_clients=3), dict(hp_clients=0), dict(lp_per_hp=-0.5), dict(min_turns=0), dict(min_turns=6, max_turns=5)],
+)
+def test_a_bad_agentic_spec_is_refused(bad: dict[str, object]) -> None:
+    with pytest.raises(ValueError):
+        agentic(replace(ASPEC, **bad))  # type: ignore[arg-type]
 
 
 def test_a_trace_round_trips(tmp_path: Path) -> None:
@@ -435,3 +482,91 @@ def test_retention_runs_clean_and_agrees_with_the_model() -> None:
     finally:
         model_cache.close()
     assert model.records == gpu.records and model.duration == gpu.duration
+
+
+def test_a_fixed_ttl_retains_for_the_ttl_whatever_the_pause(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`proactive-ttl-10`: after every paused turn the session's retention deadline, in the cache's own session view,
+    is 10 s (in the cache's microseconds) past the call, for pauses shorter and longer than 10 s alike; the run accounts
+    for every turn and ends clean. A driver given both a slack and a TTL is refused."""
+    from kvcert.sim.caches import ProtocolDriver
+    from kvcert.sim.targets import build
+
+    w = agentic(replace(ASPEC, hp_clients=8))
+    tight = replace(TINY, device_tokens=64 * 160, host_tokens=64 * 200)
+    cache = build("proactive-ttl-10", tight, w, {})
+    assert isinstance(cache, ProtocolDriver)
+    seen: list[tuple[float, int]] = []
+    pause = cache.pause
+
+    def spy(session: str, seconds: float) -> None:
+        pause(session, seconds)
+        until = {s.id: s.retained_until for s in cache.c.snapshot().sessions}[session]
+        seen.append((seconds, until - cache._now))
+
+    monkeypatch.setattr(cache, "pause", spy)
+    try:
+        run = engine.simulate(w, cache, tight, future={})
+    finally:
+        cache.close()
+    assert not run.checks and not run.accounting(w, tight)
+    assert {ttl for _, ttl in seen} == {10_000_000}
+    assert min(p for p, _ in seen) < 10 < max(p for p, _ in seen)  # the TTL did not follow the pause
+    assert run.counters["retained"] == len(seen) > 0
+    with pytest.raises(ValueError, match="exclusive"):
+        ProtocolDriver("both", None, True, 1, retain_slack=30.0, retain_ttl=10.0)
+    with pytest.raises(ValueError, match="> 0"):
+        ProtocolDriver("none", None, True, 1, retain_ttl=0.0)
+
+
+def test_the_command_runs_the_agentic_workload(tmp_path: Path) -> None:
+    """`--workload agentic-syfi` serves agentic(), once per --hp and, with --repeat, once per workload seed; the maps
+    and sweeps, which vary the stress test's think time, refuse it rather than run the stress test."""
+    out = tmp_path / "out.json"
+    tiny = ["bench", "policy", "--workload", "agentic-syfi", "--hp", "4", "--min-turns", "2", "--max-turns", "3",
+            "--request-length", "2048", "--set", "device_tokens=16384", "--set", "host_tokens=32768"]  # fmt: skip
+    res = CliRunner().invoke(app, [*tiny, "--cache", "proactive-ttl-10", "--cache", "offline", "--json", str(out)])
+    assert res.exit_code == 0, res.output
+    doc = json.loads(out.read_text())
+    assert doc["agentic"]["hp_clients"] == 4 and "stress" not in doc
+    assert [(r["contender"], r["workload"]) for r in doc["runs"]] == [
+        ("proactive-ttl-10", "agentic-syfi-hp4"),
+        ("offline", "agentic-syfi-hp4"),
+    ]
+    assert all(r["accounting"] == [] and r["checks"] == [] for r in doc["runs"])
+    res = CliRunner().invoke(app, [*tiny, "--cache", "infinite", "--repeat", "2", "--json", str(out)])
+    assert res.exit_code == 0, res.output
+    runs = json.loads(out.read_text())["runs"]
+    assert [(r["workload"], r["workload_seed"]) for r in runs] == [("agentic-syfi-hp4", 42), ("agentic-syfi-hp4", 43)]
+    grid = policy.table(["infinite"], (2, 4), TINY, replace(ASPEC, hp_clients=2))  # --table
+    assert [(r["workload"], r["hp_clients"]) for r in grid] == [("agentic-syfi-hp2", 2), ("agentic-syfi-hp4", 4)]
+    for extra in (["--map", "host,think"], ["--sweep", "host"]):
+        res = CliRunner().invoke(app, [*tiny, "--cache", "infinite", *extra])
+        assert res.exit_code == 2 and "not agentic-syfi" in res.output
+
+
+class _EvictRecorder:
+    """A backend that records how each eviction was scoped (the driver's only call under test)."""
+
+    def __init__(self) -> None:
+        self.calls: list[dict[str, bool]] = []
+
+    def evict(self, n: int, **scope: bool) -> int:
+        self.calls.append(scope)
+        return 0
+
+    def in_flight(self) -> list[int]:
+        return []
+
+    def poll(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize(("scoped", "want"), [(True, {"allow_low": True, "allow_high": False}), (False, {})])
+def test_an_unscoped_driver_evicts_as_an_engine_that_names_no_request(scoped: bool, want: dict[str, bool]) -> None:
+    """proactive-unscoped stands for kvcert's cache under SGLang 0.5.23, whose scheduler calls evict with a token
+    count only: a low-priority request's room is made across every tier, in §11's order."""
+    recorder = _EvictRecorder()
+    driver = caches.ProtocolDriver("recorder", recorder, True, 1, scoped=scoped)
+    driver._evict(4, False)
+    assert recorder.calls == [want]
+    assert policy.parse("proactive-unscoped") == ("proactive-unscoped", "priority")

@@ -260,8 +260,30 @@ def _stub_torchvision() -> None:
 # --------------------------------------------------------------------------- host tier
 
 
+HOST_BUDGET_BYTES = 1 << 30
+HOST_BUDGET_DEVIATION = (
+    "host pools: 0.5.10's free-memory check (psutil's available RAM less a 10 GiB reserve) reads a fixed 1 GiB "
+    "allowance above that reserve while a pool is built, not the machine's free RAM (a cell's pool is kilobytes)"
+)
+
+
+class _BudgetedPsutil:
+    """`psutil` as 0.5.10's host pool check reads it while a pool is built: `available` is the 10 GiB it reserves plus
+    `HOST_BUDGET_BYTES`, so a cell does not fail on a machine busy with something else. Everything else is psutil's."""
+
+    def __init__(self, real: Any) -> None:
+        self._real = real
+
+    def virtual_memory(self) -> Any:
+        return self._real.virtual_memory()._replace(available=10 * (1 << 30) + HOST_BUDGET_BYTES)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+
 def install_host_cpu_shims() -> None:
-    """Make 0.5.10's host KV pools constructible on CPU: force `pin_memory=False`; idempotent.
+    """Make 0.5.10's host KV pools constructible on CPU: force `pin_memory=False`, and check memory against a fixed
+    budget (`_BudgetedPsutil`, a declared deviation); idempotent.
 
     `HiRadixCache.__init__` builds `MHATokenToKVPoolHost(...)` without a pin_memory argument
     (default True), and `HostKVCache` then registers its buffer with
@@ -283,7 +305,12 @@ def install_host_cpu_shims() -> None:
     def unpinned_init(self: Any, *args: Any, **kwargs: Any) -> None:
         bound = signature.bind(self, *args, **kwargs)
         bound.arguments["pin_memory"] = False
-        original(*bound.args, **bound.kwargs)
+        real = memory_pool_host.psutil
+        memory_pool_host.psutil = _BudgetedPsutil(real)
+        try:
+            original(*bound.args, **bound.kwargs)
+        finally:
+            memory_pool_host.psutil = real
 
     unpinned_init._kvcert_unpinned = True  # type: ignore[attr-defined]
     base.__init__ = unpinned_init  # type: ignore[method-assign]

@@ -97,6 +97,7 @@ import torch
 
 from kvcert.conformance.adapters._radix_tree import LogicalTime, radix_capabilities
 from kvcert.conformance.adapters._refaware_env import (
+    HOST_BUDGET_DEVIATION,
     REFAWARE_SGLANG_VERSION,
     import_refaware,
     install_host_cpu_shims,
@@ -526,6 +527,7 @@ factory.capabilities = radix_capabilities(  # type: ignore[attr-defined]
         "eviction ties: the fork's leaf sets and RefInfo.nodes are insertion-ordered, so equally ranked leaves leave in insertion order; as shipped a set orders them by memory address, which differs from run to run",
         "clock: time.monotonic, TreeNode.counter and CacheOperation.counter are the adapter's during each call",
         "host transfers: torch index-copy stand-ins for sgl_kernel's kernels (direct io on CPU), host pools unpinned",
+        HOST_BUDGET_DEVIATION,
         "requests: the API is driven by calls the suite composes in the scheduler's place; the fork's request path "
         "(its PrefillAdder admission, cache_finished_req and the finish path that registers refs) does not run",
     ),

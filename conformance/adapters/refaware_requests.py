@@ -69,6 +69,7 @@ import torch
 
 from kvcert.conformance.adapters._radix_tree import RADIX_POLICIES, LogicalTime, RadixTreeAdapter
 from kvcert.conformance.adapters._refaware_env import (
+    HOST_BUDGET_DEVIATION,
     REFAWARE_SGLANG_VERSION,
     import_refaware_scheduler,
     install_host_cpu_shims,
@@ -978,6 +979,7 @@ factory.capabilities = Capabilities(  # type: ignore[attr-defined]
         "insertion order; as shipped a set orders them by memory address, which differs from run to run",
         "host tier: unpinned host pool (no cudaHostRegister on CPU), a one-rank gloo group for the tp world size, "
         "the cache's atexit shutdown unregistered",
+        HOST_BUDGET_DEVIATION,
         "shipped defaults overridden: overlap scheduling off (event_loop_normal; the GPU default is "
         "event_loop_overlap), chunked_prefill_size 32 tokens rounded up to whole pages (shipped: 2048-16384 by GPU "
         "memory), max_running_requests 8, attention_backend torch_native (CPU's default intel_amx runs a triton "

@@ -74,7 +74,7 @@ import torch
 
 from kvcert.conformance.adapters._sglang_env import OrderedSet, import_sglang
 
-__all__ = ["HiCacheConfig", "Match", "SGLangHiCache", "install_cpu_shims"]
+__all__ = ["HOST_BUDGET_DEVIATION", "HiCacheConfig", "Match", "SGLangHiCache", "install_cpu_shims"]
 
 SG = import_sglang()
 """SGLang's classes; importing this module fails here, with an install hint, when sglang is missing."""
@@ -169,8 +169,19 @@ def _transfer_kv_per_layer_direct_pf_lf(
     _run_or_defer(copy)
 
 
+HOST_BUDGET_BYTES = 1 << 30
+"""What a host pool's free-memory check books against (`pool_host/base.py`'s `host_memory_budget_scope`, SGLang's own
+booking of one budget, as its HiCache auto-sizing does): a cell's host pool is kilobytes, and SGLang's check otherwise
+reads the machine's free RAM less a 10 GiB reserve, so a cell would fail on a machine busy with something else."""
+HOST_BUDGET_DEVIATION = (
+    "host pools: built inside SGLang's host_memory_budget_scope(1 GiB), so the pool's free-memory check books against "
+    "that budget instead of the machine's free RAM less SGLang's 10 GiB reserve (a cell's pool is kilobytes)"
+)
+
+
 def install_cpu_shims() -> None:
-    """Force unpinned host pools and bind torch equivalents of the direct-io transfer ops; idempotent."""
+    """Force unpinned host pools built against a fixed memory budget (`HOST_BUDGET_BYTES`), and bind torch
+    equivalents of the direct-io transfer ops; idempotent."""
     if getattr(_host_base.HostKVCache.__init__, "_kvcert_unpinned", False):
         return
     original = _host_base.HostKVCache.__init__
@@ -178,7 +189,8 @@ def install_cpu_shims() -> None:
     @functools.wraps(original)
     def unpinned_init(self: Any, *args: Any, **kwargs: Any) -> None:
         kwargs["pin_memory"] = False  # pin_memory=True calls cudaHostRegister (pool_host/common.py)
-        original(self, *args, **kwargs)
+        with _host_base.host_memory_budget_scope(HOST_BUDGET_BYTES):
+            original(self, *args, **kwargs)
 
     unpinned_init._kvcert_unpinned = True  # type: ignore[attr-defined]
     _host_base.HostKVCache.__init__ = unpinned_init  # type: ignore[method-assign]

@@ -76,6 +76,7 @@ from kvcert.conformance.adapters._sglang_kv import HEAD_DIM, HEAD_NUM, entries_o
 from kvcert.conformance.adapters.sglang_file_store import SGLangFileStore
 from kvcert.conformance.adapters.sglang_hicache import (
     CORES,
+    HOST_BUDGET_DEVIATION,
     LAYOUTS,
     HiCacheConfig,
     SGLangHiCache,
@@ -650,6 +651,7 @@ def make_factory(
             "clock: the tree's access-time, node-id, uuid and operation counters are the adapter's during each call",
             "host transfers: torch index-copy stand-ins for sgl_kernel's transfer kernels (direct io on CPU), host "
             "pools unpinned",
+            HOST_BUDGET_DEVIATION,
             "retraction_restore locks the resumed request's root on the scheduler's behalf (its half of a resume): "
             "a resume path that forgets that lock is not seen",
             "requests: the API is driven by calls the suite composes in the scheduler's place; the scheduler's own "

@@ -2,6 +2,7 @@
 
     kvcert certify kvcert.conformance.adapters.sglang_kvcert:factory            # device and host tiers, priorities
     kvcert certify kvcert.conformance.adapters.sglang_kvcert:factory_sessions   # + --enable-session-radix-cache
+    kvcert certify kvcert.conformance.adapters.sglang_kvcert:factory_retention  # + KVCERT_RETENTION=1, clients' hints
 
 The target is what a user runs: SGLang's plugin loader (`load_plugins`, as `run_scheduler_process` calls it)
 imports kvcert's entry point, which registers the backend; SGLang's `create_tree_cache` picks it by
@@ -32,18 +33,22 @@ with _env.quiet_imports():
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
     from sglang.srt.plugins import load_plugins
 
-__all__ = ["KvcertPools", "factory", "factory_sessions", "tree_context"]
+__all__ = ["KvcertPools", "factory", "factory_retention", "factory_sessions", "tree_context"]
 
 BACKEND = "kvcert"
 HIGH_PRIORITY_ENV = "KVCERT_HIGH_PRIORITY_THRESHOLD"
 """The backend's setting for §11's high-priority threshold (docs/sglang-plugin.md)."""
+RETENTION_ENV = "KVCERT_RETENTION"
+"""The backend's switch for clients' retention hints (docs/sglang-plugin.md, "Retention")."""
 
 
 class KvcertPools:
     """SGLang's pools and allocator for the request path, and the cache SGLang's registry builds over them."""
 
-    def __init__(self, config: CacheConfig, sessions: bool = False) -> None:
-        self.config, self.page_size, self.sessions = config, config.page_size, sessions
+    def __init__(self, config: CacheConfig, sessions: bool = False, retention: bool = False) -> None:
+        self.config, self.page_size, self.sessions, self.retention = config, config.page_size, sessions, retention
+        self._now = 0
+        """The harness's clock: with retention, the backend's clock reads it as seconds (one op, one second)."""
         self.kv_pool, self.allocator = cpu_pools(config)
         self.cache: Any = None
         self.router = Replay()
@@ -69,22 +74,30 @@ class KvcertPools:
             model_config=model_config,
             enable_hierarchical_cache=bool(server_args.enable_hierarchical_cache),
         )
-        # What an operator sets for §11's two ref classes (SGLang has no flag for it): the cell's threshold.
-        saved = os.environ.get(HIGH_PRIORITY_ENV)
-        os.environ[HIGH_PRIORITY_ENV] = str(self.config.high_priority_threshold)
+        # What an operator sets for §11's two ref classes (SGLang has no flag for it): the cell's threshold; and the
+        # retention switch for a build that takes clients' hints.
+        settings = {HIGH_PRIORITY_ENV: str(self.config.high_priority_threshold), RETENTION_ENV: str(int(self.retention))}
+        saved = {k: os.environ.get(k) for k in settings}
+        os.environ.update(settings)
         try:
             self.cache = _registry.create_tree_cache(ctx)
         finally:
-            if saved is None:
-                del os.environ[HIGH_PRIORITY_ENV]
-            else:
-                os.environ[HIGH_PRIORITY_ENV] = saved
+            for k, v in saved.items():
+                if v is None:
+                    del os.environ[k]
+                else:
+                    os.environ[k] = v
+        if self.retention:  # time is the harness's: the backend's clock reads its seconds
+            self.cache.clock = lambda: float(self._now)
+            self.cache.reset_clock_origin()
         return self.cache
 
     # ------------------------------------------------------------------ what sglang_requests reads
 
     def set_clock(self, now: int) -> None:
-        """The backend keeps its own logical clock (a tick a call); the harness's is not pushed into it."""
+        """The backend keeps its own logical clock (a tick a call); the harness's is not pushed into it. With
+        retention the backend's wall clock (`KvcertRadixCache.clock`) reads it."""
+        self._now = now
 
     @contextlib.contextmanager
     def _in_engine(self) -> Iterator[None]:
@@ -109,8 +122,15 @@ class KvcertPools:
         """The backend's own snapshot (its tree, and SGLang's allocator's free slots), namespaces as sent."""
         base = self.cache.cache.snapshot()
         nodes = tuple(dataclasses.replace(n, namespace=_sent(n.namespace)) for n in base.nodes)
+        # retention deadlines in the harness's seconds (the backend's clock is microseconds of them)
+        sessions = tuple(
+            dataclasses.replace(x, retained_until=x.retained_until // 1_000_000) if x.retained_until is not None else x
+            for x in base.sessions
+        )
         ps = self.page_size
-        return dataclasses.replace(base, nodes=nodes, capacity=self.config.capacity, slot_limit=self.config.capacity + ps)
+        return dataclasses.replace(
+            base, nodes=nodes, sessions=sessions, capacity=self.config.capacity, slot_limit=self.config.capacity + ps
+        )
 
 
 def tree_context(params: Any, server_args: Any, **fields: Any) -> Any:
@@ -157,7 +177,7 @@ class KvcertRequestPath(_requests.SGLangRequestPath):
         return self.backend.observed()
 
 
-def _capabilities(sessions: bool) -> Capabilities:
+def _capabilities(sessions: bool, retention: bool = False) -> Capabilities:
     version = _env.SGLANG_VERSION
     name = f"kvcert backend in sglang {version}, request path (--radix-cache-backend kvcert)"
     notes: tuple[str, ...] = _requests._NOTES + (
@@ -177,7 +197,8 @@ def _capabilities(sessions: bool) -> Capabilities:
         "build_kv_cache's CacheInitParams fields for this configuration; the tree cache is SGLang's "
         "create_tree_cache(TreeCacheBuildContext) after load_plugins()), init_ipc_channels, the watchdog thread "
         "(none), init_rank_consensus_checker (not run)",
-        "clock: the backend stamps its tree with its own logical clock (a tick a call), not the harness's",
+        "clock: the backend stamps its tree with its own logical clock (a tick a call), not the harness's"
+        + ("; with retention, the harness's seconds (below) when they are further on" if retention else ""),
         "KV events: built with --kv-events-config's enable_kv_cache_events; the harness takes the cache's events "
         "after each op (take_events, as SGLang's publisher does each scheduler loop; the publisher itself, a ZMQ "
         "socket, is not started) and replays them (INV-EVENT-1) in SGLang's default format, no LoRA names",
@@ -189,6 +210,18 @@ def _capabilities(sessions: bool) -> Capabilities:
     if sessions:
         name += ", radix-native sessions"
         notes += ("--enable-session-radix-cache: close_session = CloseSessionReqInput -> release_radix_session",)
+    if retention:
+        name += ", retention hints"
+        notes += (
+            "KVCERT_RETENTION=1: a session's turn may carry the client's retention hint (sampling_params.custom_params "
+            "kvcert_retain_seconds, 1-6 s); a finished turn retains its session's path that long (SPEC.md §11.7), "
+            "judged by INV-RP-6",
+        )
+        deviations += (
+            "clock with retention: the backend's wall clock (KvcertRadixCache.clock, time.monotonic in a server) reads "
+            "the harness's time, one op a second, so deadlines are reproducible; snapshots give deadlines in those "
+            "seconds",
+        )
     else:
         notes += ("no session refs in this build: a session is the client's conversation only",)
     return Capabilities(
@@ -200,7 +233,7 @@ def _capabilities(sessions: bool) -> Capabilities:
         kv_reads=True,
         write_policies=("write_through", "write_through_selective", "write_back"),
         priority_refs=sessions,
-        priority_parts=("high", "move") if sessions else (),
+        priority_parts=(("high", "move") if sessions else ()) + (("retain",) if retention else ()),
         profile="sglang-0.5.23",
         notes=notes,
         deviations=deviations,
@@ -210,16 +243,18 @@ def _capabilities(sessions: bool) -> Capabilities:
     )
 
 
-def _make(sessions: bool) -> Any:
-    name = "factory_sessions" if sessions else "factory"
+def _make(sessions: bool, retention: bool = False) -> Any:
+    name = "factory_retention" if retention else "factory_sessions" if sessions else "factory"
 
     def factory(config: CacheConfig) -> Any:
-        return KvcertRequestPath(config, kind="kvcert", pools=KvcertPools(config, sessions=sessions))
+        pools = KvcertPools(config, sessions=sessions, retention=retention)
+        return KvcertRequestPath(config, kind="kvcert", pools=pools)
 
     factory.__name__ = factory.__qualname__ = name
-    factory.capabilities = _capabilities(sessions)  # type: ignore[attr-defined]
+    factory.capabilities = _capabilities(sessions, retention)  # type: ignore[attr-defined]
     return factory
 
 
 factory = _make(False)
 factory_sessions = _make(True)
+factory_retention = _make(True, retention=True)

@@ -136,6 +136,7 @@ _env.install_shims()
 _stub_http_modules()
 
 from kvcert.conformance.adapters._sglang_events import Replay  # noqa: E402
+from kvcert.conformance.adapters.sglang_hicache import HOST_BUDGET_DEVIATION  # noqa: E402
 from kvcert.conformance.adapters.sglang_hicache_backend import SGLangHiCacheBackend, host_ratio_for  # noqa: E402
 from kvcert.conformance.adapters.sglang_radix import SGLangRadixBackend  # noqa: E402
 from kvcert.conformance.adapters.sglang_session import SGLangSessionBackend  # noqa: E402
@@ -174,6 +175,9 @@ MAX_RUNNING = 8
 """--max-running-requests (and the ReqToTokenPool's rows): SGLang derives it from GPU memory by default."""
 VOCAB = 32000
 """The model config's vocabulary (a Llama's); token ids the suite sends are far below it."""
+RETAIN_PARAM = "kvcert_retain_seconds"
+"""The `custom_params` key a client's retention hint travels under (docs/sglang-plugin.md, "Retention"): what the
+client sends, named here as a client names it; kvcert's plugin reads it on its side."""
 
 
 # --------------------------------------------------------------------------- the model config
@@ -682,6 +686,7 @@ class SGLangRequestPath:
         output: int,
         lora: Optional[tuple[str, str]] = None,
         cache_salt: Optional[str] = None,
+        retain: Optional[float] = None,
     ) -> None:
         """What the tokenizer sends for a generate request (`TokenizerManager._create_tokenized_object`):
         normalized and verified sampling params, `max_new_tokens=output`, `ignore_eos` off as clients leave it (the
@@ -690,10 +695,13 @@ class SGLangRequestPath:
         loaded at launch (`--lora-paths`: `LoRARef.deterministic_id(name, path)`). This scheduler has no LoRA manager;
         the model the harness plays computes each request's KV under its own adapter (`kv_namespace`). `cache_salt`:
         the generate request's own `cache_salt` (SGLang keys the radix tree by it beside `extra_key`); the suite's
-        request ops do not send one, the key-partitioning probe (`sglang_partition`) does."""
+        request ops do not send one, the key-partitioning probe (`sglang_partition`) does. `retain`: the client's
+        retention hint in seconds, sent as `sampling_params.custom_params` carries it (`RETAIN_PARAM`): SGLang
+        has no request field of its own for one, and passes `custom_params` to the scheduler's `Req` unchanged."""
         if request in self._submitted:
             raise ValueError(f"request id {request!r} was submitted before")
-        sampling = SamplingParams(max_new_tokens=output, ignore_eos=False)
+        custom = {RETAIN_PARAM: retain} if retain is not None else None
+        sampling = SamplingParams(max_new_tokens=output, ignore_eos=False, custom_params=custom)
         sampling.normalize(None)
         sampling.verify(VOCAB)
         message = TokenizedGenerateReqInput(
@@ -1028,6 +1036,7 @@ _HOST_DEVIATIONS = (
     "through hicache_ratio; copies complete at submission (the CPU's truth), acks consumed by SGLang's own "
     "check_hicache_events at the next iteration",
     "host tier: load_back_threshold is CacheConfig.load_back_threshold (SGLang hard-codes 10, URC:576)",
+    HOST_BUDGET_DEVIATION,
 )
 
 

@@ -88,16 +88,20 @@ class RequestMachine:
         stats.steps += 1
         stats.digest.step(op)
         stats.ops[type(op).__name__] += 1
-        read = self.h.checks.kv_entries_read
+        read, held = self.h.checks.kv_entries_read, self.h.retained_seen
         try:
             self.h.step(op)
         except BaseException:
             self.failed = True
             raise
+        if self.h.retained_seen > held:
+            stats.ops["retain:held"] += self.h.retained_seen - held
         if self.h.checks.kv_entries_read > read:
             stats.ops["kv:entries"] += self.h.checks.kv_entries_read - read
         if getattr(op, "namespace", None) is not None:
             stats.ops["namespace:named"] += 1
+        if getattr(op, "retain", None) is not None:
+            stats.ops["retain:sent"] += 1
         if getattr(op, "lora", None) is not None:
             stats.ops["lora:sent"] += 1
         for r in self.h.finished:
@@ -158,7 +162,10 @@ class RequestMachine:
             rid = f"{data.choice(flying, 'an id in flight')}.{self.requests}"  # ids are opaque: one may extend another
         if session is not None:
             self.priority[session] = priority
-        self.do(Submit(rid, ns, prompt, priority, output, session, lora))
+        hint = None
+        if session is not None and "retain" in self.capabilities.priority_parts:  # no draw for other targets
+            hint = data.integer(0, 6, "retention hint in seconds unless 0") or None  # a tool call's length
+        self.do(Submit(rid, ns, prompt, priority, output, session, lora, hint))
 
     @precondition(lambda self: not self.keeps("sessions-only") and len(self.h.in_flight()) < IN_FLIGHT)
     @rule(data=draws())

@@ -1,3 +1,4 @@
+# Over 600 lines: the client's model of every request and session, which INV-RP-1..6 and the liveness rules all read.
 """Request-path targets (SPEC.md §12): an engine driven through its own scheduler code, judged after every op.
 
 The API-level harness (`conformance.harness.driver`) composes a cache's calls in the scheduler's place and compares the
@@ -106,6 +107,12 @@ class _Session:
     """A step ran since the latest change."""
     aborted_turns: frozenset[int] = frozenset()
     """Priorities of its turns aborted since its last finished turn or change: each one it may hold (INV-RP-4)."""
+    retained_until: Optional[int] = None
+    """Its latest finished turn's finish time plus that turn's retention hint, in the harness's seconds; None when
+    that turn had no hint, or the session was closed since (INV-RP-6)."""
+    retained_before: Optional[int] = None
+    """What it was retained until when its turn in flight was sent: the engine may keep that until the turn's first
+    checkpoint registers it again, or until it takes a close sent before the turn."""
 
 
 @dataclass
@@ -130,6 +137,8 @@ class RequestHarness:
     """Each request the engine reported finished, as it reported it."""
     aborted: set[str] = field(default_factory=set)
     """The requests the client aborted."""
+    retained_seen: int = 0
+    """Retained sessions seen across the snapshots judged (INV-RP-6): how much the run exercised retention."""
     conversation: dict[str, tuple[Any, tuple[int, ...]]] = field(default_factory=dict)
     """Per open session: its (namespace, LoRA adapter) and its conversation so far (its last finished turn, prompt and
     output)."""
@@ -225,6 +234,8 @@ class RequestHarness:
             return "no request that can never fit the device (Capabilities.never_fit)"
         if isinstance(op, Submit) and op.lora is not None and not self.capabilities.loras:
             return "no LoRA adapters (Capabilities.loras)"
+        if isinstance(op, Submit) and op.retain is not None and "retain" not in self.capabilities.priority_parts:
+            return "no retention hints (Capabilities.priority_parts has no 'retain')"
         if "sessions-only" in rules and isinstance(op, Submit) and op.session is None:
             return "sessions-only"
         if "idle-changes" in rules and isinstance(op, (CloseSession, Reprioritize)):
@@ -242,8 +253,10 @@ class RequestHarness:
 
     def _send(self, op: Op) -> None:
         b = self.backend
-        if isinstance(op, Submit):  # `lora` only when it is set: a target without adapters takes no such argument
-            adapter = {"lora": op.lora} if op.lora is not None else {}
+        if isinstance(op, Submit):  # `lora`, `retain` only when set: a target without them takes no such argument
+            adapter: dict[str, Any] = {"lora": op.lora} if op.lora is not None else {}
+            if op.retain is not None:
+                adapter["retain"] = op.retain
             b.submit(op.request, op.session, op.namespace, op.tokens, op.priority, op.output, **adapter)
         elif isinstance(op, Step):
             b.step()
@@ -269,7 +282,14 @@ class RequestHarness:
             if op.session is not None:  # a new turn reopens a closed session; its priority counts once it finishes
                 old = self.sessions.get(op.session)
                 kept = (old.priority, old.aborted_turns) if old else (None, frozenset[int]())
-                self.sessions[op.session] = _Session(priority=kept[0], turn=op.priority, aborted_turns=kept[1])
+                before = old.retained_until if old else None
+                self.sessions[op.session] = _Session(
+                    priority=kept[0],
+                    turn=op.priority,
+                    aborted_turns=kept[1],
+                    retained_until=before if old is not None and old.closed_at is None else None,
+                    retained_before=before,
+                )
         elif isinstance(op, AbortRequest):
             self.aborted.add(op.request)
         elif isinstance(op, CloseSession) and op.session in self.sessions:
@@ -394,10 +414,14 @@ class RequestHarness:
                 if st is not None and st.closed_at is None:
                     st.priority = st.turn  # the turn registered its session at its priority
                     st.aborted_turns = frozenset()
+                    hint = sent.op.retain
+                    st.retained_until = self.clock + _int(hint) if hint is not None else None
                 out += self._registered_turn(snap, sent, v, registered)
         if not self.capabilities.priority_refs:
             return out
         flying = self.busy_sessions()
+        if "retain" in self.capabilities.priority_parts:
+            out += self._retained(registered, flying)
         holds_priority = "update" in self.capabilities.priority_parts  # an engine with no session priority: no INV-RP-4
         for name, st in self.sessions.items():
             if st.closed_at is not None and st.close_taken and name in registered:
@@ -421,6 +445,35 @@ class RequestHarness:
                         f"session {name} is registered at priority {registered[name].priority}; the client set "
                         f"{st.priority} and the engine has taken it"
                         + (f" (an aborted turn's: {sorted(st.aborted_turns)})" if st.aborted_turns else ""),
+                    )
+                )
+        return out
+
+    def _retained(self, registered: dict[str, Any], flying: set[str]) -> list[Violation]:
+        """INV-RP-6: each registered session is retained as its latest finished turn's hint says. While a turn of it
+        is in flight, or after one was aborted, the old retention may stand or have ended (a turn's checkpoint
+        registers the session again); past its deadline it may still show until the engine's clock next moves
+        (expiry is lazy, and §11.7 judges it at the cache's own API)."""
+        out = []
+        for name, view in registered.items():
+            st = self.sessions.get(name)
+            if st is None or st.closed_at is not None:  # closed: INV-RP-3 judges it once the engine takes the close
+                continue
+            got, want = view.retained_until, st.retained_until
+            self.retained_seen += got is not None
+            allowed = {want}
+            if name in flying:
+                allowed |= {None, st.retained_before}
+            if st.aborted_turns:  # an aborted turn may have registered what it cached, which ends a retention
+                allowed.add(None)
+            if want is not None and self.clock >= want:
+                allowed.add(None)
+            if got not in allowed:
+                said = f"a hint to {want}" if want is not None else "no hint"
+                out.append(
+                    Violation(
+                        "INV-RP-6",
+                        f"session {name} is retained until {got}; its latest finished turn gave {said} (now {self.clock})",
                     )
                 )
         return out

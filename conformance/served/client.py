@@ -47,6 +47,8 @@ class Ask:
     """Sent as the engine's session id (engines with sessions)."""
     cut_after: Optional[int] = None
     abort_after: Optional[float] = None
+    stream: bool = False
+    """Read the answer streamed even when reading it to the end (a benchmark times its first token)."""
 
     @property
     def intent(self) -> str:
@@ -73,6 +75,8 @@ class Reply:
     retractions: int = 0
     """Times the engine retracted (preempted) the request to make room (SGLang reports it; 0 elsewhere)."""
     t_send: float = 0.0
+    t_first: float = 0.0
+    """When the first output token arrived (streamed requests only; 0.0 otherwise)."""
     t_end: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
@@ -130,7 +134,7 @@ class Client:
         try:
             if timer is not None:
                 timer.start()
-            if ask.cut_after is not None:
+            if ask.cut_after is not None or ask.stream:
                 self._stream(ask, reply)
             else:
                 self._once(ask, reply)
@@ -258,6 +262,8 @@ class SGLangClient(Client):
         with contextlib.closing(self._sse(self._body(ask, True), reply)) as chunks:
             for chunk in chunks:
                 self._take(chunk, reply)  # SGLang streams the whole answer so far in each chunk
+                if not reply.t_first and reply.output:
+                    reply.t_first = time.monotonic()
                 if ask.cut_after is not None and len(reply.output) >= ask.cut_after and not reply.finish:
                     reply.finish = "cut"
                     break  # leaving the block closes the connection: the client is gone
@@ -378,6 +384,8 @@ class OpenAIClient(Client):
             for j in chunks:  # vLLM streams each chunk's new tokens
                 for choice in j.get("choices") or ():
                     out += [int(x) for x in choice.get("token_ids") or ()]
+                    if not reply.t_first and out:
+                        reply.t_first = time.monotonic()
                     c, t = self._logprobs(choice.get("logprobs"))
                     chosen += c
                     tops += t

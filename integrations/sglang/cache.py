@@ -12,6 +12,9 @@ What SGLang's scheduler calls, and what it becomes here:
 - `inc_lock_ref` / `dec_lock_ref` -> the tree's locks; sizes -> the tree's counters.
 - with `--enable-session-radix-cache`: a request's `session_id` holds the path its checkpoint ended on at
   the request's priority (`register_ref`), until SGLang closes the session (`release_radix_session`).
+- with `KVCERT_RETENTION=1` (`options.RETENTION_ENV`): a session's finished turn whose `custom_params` carry
+  `kvcert_retain_seconds` retains the session's path that long (`retain`, SPEC.md §11.7); the tree's clock then
+  follows wall time in microseconds (`clock`), still a tick later each call.
 - with `--enable-hierarchical-cache`: the host tier is kvcert.gpu's own (pinned host pool on a GPU), its
   device side SGLang's buffers (`kv.EnginePool`). A match reports the host part (`host_hit_length`, the
   deepest host copy as `best_match_node`); `init_load_back` loads it (`GpuCache.load_back`); backups follow
@@ -30,10 +33,14 @@ is never both the tree's and a request's. Node handles are the tree's node ids (
 from __future__ import annotations
 
 import json
+import logging
+import math
 import time
+from collections.abc import Callable
 from typing import Any, Optional
 
 import torch
+from sglang.srt.managers.schedule_batch import FINISH_ABORT
 from sglang.srt.mem_cache.base_prefix_cache import (
     BasePrefixCache,
     DecLockRefParams,
@@ -49,10 +56,12 @@ from sglang.srt.mem_cache.events import KVCacheEventRecorder
 from kvcert.gpu import GpuCache
 from kvcert.integrations.sglang.events import EventWatch
 from kvcert.integrations.sglang.kv import EnginePool
-from kvcert.integrations.sglang.options import BackendOptions
+from kvcert.integrations.sglang.options import RETAIN_PARAM, BackendOptions
 from kvcert.spec.types import CacheConfig, Namespace
 
-__all__ = ["KvcertRadixCache", "namespace_of"]
+__all__ = ["KvcertRadixCache", "namespace_of", "retain_hint"]
+
+logger = logging.getLogger(__name__)
 
 
 def namespace_of(extra_key: Optional[str], cache_salt: Optional[str]) -> Namespace:
@@ -134,6 +143,9 @@ class KvcertRadixCache(BasePrefixCache):
         )
         self.kv_events.record_all_cleared()  # as SGLang's caches start: a restarted worker's blocks are gone
         self._tick = 0
+        self.clock: Callable[[], float] = time.monotonic
+        """Seconds, for retention deadlines (`options.retention` only); a harness that drives time replaces it."""
+        self._clock_origin = self.clock()
         self.loaded_back = 0
         """Host tokens loaded back to the device so far."""
         self._epochs: dict[str, int] = {}
@@ -193,8 +205,11 @@ class KvcertRadixCache(BasePrefixCache):
         cache.poll()
 
     def _stamp(self) -> None:
-        """The tree's logical clock: one tick a call, the same on every tensor-parallel rank."""
+        """The tree's logical clock: one tick a call, the same on every tensor-parallel rank. With retention, the
+        microseconds since start (`clock`) when they are further on, so a retention's deadline is wall time."""
         self._tick += 1
+        if self.options.retention:
+            self._tick = max(self._tick, round((self.clock() - self._clock_origin) * 1e6))
         self.cache.set_clock(self._tick)
 
     # ------------------------------------------------------------------ BasePrefixCache
@@ -248,6 +263,15 @@ class KvcertRadixCache(BasePrefixCache):
             and self._epochs.get(session) == getattr(req, "session_generation", None)
         ):  # a turn that finishes after its session closed holds nothing
             self.cache.register_ref(session, int(req.last_node), priority)
+            if self.options.retention and req.finished() and not isinstance(req.finished_reason, FINISH_ABORT):
+                ttl = retain_hint(req)
+                if ttl is not None:
+                    self._stamp()
+                    self.cache.retain(session, ttl)
+
+    def reset_clock_origin(self) -> None:
+        """Read `clock`'s origin again (after a harness replaced `clock`)."""
+        self._clock_origin = self.clock()
 
     def _insert_row(self, req: Any, tokens: Any, size: int, priority: int) -> None:
         """Insert the row's first `size` tokens; repoint the row and move the lock (RadixCache.checkpoint's steps)."""
@@ -400,3 +424,18 @@ class KvcertRadixCache(BasePrefixCache):
     def plan_admission(self, *args: Any, **kwargs: Any) -> Any:
         """§11.5's admission plan (`GpuCache.plan_admission`); SGLang 0.5.23's scheduler does not ask for one."""
         return self.cache.plan_admission(*args, **kwargs)
+
+
+def retain_hint(req: Any) -> Optional[int]:
+    """The request's retention hint in microseconds (`RETAIN_PARAM`), or None. A hint that is not a finite number of
+    seconds above zero retains nothing and is logged: the request was already served, so refusing it is too late."""
+    params = getattr(getattr(req, "sampling_params", None), "custom_params", None)
+    if not isinstance(params, dict) or RETAIN_PARAM not in params:
+        return None
+    seconds = params[RETAIN_PARAM]
+    ok = isinstance(seconds, (int, float)) and not isinstance(seconds, bool) and math.isfinite(seconds)
+    if not ok or seconds <= 0:
+        logger.warning("request %s: %s=%r is not a number of seconds > 0; nothing retained", req.rid, RETAIN_PARAM, seconds)
+        return None
+    return max(1, round(seconds * 1e6))  # an aborted turn's hint retains nothing: the client did not get its answer
+

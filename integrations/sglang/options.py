@@ -17,7 +17,15 @@ from kvcert.gpu.copy_engine import ENGINES
 from kvcert.integrations.sglang.kv import geometry_of
 from kvcert.spec.types import POLICIES, InvalidPolicyConfig, policy_params
 
-__all__ = ["COPY_ENGINE_ENV", "HIGH_PRIORITY_ENV", "BackendOptions", "UnsupportedOption", "backend_options"]
+__all__ = [
+    "COPY_ENGINE_ENV",
+    "HIGH_PRIORITY_ENV",
+    "RETAIN_PARAM",
+    "RETENTION_ENV",
+    "BackendOptions",
+    "UnsupportedOption",
+    "backend_options",
+]
 
 HIGH_PRIORITY_ENV = "KVCERT_HIGH_PRIORITY_THRESHOLD"
 """Session priorities at or above this are high (SPEC.md §11.1); SGLang has no flag for it. Default 1. With
@@ -25,6 +33,16 @@ HIGH_PRIORITY_ENV = "KVCERT_HIGH_PRIORITY_THRESHOLD"
 COPY_ENGINE_ENV = "KVCERT_COPY_ENGINE"
 """The host tier's copy engine (`kvcert.gpu.copy_engine.ENGINES`); default `cuda` over a CUDA device pool, else
 `deferred`."""
+
+RETENTION_ENV = "KVCERT_RETENTION"
+"""`1`: a session's finished turn that carries `RETAIN_PARAM` retains the session's path that many seconds (SPEC.md
+§11.7). Unset or `0`: the hint is ignored and the tree's clock is a tick a call. Needs `--enable-session-radix-cache`
+(retention holds a session's path) and one tensor-parallel rank (a deadline is wall time, which ranks do not share:
+their trees would expire a retention at different iterations and evict differently)."""
+RETAIN_PARAM = "kvcert_retain_seconds"
+"""The client's hint, in the request's `sampling_params.custom_params`: seconds until its session's next turn (a
+tool call's expected length). SGLang 0.5.23 carries `custom_params` to the scheduler's `Req` unchanged and has no
+request field of its own for retention."""
 
 
 class UnsupportedOption(ValueError):
@@ -51,6 +69,8 @@ class BackendOptions:
     """`--hicache-write-policy`."""
     copy_engine: str = "deferred"
     """What moves the host tier's bytes (`COPY_ENGINE_ENV`)."""
+    retention: bool = False
+    """`RETENTION_ENV`: finished turns' `RETAIN_PARAM` hints retain their sessions; the clock follows wall time."""
 
 
 def _arg(server_args: Any, name: str, default: Any = None) -> Any:
@@ -168,6 +188,22 @@ def _copy_engine(ctx: Any) -> str:
     return raw
 
 
+def _retention(ctx: Any) -> bool:
+    """`RETENTION_ENV`, checked against what retention needs."""
+    raw = os.environ.get(RETENTION_ENV, "0")
+    if raw not in ("0", "1"):
+        raise UnsupportedOption(f"{RETENTION_ENV}={raw!r}: 1 (on) or 0 (off)")
+    if raw == "0":
+        return False
+    if not ctx.params.enable_session_radix_cache:
+        raise _refuse(f"{RETENTION_ENV}=1 without --enable-session-radix-cache", "retention holds a session's path")
+    if (_arg(ctx.server_args, "tp_size", 1) or 1) > 1:
+        raise _refuse(
+            f"{RETENTION_ENV}=1 with --tp-size > 1", "a retention's deadline is wall time, which the ranks do not share"
+        )
+    return True
+
+
 def host_slots(ctx: Any) -> int:
     """The host pool SGLang would build (`pool_host/base.py`): `--hicache-size` GB of this model's KV, else
     `--hicache-ratio` (default 2.0) of the device pool, plus SGLang's padding page; 0 without HiCache."""
@@ -198,4 +234,5 @@ def backend_options(ctx: Any) -> BackendOptions:
         host_capacity=host_slots(ctx),
         write_policy=_arg(ctx.server_args, "hicache_write_policy", "write_through") or "write_through",
         copy_engine=_copy_engine(ctx),
+        retention=_retention(ctx),
     )
