@@ -290,6 +290,21 @@ def test_every_target_serves_on_loopback_with_a_caching_off_twin() -> None:
         assert t.not_checked, name
 
 
+def test_a_retention_hint_travels_in_custom_params_only_to_the_target_that_takes_it() -> None:
+    """sglang-kvcert-retain's server runs with KVCERT_RETENTION=1 and its clients send hints; a request without a
+    hint carries no custom_params, so every other target's requests are as before."""
+    from kvcert.conformance.served.client import RETAIN_PARAM, SGLangClient
+
+    retain = TARGETS["sglang-kvcert-retain"]
+    assert ("KVCERT_RETENTION", "1") in retain.env and traffic_of(retain).retain_hints
+    assert not any(traffic_of(t).retain_hints for n, t in TARGETS.items() if n != "sglang-kvcert-retain")
+    client = SGLangClient("http://127.0.0.1:1")
+    plain = client._body(Ask("r", "s", 0, (3, 4), 2), stream=False)
+    hinted = client._body(Ask("r", "s", 0, (3, 4), 2, retain=2.5), stream=False)
+    assert "custom_params" not in plain["sampling_params"]
+    assert hinted["sampling_params"]["custom_params"] == {RETAIN_PARAM: 2.5}
+
+
 def test_every_logged_served_finding_has_a_replay_file_for_a_target_that_exists() -> None:
     for f in served_findings():
         body = json.loads(finding_path(f).read_text())

@@ -49,6 +49,8 @@ class Ask:
     abort_after: Optional[float] = None
     stream: bool = False
     """Read the answer streamed even when reading it to the end (a benchmark times its first token)."""
+    retain: Optional[float] = None
+    """Seconds until the session's next turn, sent as kvcert's retention hint (`sampling_params.custom_params`)."""
 
     @property
     def intent(self) -> str:
@@ -211,6 +213,10 @@ class Client:
         return False
 
 
+RETAIN_PARAM = "kvcert_retain_seconds"
+"""The `custom_params` key kvcert's SGLang backend reads a retention hint from (docs/sglang-plugin.md, "Retention")."""
+
+
 class SGLangClient(Client):
     generate_path = "/generate"
 
@@ -229,6 +235,8 @@ class SGLangClient(Client):
             body["session_id"] = ask.session_id
         if ask.key is not None:
             body[ask.key[0]] = ask.key[1]
+        if ask.retain is not None:
+            body["sampling_params"]["custom_params"] = {RETAIN_PARAM: ask.retain}
         return body
 
     def _take(self, j: dict[str, Any], reply: Reply) -> None:

@@ -260,6 +260,7 @@ class Served:
         session_ids = bool(traffic.get("session_ids"))
         session_rid = bool(traffic.get("session_rid"))
         update_ref = bool(traffic.get("update_ref"))
+        hints = bool(traffic.get("retain_hints"))
         played = Played(conv)
         lock = threading.Lock()
         filled: dict[int, Session] = {}
@@ -295,6 +296,7 @@ class Served:
                     session_id=s.sid if session_ids else None,
                     cut_after=turn.cut_after,
                     abort_after=turn.abort_after,
+                    retain=round(s.turns[k + 1].think + 1.0, 3) if hints and k + 1 < len(s.turns) else None,
                 )
                 reply = client.generate(ask)
                 with lock:
@@ -377,6 +379,8 @@ class Served:
             v.counts["retracted"] += bool(r.retractions)
             v.counts["cached from host>0"] += bool(r.cached_host)
             v.counts[f"finish:{r.finish}"] += 1
+            if r.ask.retain is not None:
+                v.counts["retention hint sent"] += 1
             bad = rules.answered(r)
             if bad:
                 v.violations.append(bad)

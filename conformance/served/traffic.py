@@ -61,6 +61,9 @@ class Traffic:
     """A session's turns share one request id: the engine names a conversation by it (the fork's rid)."""
     update_ref: bool = False
     """A client announces its session's new priority before the turn that carries it (the fork's /update_ref)."""
+    retain_hints: bool = False
+    """A client sends, with each turn but its session's last, how long it will pause before the next (the next turn's
+    think time and a second): a retention hint (kvcert's SGLang backend with KVCERT_RETENTION=1, SPEC.md §11.7)."""
     abort: str = ""
     """How a client aborts a request in flight: "endpoint" (the engine's abort call) or "" (none)."""
     cut: bool = True
