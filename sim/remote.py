@@ -4,7 +4,7 @@ The fork pins SGLang 0.5.10 and cannot share a process with SGLang 0.5.23, so a 
 the fork's contender here, in a subprocess of its environment: the workload goes over as a JSONL trace (which
 reads back to the same sessions), the costs and seed as JSON, and the run's summary comes back as JSON.
 
-    python -m kvcert.sim.remote REQUEST.json   # prints the summary as one JSON line
+    python -m kvcert.sim.elsewhere REQUEST.json   # the other side: prints the summary as one JSON line
 """
 
 from __future__ import annotations
@@ -14,12 +14,12 @@ import os
 import subprocess
 import sys
 import tempfile
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Optional
 
 from kvcert.sim.costs import Costs
-from kvcert.sim.workload import Workload, read_trace, write_trace
+from kvcert.sim.workload import Workload, write_trace
 
 ENVIRONMENTS = {"refaware": ".venv-refaware"}
 """Contender -> the environment (under the repository root) that can build it."""
@@ -53,28 +53,15 @@ def run_elsewhere(python: Path, name: str, workload: Workload, costs: Costs, see
         (Path(tmp) / "request.json").write_text(json.dumps(request))
         env = {**os.environ, "PYTHONHASHSEED": "0"}
         done = subprocess.run(
-            [str(python), "-m", "kvcert.sim.remote", str(Path(tmp) / "request.json")],
+            [str(python), "-m", "kvcert.sim.elsewhere", str(Path(tmp) / "request.json")],
             capture_output=True,
             text=True,
             env=env,
             timeout=3600,
         )
     if done.returncode != 0:
-        raise RuntimeError(f"{python} -m kvcert.sim.remote failed ({done.returncode}): {done.stderr[-2000:]}")
+        raise RuntimeError(f"{python} -m kvcert.sim.elsewhere failed ({done.returncode}): {done.stderr[-2000:]}")
     out: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
     out["environment"] = str(python)
     return out
 
-
-def main(argv: list[str]) -> None:
-    from kvcert.sim.policy import run_one
-
-    req = json.loads(Path(argv[0]).read_text())
-    w = read_trace(req["trace"], high_threshold=req["high_threshold"])
-    w = replace(w, name=req["name"], max_in_flight=req["max_in_flight"])
-    summary = run_one(req["contender"], w, Costs(**req["costs"]), req["seed"], elsewhere=False)
-    print(json.dumps(summary))
-
-
-if __name__ == "__main__":
-    main(sys.argv[1:])
