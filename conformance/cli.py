@@ -20,10 +20,11 @@ from rich.table import Table
 from kvcert.conformance.backend import Factory
 from kvcert.conformance.certification import explain, fixes, known, reports
 from kvcert.conformance.certification.certificate import CellResult, Certificate
-from kvcert.conformance.certification.certify import CorpusError, _tier, certify, judged_as, load_factory
+from kvcert.conformance.certification.certify import CorpusError, _tier, certify, load_factory
 from kvcert.conformance.certification.cluster import RayUnavailable
 from kvcert.conformance.certification.diff import NODE_FIELDS, snapshot_rows
 from kvcert.conformance.certification.fixes import FixError
+from kvcert.conformance.certification.replay import judged_as
 from kvcert.conformance.certification.walk import WALK_FORMAT, replay_walk_trace
 from kvcert.conformance.generation.interrupt import sigint_deferred
 from kvcert.conformance.generation.request_machine import run_requests

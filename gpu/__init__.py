@@ -10,17 +10,22 @@ An engine calls the tensor API (`GpuCache.alloc_tensor`, `match_prefix_fast` -> 
 
 `GpuCache` (`cache`) is the one public class, a facade over components, a module each:
 
-- `tree`: `RadixTree`, the radix tree and the device tier (walk, split, match, insert, locks,
-  device eviction, the copy registry); `GpuCache` subclasses it;
-- `evict_index`: `EvictionIndex`, the candidate sets and per-tier heaps (`refresh`, `pop_*`, `compact`);
-- `host`: `HostTier`, the host pool, backups, host eviction, load-back, retraction;
-- `storage`: `StorageTier`, store copies and prefetch;
-- `sessions`: `Sessions`, the session registry and ref counts along paths;
-- `admission`: `plan_admission`, a pure function of an `AdmissionCounters` record;
-- `run` (`Run`: keys and slot runs, counted in items) and `node` (the shared records);
-- `kv` (pools), `alloc` (page allocators), `copy_engine`, `agreement` (tensor-parallel ranks);
-- `watch`: `Watch`, told of every node's pages arriving on or leaving a tier (`GpuCache.watch`: an engine's KV
-  events).
+| module | owns |
+|---|---|
+| `cache` | `GpuCache`: the facade, both APIs, admission plans (`kvcert.spec.admission.plan_admission`) |
+| `tree` | `RadixTree`, the radix tree and the device tier (walk, split, match, insert, locks, device eviction, the copy registry); `GpuCache` subclasses it |
+| `evict_index` | `EvictionIndex`, the candidate sets and per-tier heaps (`refresh`, `pop_*`, `compact`) |
+| `tiers` | `TierTree`, the protocol the tiers reach their tree through (never `tree` or `cache` by import) |
+| `host` | `HostTier`, the host pool, backups, host eviction, load-back, retraction |
+| `storage` | `StorageTier`, store copies and prefetch |
+| `sessions` | `Sessions`, the session registry, ref counts along paths, demotion under host pressure |
+| `run` | `Run`: keys and slot runs as int64 bytes, counted and cut in items |
+| `node` | the records the components share: nodes, pending copies, prefetches, sessions, retractions |
+| `kv` | KV pools as torch tensors in real engine layouts, and the spec's synthetic KV as bytes |
+| `alloc` | page-granular slot allocators for the device and host pools |
+| `copy_engine` | copy engines: how bytes move between the device and host pools |
+| `agreement` | tensor-parallel ranks: every rank consumes the same acks and pages |
+| `watch` | `Watch`, told of every node's pages arriving on or leaving a tier (`GpuCache.watch`: an engine's KV events) |
 
 This package imports only `kvcert.spec`, torch and the standard library: the suite compares it
 with `kvcert.refimpl`, so it must share none of the model's code.

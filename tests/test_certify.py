@@ -10,7 +10,8 @@ import pytest
 from typer.testing import CliRunner
 
 from kvcert.conformance import zoo
-from kvcert.conformance.certification.certify import certify, replay_fails
+from kvcert.conformance.certification.certify import certify
+from kvcert.conformance.certification.replay import replay_fails
 from kvcert.conformance.cli import app
 from kvcert.conformance.harness.driver import ConformanceFailure, run_trace
 from kvcert.refimpl import RefCache, factory
@@ -418,7 +419,8 @@ def test_shrinking_keeps_a_lenient_backends_trace_valid() -> None:
     the Lock of `Lock, Unlock` leaves an unlock with no lock, which the oracle rejects (LockUnderflow)."""
     from dataclasses import replace
 
-    from kvcert.conformance.certification.certify import Replay, guarded, replay
+    from kvcert.conformance.certification.certify import guarded
+    from kvcert.conformance.certification.replay import Replay, replay
     from kvcert.conformance.generation.shrink import shrink
     from kvcert.conformance.harness.driver import ConformanceFailure
     from kvcert.spec.invariants import Violation
@@ -456,7 +458,7 @@ def test_a_trace_that_will_not_shrink_says_why() -> None:
 def test_a_shrink_candidate_no_caller_could_play_is_discarded() -> None:
     """Deleting a running request's Start can leave an Unlock of the lock it held: the oracle cannot play that
     (TraceInvalid), and the replay reports it as no failure instead of raising out of the shrinker."""
-    from kvcert.conformance.certification.certify import replay
+    from kvcert.conformance.certification.replay import replay
     from kvcert.spec.ops import Start
 
     config = CacheConfig(page_size=1, capacity=8)

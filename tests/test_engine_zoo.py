@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from kvcert.conformance.backend import capabilities_of
-from kvcert.conformance.certification.certify import load_factory, replay_failure
+from kvcert.conformance.certification.certify import load_factory
+from kvcert.conformance.certification.replay import replay_failure
 from kvcert.conformance.zoo import engines
 from kvcert.conformance.zoo.engines import ENGINE_MUTANTS, EngineMutant, EngineZooReport, build, run_engine_zoo
 from kvcert.spec.ops import Trace

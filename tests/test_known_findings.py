@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from kvcert.conformance.certification import known
-from kvcert.conformance.certification.certify import replay
+from kvcert.conformance.certification.replay import replay
 from kvcert.conformance.engine import factory as reference_engine
 from kvcert.conformance.engine_decode import factory as decode_engine
 from kvcert.conformance.engine_linker import factory as linked_engine
@@ -27,7 +27,8 @@ LOGGED = [(f, path) for f in known.findings() for path in f.traces]
 REPLAY = """
 import json, sys
 from kvcert.conformance.certification import known
-from kvcert.conformance.certification.certify import judged_as, load_factory, replay
+from kvcert.conformance.certification.certify import load_factory
+from kvcert.conformance.certification.replay import judged_as, replay
 from kvcert.spec.ops import Trace
 out = {}
 for path in sys.argv[1:]:
@@ -41,7 +42,8 @@ print(json.dumps(out))
 REPLAY_FIXED = """
 import json, sys
 from kvcert.conformance.certification import fixes, known
-from kvcert.conformance.certification.certify import judged_as, load_factory, replay
+from kvcert.conformance.certification.certify import load_factory
+from kvcert.conformance.certification.replay import judged_as, replay
 from kvcert.spec.ops import Trace
 out = {}
 for arg in sys.argv[1:]:
@@ -135,7 +137,8 @@ def test_every_sglang_trace_still_fails_on_its_engine() -> None:
     paths = [p for f, p in LOGGED if not p.startswith(("refaware/", "refaware_requests/"))]
     for path in paths:
         trace = Trace.from_json(known.trace_text(path))
-        from kvcert.conformance.certification.certify import judged_as, load_factory
+        from kvcert.conformance.certification.certify import load_factory
+        from kvcert.conformance.certification.replay import judged_as
 
         make = load_factory(trace.target)
         got = replay(make, judged_as(make.capabilities, trace), trace.config, trace.ops)

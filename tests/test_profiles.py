@@ -16,7 +16,8 @@ import pytest
 
 from kvcert.conformance import zoo
 from kvcert.conformance.adapters import sglang_radix  # noqa: F401  (declares its profile without SGLang)
-from kvcert.conformance.certification.certify import certify, core_verdict, judged_as, load_factory, replay_fails
+from kvcert.conformance.certification.certify import certify, core_verdict, load_factory
+from kvcert.conformance.certification.replay import judged_as, replay_fails
 from kvcert.conformance.harness.driver import ConformanceFailure, run_trace
 from kvcert.refimpl import RefCache, alternative, factory
 from kvcert.spec import profiles

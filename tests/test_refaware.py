@@ -35,7 +35,8 @@ EXPECTED = {
 
 REPLAY = """
 import json, sys
-from kvcert.conformance.certification.certify import judged_as, load_factory, replay_failure
+from kvcert.conformance.certification.certify import load_factory
+from kvcert.conformance.certification.replay import judged_as, replay_failure
 from kvcert.spec.ops import Trace
 out = {}
 for path in sys.argv[1:]:

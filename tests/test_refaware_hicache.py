@@ -49,7 +49,8 @@ trace into one with an unlock of a handle that holds no lock (see docs/calibrati
 
 REPLAY = """
 import dataclasses, json, os, sys
-from kvcert.conformance.certification.certify import judged_as, load_factory, replay_failure
+from kvcert.conformance.certification.certify import load_factory
+from kvcert.conformance.certification.replay import judged_as, replay_failure
 from kvcert.spec.ops import Trace
 out = {}
 for path in sys.argv[1:]:

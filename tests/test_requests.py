@@ -9,7 +9,8 @@ from typing import Any
 
 import pytest
 
-from kvcert.conformance.certification.certify import certify, replay
+from kvcert.conformance.certification.certify import certify
+from kvcert.conformance.certification.replay import replay
 from kvcert.conformance.engine import ReferenceEngine, _Request
 from kvcert.conformance.engine import factory as engine_factory
 from kvcert.conformance.harness.requests import turn_tokens

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 import kvcert.gpu as gpu
-from kvcert.conformance.certification.certify import replay_failure
+from kvcert.conformance.certification.replay import replay_failure
 from kvcert.conformance.harness.driver import ConformanceFailure, Harness, run_trace
 from kvcert.refimpl import RefCache
 from kvcert.refimpl import factory as ref_factory

@@ -22,7 +22,8 @@ import sglang_decode_plants as plants  # noqa: E402
 
 from kvcert.conformance.adapters import sglang_decode  # noqa: E402
 from kvcert.conformance.certification import fixes, known  # noqa: E402
-from kvcert.conformance.certification.certify import certify, load_factory, replay  # noqa: E402
+from kvcert.conformance.certification.certify import certify, load_factory  # noqa: E402
+from kvcert.conformance.certification.replay import replay  # noqa: E402
 from kvcert.conformance.harness.driver import ConformanceFailure  # noqa: E402
 from kvcert.conformance.harness.requests import RequestHarness  # noqa: E402
 from kvcert.spec.ops import PeerFault, Step, Submit, Trace  # noqa: E402

@@ -21,7 +21,7 @@ require_sglang()
 
 from kvcert.conformance.adapters import sglang_requests  # noqa: E402
 from kvcert.conformance.harness.requests import ModelPlayer  # noqa: E402
-from kvcert.conformance.harness.scheduler import KVModel  # noqa: E402
+from kvcert.conformance.harness.side import KVModel  # noqa: E402
 from kvcert.spec.types import CacheConfig  # noqa: E402
 
 A = ("adapter-a", "/adapters/a")

@@ -345,7 +345,7 @@ def test_a_burst_of_long_answers_makes_sglang_retract_and_resume(target: str, mo
     request finishing, INV-LIVE-3, among them); on SGLang's tree and on kvcert's backend."""
     from sglang.srt.managers import schedule_batch
 
-    from kvcert.conformance.certification.certify import replay
+    from kvcert.conformance.certification.replay import replay
     from kvcert.conformance.generation.request_machine import request_cells
     from kvcert.spec.ops import Step, Submit
 

@@ -19,7 +19,8 @@ from _sglang import require_sglang
 require_sglang()
 
 from kvcert.conformance.adapters import sglang_session  # noqa: E402
-from kvcert.conformance.certification.certify import certify, judged_as, load_factory, replay_failure  # noqa: E402
+from kvcert.conformance.certification.certify import certify, load_factory  # noqa: E402
+from kvcert.conformance.certification.replay import judged_as, replay_failure  # noqa: E402
 from kvcert.conformance.harness.driver import run_trace  # noqa: E402
 from kvcert.refimpl import RefCache  # noqa: E402
 from kvcert.spec.ops import Complete, Evict, EvictHost, Insert, Match, Op, Poll, RegisterRef, Trace  # noqa: E402

@@ -1,17 +1,20 @@
 """The house rules a newcomer can rely on: rooms of at most 600 lines unless the room says why at its top, a
-README that fits on a few screens, and Hypothesis's internals reached from one module only. (The import layering
-is a contract of its own: scripts/layers.sh, in CI.)"""
+README that fits on a few screens, Hypothesis's internals reached from one module only, a map of its modules atop
+every package, and no two modules of a package importing each other. (The import layering between packages is a
+contract of its own: scripts/layers.sh, in CI.)"""
 
 from __future__ import annotations
 
 import ast
 import importlib.util
+import re
+from itertools import takewhile
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).parent.parent
-ROOMS = ("spec", "refimpl", "gpu", "conformance", "sim", "scripts", "examples")
+ROOMS = ("spec", "refimpl", "gpu", "conformance", "sim", "integrations", "scripts", "examples")
 LONG = 600
 REASON = "# Over 600 lines: "
 
@@ -59,6 +62,131 @@ def test_hypothesis_internals_are_imported_in_one_module() -> None:
         if any(m == q or m.startswith(q + ".") for m in _imports(p) for q in private)
     }
     assert users == {"conformance/generation/hypothesis_compat.py"}
+
+
+PACKAGES = ("spec", "refimpl", "gpu", "sim", "integrations", "conformance")
+"""The folders kvcert installs as `kvcert.*` (pyproject's package-dir): each, and every package under it."""
+MAP_HEADER = "| module | owns |"
+
+
+def _packages(*, adapters: bool = False) -> list[Path]:
+    return sorted(
+        p.parent
+        for top in PACKAGES
+        for p in (ROOT / top).rglob("__init__.py")
+        if "__pycache__" not in p.parts and (adapters or p.parent != ROOT / "conformance" / "adapters")
+    )
+
+
+def _map_problems(package: Path) -> list[str]:
+    """What the map in `package`'s docstring gets wrong. The map is the docstring's Markdown table headed
+    `| module | owns |`: its first column names each module (`name`, several to a row allowed) and each
+    subpackage (`name/`) in backticks, and nothing else; data folders (findings/, pythonpath/) are prose."""
+    doc = ast.get_docstring(ast.parse((package / "__init__.py").read_text())) or ""
+    lines = [line.strip() for line in doc.splitlines()]
+    if MAP_HEADER not in lines:
+        return [f"no `{MAP_HEADER}` table in its docstring"]
+    table = takewhile(lambda line: line.startswith("|"), lines[lines.index(MAP_HEADER) + 2 :])
+    rows = [row.split("|") for row in table]
+    listed = [name for row in rows for name in re.findall(r"`([^`]+)`", row[1])]
+    present = {p.stem for p in package.glob("*.py") if p.name != "__init__.py"}
+    present |= {f"{d.name}/" for d in package.iterdir() if (d / "__init__.py").is_file()}
+    return [
+        f"{what}: {', '.join(names)}"
+        for what, names in (
+            ("unlisted", sorted(present - set(listed))),
+            ("listed but missing", sorted(set(listed) - present)),
+            ("listed twice", sorted({n for n in listed if listed.count(n) > 1})),
+            ("a row that owns nothing", [row[1].strip() for row in rows if len(row) < 4 or not row[2].strip()]),
+        )
+        if names
+    ]
+
+
+MAPS_PENDING: dict[str, str] = {}
+"""Maps known to be wrong, each fixed by the change that owns its folder. Strict: a map fixed while listed here
+fails, so the entry goes with the fix."""
+
+
+def _map_param(package: Path) -> object:
+    room = str(package.relative_to(ROOT))
+    marks = [pytest.mark.xfail(strict=True, reason=MAPS_PENDING[room])] if room in MAPS_PENDING else []
+    return pytest.param(package, marks=marks, id=room)
+
+
+@pytest.mark.parametrize("package", [_map_param(p) for p in _packages()])
+def test_every_package_maps_exactly_its_modules(package: Path) -> None:
+    """Each package's docstring maps its modules in one table (`_map_problems`), kept true: a module added,
+    renamed or removed without its row fails here. conformance/adapters/ is left out: its map is handled
+    elsewhere."""
+    problems = _map_problems(package)
+    assert not problems, f"{package.relative_to(ROOT)}/__init__.py's map: " + "; ".join(problems)
+
+
+def test_the_map_check_fails_on_an_unlisted_or_a_missing_module(tmp_path: Path) -> None:
+    """The check above can fail: a module its map leaves out, a row for a module that is gone, a subpackage."""
+    room = tmp_path / "room"
+    (room / "sub").mkdir(parents=True)
+    (room / "sub" / "__init__.py").write_text("")
+    (room / "__init__.py").write_text('"""A room.\n\n| module | owns |\n|---|---|\n| `a`, `gone` | things |\n"""\n')
+    for name in ("a", "b"):
+        (room / f"{name}.py").write_text("")
+    assert _map_problems(room) == ["unlisted: b, sub/", "listed but missing: gone"]
+    (room / "__init__.py").write_text(
+        '"""A room.\n\n| module | owns |\n|---|---|\n| `a`, `b` | things |\n| `sub/` | more |\n"""'
+    )
+    assert _map_problems(room) == []
+    (room / "__init__.py").write_text('"""A room with no map."""')
+    assert _map_problems(room) == [f"no `{MAP_HEADER}` table in its docstring"]
+
+
+def _sibling_imports(package: Path, dotted: str) -> dict[str, set[str]]:
+    """For each module of `package` (imported as `dotted`), the modules of the same package it imports anywhere in
+    its text: at module level, under `if TYPE_CHECKING:`, or inside a function."""
+    modules = {p.stem: p for p in package.glob("*.py") if p.name != "__init__.py"}
+    out: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        seen: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 1:
+                seen.update([node.module.split(".")[0]] if node.module else [a.name for a in node.names])
+            elif isinstance(node, ast.ImportFrom) and node.module == dotted:
+                seen.update(a.name for a in node.names)
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith(dotted + "."):
+                seen.add((node.module or "")[len(dotted) + 1 :].split(".")[0])
+            elif isinstance(node, ast.Import):
+                seen.update(
+                    a.name[len(dotted) + 1 :].split(".")[0] for a in node.names if a.name.startswith(dotted + ".")
+                )
+        out[name] = (seen & modules.keys()) - {name}
+    return out
+
+
+def _circles(package: Path, dotted: str) -> list[tuple[str, str]]:
+    imports = _sibling_imports(package, dotted)
+    return sorted((a, b) for a in imports for b in imports[a] if a < b and a in imports[b])
+
+
+def test_no_two_modules_of_a_package_import_each_other() -> None:
+    """Two modules that import each other (a function-level import is still an import) are one module in two
+    files: whichever loads first sees the other half-built, and neither can be read alone. The shared piece
+    belongs in a module of its own, or in the lower of the two."""
+    found = [
+        f"{p.relative_to(ROOT)}: {a} <-> {b}"
+        for p in _packages(adapters=True)
+        for a, b in _circles(p, "kvcert." + ".".join(p.relative_to(ROOT).parts))
+    ]
+    assert not found, f"modules importing each other: {found}"
+
+
+def test_the_circle_check_finds_a_function_level_import_back(tmp_path: Path) -> None:
+    """The check above can fail: `b` imports `a` at the top, `a` imports `b` inside a function."""
+    (tmp_path / "__init__.py").write_text("")
+    (tmp_path / "a.py").write_text("def f():\n    from kvcert.planted import b\n\n    return b\n")
+    (tmp_path / "b.py").write_text("from kvcert.planted.a import f\n")
+    (tmp_path / "c.py").write_text("import kvcert.planted.a\n")
+    assert _sibling_imports(tmp_path, "kvcert.planted") == {"a": {"b"}, "b": {"a"}, "c": {"a"}}
+    assert _circles(tmp_path, "kvcert.planted") == [("a", "b")]
 
 
 def test_the_results_page_is_what_the_certificates_say() -> None:

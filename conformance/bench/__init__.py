@@ -1,7 +1,13 @@
-"""Benchmarks, measured and never asserted: `meta` (`kvcert bench meta`: metadata calls/s of every
-implementation on one trace, as ratios), `sglang` (its SGLang drivers, imported when SGLang is) and `harness`
-(`kvcert bench harness`: where a checked step's time goes). Every bench repeats its runs, alternating the order
-of the sides, and prints each ratio as `spread` does: the median, then the lowest and highest round."""
+"""Benchmarks, measured and never asserted. Every bench repeats its runs, alternating the order of the sides
+(`rounds`), and prints each ratio as `spread` does: the median, then the lowest and highest round.
+
+| module | owns |
+|---|---|
+| `meta` | `kvcert bench meta`: metadata calls/s of every implementation on one trace, as ratios |
+| `driver` | what `meta` drives: the trace's `Request`, and the `Driver` each implementation's driver subclasses |
+| `sglang` | `meta`'s SGLang drivers, imported when SGLang is |
+| `harness` | `kvcert bench harness`: where a checked step's time goes |
+"""
 
 from __future__ import annotations
 

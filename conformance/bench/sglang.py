@@ -1,8 +1,8 @@
 """`kvcert bench meta`'s SGLang drivers: its trees through their own native APIs, on the bench's logical clock.
 
-Split from `conformance.bench.meta` (which imports it only when SGLang is installed): the timed path
-calls SGLang's methods directly, no adapter in between, and SGLang's clocks read a logical clock
-(`_LogicalTime`) so that its LRU stamps are as deterministic as kvcert's.
+Split from `conformance.bench.meta`, which imports it only when SGLang is installed (both subclass
+`conformance.bench.driver.Driver`): the timed path calls SGLang's methods directly, no adapter in between, and
+SGLang's clocks read a logical clock (`_LogicalTime`) so that its LRU stamps are as deterministic as kvcert's.
 """
 
 from __future__ import annotations
@@ -14,7 +14,17 @@ import time
 from array import array
 from typing import Any
 
-from kvcert.conformance.bench.meta import HOST_RATIO, Driver, Hit, Request, _patched
+from kvcert.conformance.bench.driver import HOST_RATIO, Driver, Hit, Request
+
+
+@contextlib.contextmanager
+def _patched(obj: Any, name: str, value: Any) -> Any:
+    saved = getattr(obj, name)
+    setattr(obj, name, value)
+    try:
+        yield
+    finally:
+        setattr(obj, name, saved)
 
 
 class _LogicalTime:

@@ -2,7 +2,9 @@
 
 | module | owns |
 |---|---|
-| `certify` | cells and the run loop: every cell walked, shrunk, replayed; replays of saved traces |
+| `certify` | cells and the run loop: every cell walked, shrunk, replayed; targets loaded by name |
+| `replay` | a trace replayed on a fresh backend beside the oracle (`replay`, `Replay`), under the profile it was judged by |
+| `walk` | certifying an API-level target whose operations are not the radix protocol's (a block pool, an offload tier) |
 | `certificate` | the record: each cell's result, each finding's replay, the certificate and its JSON |
 | `scope` | what a certificate did not check (`NOT CHECKED`) |
 | `known` | the findings log as data, replayed before every certification |

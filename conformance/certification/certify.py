@@ -1,4 +1,3 @@
-# Over 600 lines: one run of every cell (walk, shrink, save, replay) with each option a run takes, workers to fixes.
 """Certification: run the state machine for every (page size, policy) cell a backend declares.
 
 A cell fails at its first broken rule; the shrunk trace is saved as JSON and
@@ -14,7 +13,7 @@ import re
 import time
 from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from contextlib import closing
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Optional, cast
 
@@ -26,6 +25,7 @@ from kvcert.conformance.certification import fixes
 from kvcert.conformance.certification.certificate import CellResult, Certificate, FindingReplay, config_name
 from kvcert.conformance.certification.cluster import map_ordered
 from kvcert.conformance.certification.known import replay_findings
+from kvcert.conformance.certification.replay import Replay, replay, replay_failure
 from kvcert.conformance.certification.scope import scope_gaps
 from kvcert.conformance.certification.walk import certify_walk
 from kvcert.conformance.generation import interrupt
@@ -36,8 +36,6 @@ from kvcert.conformance.generation.request_machine import RequestMachine, reques
 from kvcert.conformance.generation.runner import run_machine
 from kvcert.conformance.generation.shrink import shrink
 from kvcert.conformance.harness.driver import ConformanceFailure, Harness
-from kvcert.conformance.harness.requests import RequestHarness
-from kvcert.conformance.harness.running import TraceInvalid
 from kvcert.spec import profiles
 from kvcert.spec.ops import Op, Trace, op_to_json
 from kvcert.spec.types import (
@@ -236,57 +234,6 @@ def _failed(
     )
 
 
-@dataclass
-class Replay:
-    """A trace replayed on a fresh backend beside the oracle."""
-
-    failure: Optional[ConformanceFailure]
-    """The first broken rule, or None: the trace passes (or no caller could play it: `invalid`)."""
-    rejected: list[int] = field(default_factory=list)
-    """Steps the oracle rejected as bad input, up to where the replay stopped."""
-    invalid: str = ""
-    """Why no caller could play the trace (`TraceInvalid`), or ""."""
-    windows: list[tuple[int, str]] = field(default_factory=list)
-    """(step, race window) for each window a step entered (`conformance.harness.windows`), with `replay(windows=True)`."""
-
-    def valid_failure(self) -> bool:
-        """It fails, and on valid traffic: no step up to the failing one was bad input."""
-        return self.failure is not None and not any(i <= self.failure.step for i in self.rejected)
-
-
-def replay(
-    factory: Factory, capabilities: Capabilities, config: CacheConfig, ops: Sequence[Op], windows: bool = False
-) -> Replay:
-    """Run `ops` on a fresh backend beside the oracle, then quiesce; what broke, what was bad input, and with
-    `windows` the race windows each step entered."""
-    h: Optional[Harness | RequestHarness] = None
-    entered: list[tuple[int, str]] = []
-    try:
-        make = RequestHarness if capabilities.kind == "request-path" else Harness
-        h = make(factory(config), config, capabilities)
-        h.count_windows = windows
-        for i, op in enumerate(ops):
-            h.step(op)
-            entered += [(i, w) for w in h.windows]
-        h.quiesce()
-    except ConformanceFailure as failure:
-        entered += [(failure.step, w) for w in (h.windows if h is not None else [])]
-        return Replay(failure, list(h.rejected) if h is not None else [], windows=entered)
-    except TraceInvalid as invalid:  # a shrink candidate no caller could play: not a failure of the backend
-        return Replay(None, list(h.rejected) if h is not None else [], str(invalid), entered)
-    finally:
-        if h is not None:
-            h.close()
-    return Replay(None, list(h.rejected), windows=entered)
-
-
-def replay_failure(
-    factory: Factory, capabilities: Capabilities, config: CacheConfig, ops: list[Op]
-) -> Optional[ConformanceFailure]:
-    """Run `ops` on a fresh backend; the failure, or None if the trace passes."""
-    return replay(factory, capabilities, config, ops).failure
-
-
 def core_verdict(trace: Trace, ignore: frozenset[str] = frozenset()) -> tuple[set[str], Optional[int]]:
     """The rules `trace` breaks on its target under the core, and the step, with the `ignore`d checkers dropped:
     the ablation that shows a rule alone kills a mutant (SPEC.md §6.4). The initial state is judged too."""
@@ -304,15 +251,6 @@ def core_verdict(trace: Trace, ignore: frozenset[str] = frozenset()) -> tuple[se
         if h is not None:
             h.close()
     return set(), None
-
-
-def replay_fails(factory: Factory, capabilities: Capabilities, trace: Trace) -> bool:
-    return replay_failure(factory, judged_as(capabilities, trace), trace.config, list(trace.ops)) is not None
-
-
-def judged_as(capabilities: Capabilities, trace: Trace) -> Capabilities:
-    """The capabilities to replay `trace` with: the backend's, under the profile the trace was judged by."""
-    return replace(capabilities, profile=trace.profile) if trace.profile else capabilities
 
 
 def _tiered(page_size: int, policy: str, write_policy: str, prefetch_policy: str = "") -> CacheConfig:

@@ -22,6 +22,7 @@ from importlib.resources import files
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kvcert.conformance.certification.replay import Replay, replay
 from kvcert.spec.ops import (
     REQUEST_OPS,
     AbortPrefetch,
@@ -47,7 +48,6 @@ from kvcert.spec.types import CLIENT_RULES, ONE_CLASS_THRESHOLD, Capabilities
 
 if TYPE_CHECKING:
     from kvcert.conformance.backend import Factory
-    from kvcert.conformance.certification.certify import Replay
 
 __all__ = ["CLASSES", "Finding", "findings", "findings_for", "in_scope", "trace_text"]
 
@@ -265,8 +265,6 @@ def replay_findings(
     target: str, factory: Factory, capabilities: Capabilities, extra: Sequence[Finding] = ()
 ) -> list[Judged]:
     """Replay every logged trace of `target`'s engine in its declared scope on a fresh backend of `factory`."""
-    from kvcert.conformance.certification.certify import replay  # the replay machinery is certification's
-
     out = []
     for finding in [*findings_for(target), *extra]:
         for path in finding.traces:

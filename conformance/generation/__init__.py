@@ -8,5 +8,6 @@
 | `fuzz` | the machine on a seeded random walk instead of Hypothesis (`kvcert fuzz`) |
 | `shrink` | trace shrinking |
 | `determinism` | same seed, same run: `fixed_generation`, the step digest |
+| `interrupt` | Ctrl-C that stops a run (`sigint_deferred`): the walk stops at its next step, not in a gc callback |
 | `hypothesis_compat` | every use of Hypothesis's internals, in one module |
 """

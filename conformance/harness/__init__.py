@@ -3,9 +3,11 @@
 | module | owns |
 |---|---|
 | `driver` | `Harness`: one step = the op on the backend, the oracle steered beside it, every check; `run_trace` |
-| `scheduler` | the caller's side of each op on one cache (`Side`, the op table), `settle`, `insert_request` |
+| `scheduler` | the caller's side of each op on one cache (the op table, `run_op`), `settle`, `insert_request` |
+| `side` | `Side`, one of the two caches a step runs on; `StepNotes`, what its checks read; `KVModel`, the model's KV |
 | `ledger` | what a trace's positions (handles, the k-th copy, ...) name on each side |
 | `steering` | leading the oracle to the backend's legal choices (eviction witness, reclaim order) |
+| `decide` | the steered choices as the oracle's `Decisions` for one attempt at a step, and the attempts |
 | `checks` | the op's contract, the state invariants, the state against the oracle, KV bytes |
 | `queries` | the narrow, per-step cached questions the generator may ask |
 | `running` | running requests: the caller's row, its checkpoint, `TraceInvalid` |

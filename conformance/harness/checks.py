@@ -17,7 +17,8 @@ from typing import Any, Optional
 
 from kvcert.conformance.backend import Backend
 from kvcert.conformance.harness.ledger import Ledger
-from kvcert.conformance.harness.scheduler import KVModel, Outcome, running_of
+from kvcert.conformance.harness.scheduler import Outcome, running_of
+from kvcert.conformance.harness.side import KVModel
 from kvcert.conformance.harness.steering import path_order
 from kvcert.conformance.harness.storage import FaultyStorage
 from kvcert.refimpl import RefCache

@@ -31,7 +31,8 @@ from kvcert.conformance.harness.decide import attempts, decide, victims
 from kvcert.conformance.harness.ledger import UNKNOWN_NODE, Ledger, Numbered, Pairs
 from kvcert.conformance.harness.queries import Queries
 from kvcert.conformance.harness.running import lent
-from kvcert.conformance.harness.scheduler import KVModel, Outcome, Side, StepNotes, run_op
+from kvcert.conformance.harness.scheduler import Outcome, run_op
+from kvcert.conformance.harness.side import KVModel, Side, StepNotes
 from kvcert.conformance.harness.steering import Steering, agrees
 from kvcert.conformance.harness.storage import FaultyStorage, MemoryStorage, damage, publish
 from kvcert.conformance.harness.windows import entered, events

@@ -25,7 +25,7 @@ from kvcert.conformance.harness.checks import Checks, _read_flat
 from kvcert.conformance.harness.driver import ConformanceFailure
 from kvcert.conformance.harness.ledger import Ledger
 from kvcert.conformance.harness.running import TraceInvalid
-from kvcert.conformance.harness.scheduler import KVModel
+from kvcert.conformance.harness.side import KVModel
 from kvcert.spec import contracts, pages
 from kvcert.spec.invariants import Violation, check_snapshot
 from kvcert.spec.ops import (

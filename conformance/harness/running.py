@@ -18,8 +18,9 @@ state back after each checkpoint (INV-REQ-1) and its own KV after every step (IN
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
+from kvcert.conformance.harness.side import Side
 from kvcert.spec import pages
 from kvcert.spec.invariants import Violation
 from kvcert.spec.ops import Checkpoint, Extend, Finish, Start
@@ -27,9 +28,6 @@ from kvcert.spec.types import InsertOut, KVCertError, LockUnderflow, MatchOut
 
 PRIORITY_MAX = 2**63 - 1
 """The prompt's priority bump saturates here, as SGLang's does at int64's top."""
-
-if TYPE_CHECKING:
-    from kvcert.conformance.harness.scheduler import Side
 
 
 class TraceInvalid(Exception):

@@ -13,6 +13,7 @@ driven over HTTP and judged end to end (SPEC.md §16, docs/served.md).
 | `rules` | the end-to-end rules INV-E2E-1..6 over what was recorded |
 | `harness` | the servers, event stream and clients of one target, and the judgment of a conversation |
 | `run` | `serve-certify`: the walk, the shrink, the replay file, the certificate |
+| `plants` | planted bugs in kvcert's SGLang backend, switched on inside a server (`KVCERT_SERVED_PLANT`), each failing the end-to-end rule it breaks |
 | `bench` | `kvcert bench served`: SGLang's caches and kvcert's plugin on one traffic, with the simulator's prediction |
 
 The folder `pythonpath/` holds the `sitecustomize` a served SGLang's processes import at start-up.

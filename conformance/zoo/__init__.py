@@ -3,7 +3,14 @@
 A mutant is a textual edit of the reference model's modules it names (each `find`
 must occur exactly once in them, so a refactor of the model breaks the zoo loudly
 instead of silently mutating nothing). `kvcert selftest` certifies every mutant; the suite proves
-its power by killing all of them while the unmodified model passes.
+its power by killing all of them while the unmodified model passes. This module builds and runs them.
+
+| module | owns |
+|---|---|
+| `mutants` | the model's mutants (`MUTANTS`, `DIRECTED`): textual edits of `refimpl/`, one real bug class each |
+| `engines` | the engine zoo: mutants of kvcert's reference engines (SPEC.md §14, §15), built and certified |
+| `engine_mutants` | the engine zoo's catalogue: its mutants, and directed traces for those generation reaches at some seeds only |
+| `selftest` | `kvcert selftest`: the suite's power measured on the zoo, one report for the CLI and the tests |
 """
 
 from __future__ import annotations

@@ -5,6 +5,13 @@ the entry point `kvcert = "kvcert.integrations.sglang:register"` of the group `s
 `register` names the factory in SGLang's radix-cache registry; the factory checks the server's options
 (`kvcert.integrations.sglang.options`) and builds `KvcertRadixCache` (`...cache`) over `kvcert.gpu`.
 Nothing in SGLang is patched. This module imports SGLang only when called, so kvcert imports without it.
+
+| module | owns |
+|---|---|
+| `cache` | `KvcertRadixCache`: SGLang's `BasePrefixCache` over `kvcert.gpu.GpuCache`, retention hints included |
+| `options` | which server options the backend runs under, checked at startup (`UnsupportedOption`), and its settings |
+| `kv` | `EnginePool`: SGLang's per-layer K and V buffers as a `kvcert.gpu` pool, so host copies move SGLang's bytes |
+| `events` | `EventWatch`: the tree's residency watch feeding SGLang's own KV event recorder, for a router |
 """
 
 from __future__ import annotations
