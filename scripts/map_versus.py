@@ -18,6 +18,7 @@ def main(argv: list[str]) -> None:
     runs = json.load(open(path))["runs"]
     by = {(r["x"], r["y"], r["contender"]): r for r in runs}
     points = sorted({(r["x"], r["y"]) for r in runs})
+    x_name, y_name = runs[0].get("map", ("x", "y"))
     figures = (
         ("H", lambda r: r["high"]["turn1_cache_hit"], 1),
         ("T", lambda r: r["high"]["ttft"]["p90"], -1),
@@ -35,7 +36,7 @@ def main(argv: list[str]) -> None:
                 else:
                     lost.append(f"{tag} {get(a):.4g} vs {get(b):.4g}")
             if lost:
-                behind.append(f"  {p[0]:g}x, {p[1]:g} s: " + "; ".join(lost))
+                behind.append(f"  {x_name} {p[0]:g}, {y_name} {p[1]:g}: " + "; ".join(lost))
         print(
             f"{row} against {base}, {len(points)} points: HP hit at least at {at_least['H']}, HP TTFT p90 at most at "
             f"{at_least['T']}, LP TTFT p90 at most at {at_least['L']}"
