@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import Any, Optional
 
 import numpy as np
-import requests
 
 from kvcert.conformance.served.client import Ask, Client, client_for
 from kvcert.conformance.served.harness import EnvironmentMissing, make_model
@@ -269,26 +268,19 @@ def _predict(target: ServedTarget, w: Workload, costs: Costs) -> dict[str, float
     }
 
 
-def _idle(url: str, timeout: float = 60.0) -> None:
-    """Until the server runs and queues nothing (a flush needs an idle scheduler)."""
-    deadline = time.monotonic() + timeout
+def _flush(client: Client) -> None:
+    """Empty the cache once the scheduler runs and queues nothing (a flush needs an idle scheduler)."""
+    deadline = time.monotonic() + 60.0
     while time.monotonic() < deadline:
-        try:
-            load = requests.get(url + "/v1/loads", timeout=30).json()["loads"][0]
-            if not load["num_running_reqs"] and not load["num_waiting_reqs"]:
-                return
-        except (requests.RequestException, ValueError, KeyError, IndexError):
-            pass
+        load = client.occupancy()
+        if load is not None and not load["running"] and not load["waiting"]:
+            break
         time.sleep(0.3)
-
-
-def _flush(client: Client, url: str) -> None:
-    _idle(url)
     for _ in range(20):
         if client.flush():
             return
         time.sleep(0.5)
-    raise RuntimeError(f"{url}/flush_cache refused: the next run would not start from an empty cache")
+    raise RuntimeError(f"{client.url}/flush_cache refused: the next run would not start from an empty cache")
 
 
 def bench(
@@ -322,7 +314,7 @@ def bench(
                 calibrate(client, 1, reps=1)  # the same warm-up every server gets
             costs = costs_for(t, spec, rates)
             for seed in seeds:
-                _flush(client, server.url)
+                _flush(client)
                 w = spec.workload(seed)
                 t0 = time.monotonic()
                 turned = play(client, w, seed, bool(t.traffic.get("session_ids")))

