@@ -35,15 +35,20 @@ __all__ = [
     "Factory",
     "FaultInjectingBackend",
     "HostTierBackend",
+    "Image",
     "InsertOut",
+    "KINDS",
+    "Keys",
     "KVBackend",
     "LinkerPathBackend",
     "MatchOut",
     "Model",
     "PriorityBackend",
+    "Probe",
     "RequestPathBackend",
     "RetainingBackend",
     "RetractionBackend",
+    "Served",
     "StorageTierBackend",
     "Walk",
     "WalkCell",
@@ -272,7 +277,7 @@ class RequestPathBackend(Protocol):
 @runtime_checkable
 class LinkerPathBackend(RequestPathBackend, Protocol):
     """A request-path engine whose cache is linked straight to the harness's external store (SPEC.md §14;
-    `Capabilities.linker_faults`). The store is `kvcert.conformance.linker.LinkerStore`: it moves the bytes and
+    `Capabilities.linker_faults`). The store is `kvcert.conformance.reference.linker.LinkerStore`: it moves the bytes and
     judges every call the engine makes to it; the adapter reports those judgements through `observed`."""
 
     def linker_fault(self, kind: str) -> None:
@@ -348,3 +353,49 @@ def unexercised(exercised: Counter[str], parts: Sequence[tuple[str, str]]) -> li
     """A walk's NOT CHECKED lines for what it declares and this run never reached: one per (what, count key) whose
     count in `exercised` is zero."""
     return [f"{what}: no step of this run exercised it" for what, key in parts if not exercised.get(key)]
+
+
+# Key partitioning (`kvcert partition`, `conformance.harness.partition`): what a probe is served and reports.
+
+
+@dataclass(frozen=True)
+class Image:
+    """A multimodal item: its content's identifier and the prompt tokens its placeholder covers."""
+
+    identifier: str
+    offset: int
+    length: int
+
+
+@dataclass(frozen=True)
+class Keys:
+    """What a request's KV is keyed by besides its tokens."""
+
+    lora: Optional[tuple[str, str]] = None
+    """(name, path) of the adapter, None for the base model."""
+    salt: Optional[str] = None
+    images: tuple[Image, ...] = ()
+    """Sorted by offset, placeholders not overlapping."""
+
+
+@dataclass(frozen=True)
+class Served:
+    """What serving one request reported: the prompt tokens it found cached, and its pages in order."""
+
+    hit_tokens: int
+    pages: tuple[int, ...]
+
+
+KINDS = frozenset({"lora", "salt", "images"})
+"""The key kinds a case may use. A probe that takes fewer says so in `kinds`; its cases that use the others are
+not run, and the report names them NOT CHECKED."""
+
+
+class Probe(Protocol):
+    page: int
+
+    def fresh(self) -> None:
+        """Start again from an empty cache."""
+
+    def serve(self, tokens: Sequence[int], keys: Keys) -> Served:
+        """Serve one request to the end of its prefill and free it, as the engine's scheduler does."""

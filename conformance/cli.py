@@ -17,6 +17,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from kvcert.conformance.aliases import canonical_module
 from kvcert.conformance.backend import Factory
 from kvcert.conformance.certification import explain, fixes, known, reports
 from kvcert.conformance.certification.certificate import CellResult, Certificate
@@ -275,7 +276,7 @@ def _fix_ids(target: str, given: Optional[str]) -> tuple[str, ...]:
     if not given:
         return ()
     if given.strip() == "all":
-        return tuple(f.id for f in known.findings_for(target) if target.partition(":")[0] in f.fixes)
+        return tuple(f.id for f in known.findings_for(target) if canonical_module(target.partition(":")[0]) in f.fixes)
     return tuple(i.strip() for i in given.split(",") if i.strip())
 
 
@@ -740,7 +741,7 @@ def engine_zoo_cmd(
 @app.command("partition")
 def partition_cmd(
     target: str = typer.Argument(
-        ..., help="MODULE:FACTORY returning a probe, e.g. kvcert.conformance.adapters.vllm_kv:probe"
+        ..., help="MODULE:FACTORY returning a probe, e.g. kvcert.conformance.adapters.vllm.kv:probe"
     ),
     cases: int = typer.Option(200, help="generated cases, after the directed ones"),
     seed: int = typer.Option(0, help="same seed, same cases"),
@@ -751,7 +752,7 @@ def partition_cmd(
     differed."""
     from dataclasses import asdict
 
-    from kvcert.conformance import partition
+    from kvcert.conformance.harness import partition
 
     try:
         probe = partition.load(target)

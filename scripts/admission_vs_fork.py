@@ -316,8 +316,8 @@ def kvcert_side(s: State) -> Side:
 def load_fork() -> SimpleNamespace:
     """The fork's `PrefillAdder` (from its reference scheduler file) and its allocation-time eviction."""
     warnings.filterwarnings("ignore")
-    from kvcert.conformance.adapters._refaware_env import import_refaware
-    from kvcert.conformance.adapters._sglang_env import quiet_imports
+    from kvcert.conformance.adapters.refaware.env import import_refaware
+    from kvcert.conformance.adapters.sglang.env import quiet_imports
 
     import_refaware()
     if not FORK_SCHEDULE_POLICY.is_file():

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Build .venv-kvcr: SGLang 0.5.23 with the files of SGLang PR #39946 (the seed's KVCR direct linker, a
 # certification target in ../shared/targets/kvcr-linker-sglang/) copied over it, for the walk target
-# kvcert.conformance.adapters.kvcr_linker. Idempotent: a stamp of the inputs skips the work when nothing changed.
+# kvcert.conformance.adapters.kvcr.linker. Idempotent: a stamp of the inputs skips the work when nothing changed.
 #
 #   scripts/install_kvcr.sh
-#   .venv-kvcr/bin/kvcert certify kvcert.conformance.adapters.kvcr_linker:factory
+#   .venv-kvcr/bin/kvcert certify kvcert.conformance.adapters.kvcr.linker:factory
 #
 # Cheap by design: everything but sglang comes from .venv (torch==2.13.0 CPU, msgspec, kvcert editable; built by
 # scripts/bootstrap.sh with KVCERT_SGLANG=1, never touched here). The environment is
@@ -66,7 +66,7 @@ SH
 done
 
 "$VENV/bin/python" -W ignore - <<'PY' || { echo "install_kvcr: an import the walk target needs failed" >&2; exit 1; }
-from kvcert.conformance.adapters import _kvcr_env
+from kvcert.conformance.adapters.kvcr import env as _kvcr_env
 
 linker = _kvcr_env.import_linker()
 assert _kvcr_env.overlaid(), "sglang is not the overlaid copy"

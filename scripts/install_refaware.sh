@@ -108,12 +108,12 @@ done
 side_kvcert
 
 "$PY" -W ignore -c '
-from kvcert.conformance.adapters._refaware_env import import_refaware
+from kvcert.conformance.adapters.refaware.env import import_refaware
 ra = import_refaware()
 import torch
 print("install_refaware: sglang", ra.version, "+ ref-aware overlay:", ra.RefAwareRadixCache.__name__, "and",
       ra.RefAwareHiRadixCache.__name__, "import with torch", torch.__version__)
-from kvcert.conformance.adapters._refaware_env import import_refaware_scheduler
+from kvcert.conformance.adapters.refaware.env import import_refaware_scheduler
 sched = import_refaware_scheduler()
 assert hasattr(sched.Scheduler, "handle_release_ref"), "the fork scheduler did not install"
 print("install_refaware: the fork scheduler imports:", sched.Scheduler.__module__ + ".Scheduler")

@@ -35,7 +35,7 @@ if [[ "$torch_before" != "$torch_after" ]]; then
 fi
 
 # The adapter's own import path, shims included, must now work (needs kvcert installed: pip install -e .).
-"$PYTHON" -W ignore -c 'from kvcert.conformance.adapters._sglang_env import import_sglang; print("sglang", import_sglang().version, "ok with torch", __import__("torch").__version__)'
+"$PYTHON" -W ignore -c 'from kvcert.conformance.adapters.sglang.env import import_sglang; print("sglang", import_sglang().version, "ok with torch", __import__("torch").__version__)'
 "$PYTHON" -W ignore -c 'import boto3, moto.server; print("boto3", boto3.__version__, "moto", moto.__version__, "ok")'
 # The server's own closure (kvcert serve-certify): what its HTTP front end and scheduler processes import on a CPU.
 "$PYTHON" -W ignore -c 'import uvicorn, uvloop, fastapi, multipart, setproctitle, einops, xgrammar, prometheus_client; print("the SGLang server imports ok")'

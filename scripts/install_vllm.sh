@@ -4,7 +4,7 @@
 # the inputs skips the work when nothing changed.
 #
 #   scripts/install_vllm.sh
-#   .venv-vllm/bin/kvcert partition kvcert.conformance.adapters.vllm_kv:probe
+#   .venv-vllm/bin/kvcert partition kvcert.conformance.adapters.vllm.kv:probe
 #
 # Steps: torch==2.13.0 (the CPU build; never unpinned), requirements/vllm.txt with pip --no-deps,
 # kvcert's core requirements and kvcert (editable, --no-deps), then an import check of the modules

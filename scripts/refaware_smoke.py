@@ -24,7 +24,7 @@ warnings.filterwarnings("ignore")
 
 import torch  # noqa: E402
 
-from kvcert.conformance.adapters._refaware_env import import_refaware, install_host_cpu_shims  # noqa: E402
+from kvcert.conformance.adapters.refaware.env import import_refaware, install_host_cpu_shims  # noqa: E402
 
 RA = import_refaware()
 

@@ -14,7 +14,7 @@ import argparse
 from collections import Counter
 from typing import Any
 
-from kvcert.conformance.adapters import sglang_requests  # noqa: F401  (SGLang's CPU import shims first)
+from kvcert.conformance.adapters.sglang import requests as sglang_requests  # noqa: F401  (SGLang's CPU import shims first)
 from kvcert.conformance.certification.certify import certify
 
 
@@ -36,7 +36,7 @@ def main() -> None:
 
     schedule_batch.ScheduleBatch.retract_decode = counting  # type: ignore[method-assign]
     events = _count_events()
-    cert = certify(f"kvcert.conformance.adapters.sglang_requests:{opts.factory}", examples=opts.examples, seed=0)
+    cert = certify(f"kvcert.conformance.adapters.sglang.requests:{opts.factory}", examples=opts.examples, seed=0)
     print(f"{opts.factory}: {sum(c.steps for c in cert.cells)} steps, {'passed' if cert.passed else 'failed'}")
     print(f"  retract_decode calls: {calls[0]}, requests retracted: {requests[0]}")
     print("  KV events recorded: " + ", ".join(f"{kind} {medium} {n}" for (kind, medium), n in sorted(events.items())))

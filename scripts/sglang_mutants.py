@@ -27,7 +27,7 @@ from pathlib import Path
 import typer
 
 ROOT = Path(__file__).resolve().parent.parent
-TARGET = "kvcert.conformance.adapters.sglang_radix:factory"
+TARGET = "kvcert.conformance.adapters.sglang.radix:factory"
 MODULE = "sglang.srt.mem_cache.radix_cache"
 
 SURVIVES: dict[str, str] = {
@@ -579,7 +579,7 @@ def _original() -> str:
     import importlib.util
 
     sys.path.insert(0, str(ROOT))
-    from kvcert.conformance.adapters._sglang_env import import_sglang
+    from kvcert.conformance.adapters.sglang.env import import_sglang
 
     import_sglang()
     spec = importlib.util.find_spec(MODULE)

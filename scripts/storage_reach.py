@@ -14,13 +14,13 @@ import argparse
 import collections
 from typing import Any, Optional
 
-from kvcert.conformance.adapters._sglang_env import import_sglang
+from kvcert.conformance.adapters.sglang.env import import_sglang
 
 import_sglang()  # SGLang's CPU import shims, before any sglang module
 
 from sglang.srt.managers import cache_controller as cc  # noqa: E402
 
-from kvcert.conformance.adapters import sglang_hicache_storage as stepped  # noqa: E402
+from kvcert.conformance.adapters.sglang.storage import stepped  # noqa: E402
 from kvcert.conformance.certification.certify import certify  # noqa: E402
 
 
@@ -53,7 +53,7 @@ def main() -> None:
     cc.HiCacheController.prefetch_rate_limited = count_limit  # type: ignore[method-assign]
     stepped.SteppedStorage.check = count_end  # type: ignore[method-assign]
     cert = certify(
-        f"kvcert.conformance.adapters.sglang_hicache_backend:{opts.factory}",
+        f"kvcert.conformance.adapters.sglang.hicache_backend:{opts.factory}",
         examples=opts.examples,
         seed=0,
         device_cells=False,

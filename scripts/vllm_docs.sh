@@ -19,5 +19,5 @@ for target in vllm_requests:factory vllm_requests:factory_async vllm_requests:fa
         --json "$OUT/$name.json" --out "$(mktemp -d)" | grep -E "^(NOT )?CERTIFIED"
 done
 echo "== partition (vllm_kv:probe_scheduler)"
-PYTHONHASHSEED=0 VLLM_LOGGING_LEVEL=ERROR "$K" partition kvcert.conformance.adapters.vllm_kv:probe_scheduler --cases 1000 --json "$OUT/partition.json" \
+PYTHONHASHSEED=0 VLLM_LOGGING_LEVEL=ERROR "$K" partition kvcert.conformance.adapters.vllm.kv:probe_scheduler --cases 1000 --json "$OUT/partition.json" \
     | tail -n 3

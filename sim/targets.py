@@ -44,7 +44,7 @@ def _gpu(
 
 def _sglang(costs: Costs, w: Workload) -> CacheDriver:
     try:
-        return SGLangDriver(built("kvcert.conformance.adapters.sglang_hicache_backend:factory", costs), costs)
+        return SGLangDriver(built("kvcert.conformance.adapters.sglang.hicache_backend:factory", costs), costs)
     except ImportError as e:
         raise Unavailable(
             f"SGLang 0.5.23 is not importable here ({e}); run from .venv (KVCERT_SGLANG=1 ./kvcert)"
@@ -53,7 +53,7 @@ def _sglang(costs: Costs, w: Workload) -> CacheDriver:
 
 def _refaware(costs: Costs, w: Workload) -> CacheDriver:
     try:
-        backend = built("kvcert.conformance.adapters.refaware_hicache:factory_priority_flow", costs)
+        backend = built("kvcert.conformance.adapters.refaware.hicache:factory_priority_flow", costs)
     except ImportError as e:
         raise Unavailable(f"the RefAware fork is not importable here ({e}); run from .venv-refaware") from e
     return ProtocolDriver("RefAware fork (SGLang 0.5.10), proactive", backend, True, costs.load_back_threshold)

@@ -29,7 +29,7 @@ def require_sglang() -> None:
     if importlib.util.find_spec("sglang") is None:
         missing("sglang not installed: run scripts/install_sglang.sh (requirements/sglang.txt)")
         return
-    from kvcert.conformance.adapters._sglang_env import import_sglang
+    from kvcert.conformance.adapters.sglang.env import import_sglang
 
     try:
         import_sglang()

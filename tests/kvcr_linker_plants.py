@@ -17,10 +17,10 @@ from pathlib import Path
 from typing import Any
 from unittest import mock
 
-from kvcert.conformance.adapters import _kvcr_env
+from kvcert.conformance.adapters.kvcr import env as _kvcr_env
 from kvcert.conformance.certification.certify import certify
 
-TARGET = "kvcert.conformance.adapters.kvcr_linker:factory"
+TARGET = "kvcert.conformance.adapters.kvcr.linker:factory"
 
 
 @contextlib.contextmanager

@@ -1,6 +1,6 @@
 """SGLang 0.5.23's decode-side HiCache broken on purpose, the ways PR #26560's review found it broken (seed 003):
 a lock leaked, a flag left set after its host copy was freed, a deferred prefetch never issued again. Each plant
-changes SGLang's own code for the length of one certification of `kvcert.conformance.adapters.sglang_decode`
+changes SGLang's own code for the length of one certification of `kvcert.conformance.adapters.sglang.decode`
 (tests/test_sglang_decode.py), and `counted` tallies, at SGLang's own functions, what the run reached.
 """
 
@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from typing import Any
 from unittest import mock
 
-from kvcert.conformance.adapters import sglang_decode  # noqa: F401  (SGLang's CPU shims before its imports)
+from kvcert.conformance.adapters.sglang import decode as sglang_decode  # noqa: F401  (SGLang's CPU shims before its imports)
 
 _decode: Any = importlib.import_module("sglang.srt.disaggregation.decode")
 _mixin: Any = importlib.import_module("sglang.srt.disaggregation.decode_hicache_mixin")

@@ -1,5 +1,5 @@
 """Decode-side admission (SPEC.md §15): the ledger's rules on hand-made histories, and kvcert's reference decode
-server (conformance/engine_decode.py), their positive control, certified over the reference model and kvcert.gpu
+server (conformance/reference/engine_decode.py), their positive control, certified over the reference model and kvcert.gpu
 with peer faults, restored spans and requests that can never fit all reached. The rules' power on a broken
 server is the engine zoo's (tests/test_engine_zoo.py)."""
 
@@ -88,7 +88,7 @@ def test_every_rule_is_in_the_spec() -> None:
 @pytest.mark.parametrize("target", ["factory", "factory_gpu"])
 def test_the_reference_decode_server_certifies_and_reaches_every_failure_path(target: str) -> None:
     with tempfile.TemporaryDirectory() as out:
-        cert = certify(f"kvcert.conformance.engine_decode:{target}", examples=30, page_sizes=(4,),
+        cert = certify(f"kvcert.conformance.reference.engine_decode:{target}", examples=30, page_sizes=(4,),
                        policies=("lru",), write_policies=("write_through",), device_cells=False,
                        out_dir=Path(out))  # fmt: skip
     assert cert.passed, [f for c in cert.cells for f in c.failures]

@@ -1,4 +1,4 @@
-"""The reference engine with a direct linker (conformance/engine_linker.py): the linker rules' positive control.
+"""The reference engine with a direct linker (conformance/reference/engine_linker.py): the linker rules' positive control.
 
 Over the reference model and over kvcert.gpu it certifies, reaching the store's hits, loads and offloads; a
 directed conversation takes a load back and aborts a failed one. That the rules of SPEC.md §14 can fail on an engine
@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 from _linker import RELOAD, conversation, flush_mid_offload
 
-from kvcert.conformance import engine_linker
 from kvcert.conformance.certification.certify import certify
+from kvcert.conformance.reference import engine_linker
 
 
 def _conversation(fail_load: bool) -> Any:
@@ -35,7 +35,7 @@ def test_a_hit_is_loaded_back_and_a_failed_load_aborts_its_request() -> None:
 @pytest.mark.parametrize("target", ["factory", "factory_gpu"])
 def test_it_certifies_over_the_model_and_over_gpu(target: str) -> None:
     with tempfile.TemporaryDirectory() as out:
-        cert = certify(f"kvcert.conformance.engine_linker:{target}", examples=25, page_sizes=(1, 4),
+        cert = certify(f"kvcert.conformance.reference.engine_linker:{target}", examples=25, page_sizes=(1, 4),
                        policies=("lru",), out_dir=Path(out))  # fmt: skip
     assert cert.passed
     ops: Counter[str] = Counter()

@@ -145,7 +145,7 @@ def test_a_finding_shared_by_two_versions_carries_a_diff_for_each() -> None:
     from kvcert.conformance.cli import _fix_ids
 
     shared = next(f for f in known.findings() if f.id == "SG-ABORT")
-    fork, stock = "kvcert.conformance.adapters.refaware_requests", "kvcert.conformance.adapters.sglang_requests"
+    fork, stock = "kvcert.conformance.adapters.refaware.requests", "kvcert.conformance.adapters.sglang.requests"
     assert set(shared.fixes) == {fork, stock}
     assert fixes.patch_text("SG-ABORT", fork) != fixes.patch_text("SG-ABORT", stock) == fixes.patch_text("SG-ABORT")
     assert "@@ -3548," in fixes.patch_text("SG-ABORT", fork)  # 0.5.10's abort_request, not 0.5.23's
@@ -162,11 +162,11 @@ def test_a_fix_written_for_one_version_only_is_refused_for_the_other(monkeypatch
     shared = next(f for f in known.findings() if f.id == "SG-ABORT")
     one = replace(shared, fix_by=())
     monkeypatch.setattr(known, "findings", lambda: tuple(one if f.id == "SG-ABORT" else f for f in _ALL))
-    fork = "kvcert.conformance.adapters.refaware_requests:factory"
+    fork = "kvcert.conformance.adapters.refaware.requests:factory"
     with pytest.raises(fixes.FixError, match="written for"):
         fixes.apply([shared.id], fork)
     assert "SG-ABORT" not in _fix_ids(fork, "all")
-    assert "SG-ABORT" in _fix_ids("kvcert.conformance.adapters.sglang_requests:factory", "all")
+    assert "SG-ABORT" in _fix_ids("kvcert.conformance.adapters.sglang.requests:factory", "all")
 
 
 _ALL = known.findings()
@@ -199,7 +199,7 @@ def test_a_fix_that_changes_the_engines_api_applies_only_its_client_half(monkeyp
     from kvcert.conformance.cli import _fix_ids
 
     q4 = next(f for f in known.findings() if f.id == "Q4")
-    fork = "kvcert.conformance.adapters.refaware_requests"
+    fork = "kvcert.conformance.adapters.refaware.requests"
     assert q4.fix and q4.fix_api and q4.fix_client == "releases-one-shot" and q4.fixes == (fork,)
     assert "Q4" in _fix_ids(fork + ":factory", "all")
     adapter = ModuleType(fork)

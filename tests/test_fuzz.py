@@ -161,8 +161,8 @@ def test_a_steps_digest_bytes_are_its_json_encoding(tmp_path: Path, monkeypatch:
     cells = dict(page_sizes=[1, 4], policies=["priority"], write_policies=["write_back"], prefetch_policies=["timeout"])
     cert = certify("kvcert.gpu:factory", examples=40, steps=50, seed=0, out_dir=tmp_path, driver="random", **cells)  # type: ignore[arg-type]
     device = dict(page_sizes=[1], policies=["lru"], write_policies=[], prefetch_policies=[])  # and a request path's ops
-    served = certify("kvcert.conformance.engine:factory", examples=10, steps=30, seed=0, out_dir=tmp_path, driver="random", **device)  # type: ignore[arg-type]
-    linked = certify("kvcert.conformance.engine_linker:factory", examples=10, steps=30, seed=0, out_dir=tmp_path, driver="random", **device)  # type: ignore[arg-type]
-    decoded = certify("kvcert.conformance.engine_decode:factory", examples=10, steps=30, seed=0, out_dir=tmp_path, driver="random", **device)  # type: ignore[arg-type]
+    served = certify("kvcert.conformance.reference.engine:factory", examples=10, steps=30, seed=0, out_dir=tmp_path, driver="random", **device)  # type: ignore[arg-type]
+    linked = certify("kvcert.conformance.reference.engine_linker:factory", examples=10, steps=30, seed=0, out_dir=tmp_path, driver="random", **device)  # type: ignore[arg-type]
+    decoded = certify("kvcert.conformance.reference.engine_decode:factory", examples=10, steps=30, seed=0, out_dir=tmp_path, driver="random", **device)  # type: ignore[arg-type]
     assert cert.passed and served.passed and linked.passed and decoded.passed, "a target failed"
     assert kinds == set(OP_TYPES), sorted(set(OP_TYPES) - kinds)

@@ -235,7 +235,7 @@ import importlib.util, sys, tempfile
 from pathlib import Path
 spec = importlib.util.spec_from_file_location("gpu_check", sys.argv[1])
 gc = importlib.util.module_from_spec(spec); sys.modules["gpu_check"] = gc; spec.loader.exec_module(gc)
-from kvcert.conformance.adapters import _sglang_env as env
+from kvcert.conformance.adapters.sglang import env as env
 env.install_shims()
 with env.quiet_imports():
     from sglang.srt.configs.model_config import ModelConfig

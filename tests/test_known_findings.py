@@ -14,9 +14,9 @@ import pytest
 
 from kvcert.conformance.certification import known
 from kvcert.conformance.certification.replay import replay
-from kvcert.conformance.engine import factory as reference_engine
-from kvcert.conformance.engine_decode import factory as decode_engine
-from kvcert.conformance.engine_linker import factory as linked_engine
+from kvcert.conformance.reference.engine import factory as reference_engine
+from kvcert.conformance.reference.engine_decode import factory as decode_engine
+from kvcert.conformance.reference.engine_linker import factory as linked_engine
 from kvcert.refimpl import RefCache
 from kvcert.spec.ops import REQUEST_OPS, LinkerFault, Trace
 
@@ -97,8 +97,8 @@ to its end. R1's and R2's send one request id for several turns (the fork's rid 
 client of the reference engine never does. Q6's sends a session's next turn once the fork has finished the one
 before (r9, then r12 of s0): the reference engine schedules differently, has not finished r9 by then, and a client
 sends no second turn of a session in flight. A trace with linker faults is played by the reference engine with a
-direct linker (`conformance.engine_linker`), whose store takes every fault kind; a decode server's by the reference
-decode server (`conformance.engine_decode`)."""
+direct linker (`conformance.reference.engine_linker`), whose store takes every fault kind; a decode server's by the reference
+decode server (`conformance.reference.engine_decode`)."""
 
 
 def _is_request_trace(trace: Trace) -> bool:

@@ -1,4 +1,4 @@
-"""The seed's KVCR direct linker (SGLang PR #39946) at its own API (`conformance.adapters.kvcr_linker`), judged by the
+"""The seed's KVCR direct linker (SGLang PR #39946) at its own API (`conformance.adapters.kvcr.linker`), judged by the
 linker side of SPEC.md §14 (`kvcert.spec.linker.LinkerSide`, INV-LINK-8..14): the checker on hand-made histories (no
 SGLang), then, in `.venv-kvcr` (scripts/install_kvcr.sh): the unmodified linker failing only under the two defects
 the walk found (their saved traces replay), the linker with both repaired CERTIFIED on a run that reaches hits, loads
@@ -123,7 +123,7 @@ def test_the_unmodified_linker_fails_only_under_its_two_defects(runs: dict[str, 
 def test_the_saved_traces_of_the_defects_replay() -> None:
     assert len(TRACES) == 3
     script = ("import sys; from pathlib import Path; from kvcert.conformance.certification.walk import replay_walk_trace;"
-              "from kvcert.conformance.adapters.kvcr_linker import factory\n"
+              "from kvcert.conformance.adapters.kvcr.linker import factory\n"
               "for p in sys.argv[1:]: f = replay_walk_trace(Path(p), factory); print(p, f.violations[0].inv if f else 'PASS')")  # fmt: skip
     rc, out, stdout = run_kvcr(["python", "-c", script, *map(str, TRACES)])
     assert rc == 0, out[-3000:]

@@ -1,4 +1,4 @@
-"""The linker tier's rules (kvcert.spec.linker) and the harness's store (kvcert.conformance.linker), without an engine.
+"""The linker tier's rules (kvcert.spec.linker) and the harness's store (kvcert.conformance.reference.linker), without an engine.
 
 The store is driven as a cache would drive it, right and wrong: each wrong call is judged under the rule it breaks,
 and the store itself keeps its own side (claimed pages never lost, results in queue order, loads land whole or
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvcert.conformance.linker import HOLD_STEPS, LinkerStore
+from kvcert.conformance.reference.linker import HOLD_STEPS, LinkerStore
 from kvcert.spec.linker import FAULTS, RULES
 
 PS = 2

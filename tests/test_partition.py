@@ -12,8 +12,8 @@ from typing import Any, Optional
 import pytest
 from _vllm import run_vllm
 
-from kvcert.conformance import partition
-from kvcert.conformance.partition import Case, Image, Keys, Served
+from kvcert.conformance.harness import partition
+from kvcert.conformance.harness.partition import Case, Image, Keys, Served
 
 
 class _Keyed:
@@ -118,7 +118,7 @@ def _vllm(args: list[str], code: Optional[str] = None) -> tuple[int, str, str]:
 
 def test_vllm_keeps_keys_apart_and_reuses_where_they_agree(tmp_path: Path) -> None:
     rc, out, _ = _vllm(
-        ["kvcert.conformance.adapters.vllm_kv:probe", "--cases", "300", "--json", str(tmp_path / "r.json")]
+        ["kvcert.conformance.adapters.vllm.kv:probe", "--cases", "300", "--json", str(tmp_path / "r.json")]
     )
     report = json.loads((tmp_path / "r.json").read_text())
     assert rc == 0 and report["passed"] and report["failures"] == [], out[-2000:]
@@ -129,7 +129,7 @@ def test_vllm_keeps_keys_apart_and_reuses_where_they_agree(tmp_path: Path) -> No
 def test_vllms_scheduler_keeps_keys_apart_and_says_what_it_did_not_check(tmp_path: Path) -> None:
     """Through vLLM's own `Scheduler` (a stand-in model config that takes no images): the LoRA and salt cases pass,
     and the image cases are counted NOT CHECKED rather than passed."""
-    target = "kvcert.conformance.adapters.vllm_kv:probe_scheduler"
+    target = "kvcert.conformance.adapters.vllm.kv:probe_scheduler"
     rc, out, _ = _vllm([target, "--cases", "300", "--json", str(tmp_path / "r.json")])
     report = json.loads((tmp_path / "r.json").read_text())
     assert rc == 0 and report["passed"] and report["failures"] == [], out[-2000:]
@@ -140,8 +140,8 @@ def test_vllms_scheduler_keeps_keys_apart_and_says_what_it_did_not_check(tmp_pat
 PLANT = """
 import json, sys
 import vllm.v1.core.kv_cache_utils as utils
-from kvcert.conformance import partition
-from kvcert.conformance.adapters import vllm_kv
+from kvcert.conformance.harness import partition
+from kvcert.conformance.adapters.vllm import kv as vllm_kv
 kind = sys.argv[1]
 if kind == "keyless":  # blocks hashed without their extra keys (LoRA, salt, images)
     utils.generate_block_hash_extra_keys = lambda request, start, end, mm_idx: (None, mm_idx)

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from kvcert.conformance import zoo
-from kvcert.conformance.adapters import sglang_radix  # noqa: F401  (declares its profile without SGLang)
+from kvcert.conformance.adapters.sglang import radix as sglang_radix  # noqa: F401  (declares its profile without SGLang)
 from kvcert.conformance.certification.certify import certify, core_verdict, load_factory
 from kvcert.conformance.certification.replay import judged_as, replay_fails
 from kvcert.conformance.harness.driver import ConformanceFailure, run_trace

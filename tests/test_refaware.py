@@ -89,7 +89,7 @@ def test_the_device_adapter_certifies_the_same_under_two_hash_seeds(tmp_path: Pa
     for seed in ("1", "2"):
         for name in ("factory", "factory_priority_moves"):
             out = tmp_path / f"{name}-{seed}.json"
-            target = f"kvcert.conformance.adapters.refaware_radix:{name}"
+            target = f"kvcert.conformance.adapters.refaware.radix:{name}"
             args = ["-m", "kvcert.conformance.cli", "certify", target, "--device-only", "--page-size", "1"]
             done = _run([*args, "--examples", "10", "--json", str(out), "--out", str(tmp_path / "f")], seed)
             assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

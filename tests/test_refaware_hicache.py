@@ -26,7 +26,7 @@ from kvcert.spec.ops import Trace
 ROOT = Path(__file__).parent.parent
 PYTHON = ROOT / ".venv-refaware" / "bin" / "python"
 FINDINGS = sorted((ROOT / "conformance" / "findings" / "refaware").glob("H*.json"))
-TARGET = "kvcert.conformance.adapters.refaware_hicache"
+TARGET = "kvcert.conformance.adapters.refaware.hicache"
 EXPECTED = {
     "H1-load-not-host-protected": {"INV-HOST-6", "INV-HOST-11"},
     "H2-write-back-no-reclaim": {"INV-HOST-8", "INV-HOST-10"},
@@ -67,7 +67,7 @@ print(json.dumps(out))
 
 COUNTING = """
 import collections, json, sys
-from kvcert.conformance.adapters import refaware_hicache as rh
+from kvcert.conformance.adapters.refaware import hicache as rh
 counts = collections.Counter()
 cls = rh.RA.RefAwareHiRadixCache
 def counting(name):

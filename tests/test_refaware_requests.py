@@ -1,4 +1,4 @@
-"""The RefAware fork driven through its own scheduler (`kvcert.conformance.adapters.refaware_requests`), in its own
+"""The RefAware fork driven through its own scheduler (`kvcert.conformance.adapters.refaware.requests`), in its own
 environment (`.venv-refaware`, `scripts/install_refaware.sh`): a scenario (a two-turn session, one-shot requests, a
 release, an update, two aborts) through the request-path protocol, on the device-only cache at page sizes 1 and 4
 and on the host-tier cache. After every step every state invariant holds, every cached node's KV bytes (every
@@ -28,7 +28,7 @@ CONFIGS = {"ps1": (1, 0), "ps4": (4, 0), "host": (1, 128), "host_ps4": (4, 128)}
 
 SCENARIO = """
 import hashlib, json, sys
-from kvcert.conformance.adapters.refaware_requests import factory
+from kvcert.conformance.adapters.refaware.requests import factory
 from kvcert.conformance.backend import RequestPathBackend
 from kvcert.spec.invariants import check_snapshot
 from kvcert.spec.requests import output_token
@@ -293,7 +293,7 @@ def test_clients_that_release_one_shot_rids_leave_the_fork_nothing_q4_would_keep
     _environment()
     q4 = ROOT / "conformance" / "findings" / "refaware_requests" / "Q4-one-shot-requests-stay-registered.json"
     assert _replay(q4).returncode == 1
-    done = _replay(q4, "--target", "kvcert.conformance.adapters.refaware_requests:factory_releasing_clients")
+    done = _replay(q4, "--target", "kvcert.conformance.adapters.refaware.requests:factory_releasing_clients")
     assert done.returncode == 0, done.stdout[-2000:]
     fixed = json.loads(q4.read_text()) | {"fixes": ["Q4"]}
     (tmp_path / "q4.json").write_text(json.dumps(fixed))

@@ -11,9 +11,9 @@ import pytest
 
 from kvcert.conformance.certification.certify import certify
 from kvcert.conformance.certification.replay import replay
-from kvcert.conformance.engine import ReferenceEngine, _Request
-from kvcert.conformance.engine import factory as engine_factory
 from kvcert.conformance.harness.requests import turn_tokens
+from kvcert.conformance.reference.engine import ReferenceEngine, _Request
+from kvcert.conformance.reference.engine import factory as engine_factory
 from kvcert.refimpl import RefCache
 from kvcert.spec.ops import AbortRequest, CloseSession, Op, Reprioritize, Step, Submit
 from kvcert.spec.requests import output_token
@@ -151,7 +151,7 @@ def test_generation_finds_each_defect(engine: type[ReferenceEngine], tmp_path: P
 
 
 def test_a_reference_engine_certificate_says_what_it_did_not_check(tmp_path: Path) -> None:
-    cert = certify("kvcert.conformance.engine:factory", examples=10, steps=30, page_sizes=[1], policies=["lru"],
+    cert = certify("kvcert.conformance.reference.engine:factory", examples=10, steps=30, page_sizes=[1], policies=["lru"],
                    write_policies=[], prefetch_policies=[], out_dir=tmp_path)  # fmt: skip
     assert cert.passed and cert.kind == "request-path" and cert.total_steps > 0
     assert any("reference model beside the engine" in g for g in cert.not_checked)
@@ -171,7 +171,7 @@ def test_a_request_trace_round_trips_and_replays(tmp_path: Path) -> None:
     from kvcert.spec.ops import Trace
 
     ops = [_turn("r1", "s0", (1, 2)), Step(), AbortRequest("r1"), Step(), CloseSession("s0")]
-    text = Trace(config=CONFIG, ops=tuple(ops), target="kvcert.conformance.engine:factory").to_json()
+    text = Trace(config=CONFIG, ops=tuple(ops), target="kvcert.conformance.reference.engine:factory").to_json()
     back = Trace.from_json(text)
     assert list(back.ops) == ops
     assert replay(engine_factory, CAPS, CONFIG, back.ops).failure is None
@@ -227,7 +227,7 @@ def test_distinct_ids_clients_send_ids_none_of_which_starts_with_another(tmp_pat
 
     monkeypatch.setattr(RequestHarness, "step", recording)
     caps = with_(CAPS, client=("distinct-ids",))
-    cert = certify("kvcert.conformance.engine:factory", examples=20, steps=30, page_sizes=[1], policies=["lru"],
+    cert = certify("kvcert.conformance.reference.engine:factory", examples=20, steps=30, page_sizes=[1], policies=["lru"],
                    write_policies=[], prefetch_policies=[], out_dir=tmp_path,
                    factory=_with_caps(engine_factory, caps))  # fmt: skip
     assert cert.passed and cert.total_steps > 0

@@ -14,11 +14,11 @@ from _sglang import require_sglang
 
 require_sglang()
 
-from kvcert.conformance.adapters._sglang_env import import_sglang, install_shims  # noqa: E402
+from kvcert.conformance.adapters.sglang.env import import_sglang, install_shims  # noqa: E402
 
 SG = import_sglang()
 
-from kvcert.conformance.adapters.sglang_radix import factory, factory_need_sort  # noqa: E402
+from kvcert.conformance.adapters.sglang.radix import factory, factory_need_sort  # noqa: E402
 from kvcert.conformance.backend import Backend  # noqa: E402
 from kvcert.refimpl import RefCache  # noqa: E402
 from kvcert.spec import contracts  # noqa: E402
@@ -211,7 +211,7 @@ def test_short_certification_passes(page_size: int, tmp_path) -> None:
     from kvcert.conformance.certification.certify import certify
 
     cert = certify(
-        "kvcert.conformance.adapters.sglang_radix:factory",
+        "kvcert.conformance.adapters.sglang.radix:factory",
         examples=50,
         steps=30,
         page_sizes=[page_size],
@@ -223,7 +223,7 @@ def test_short_certification_passes(page_size: int, tmp_path) -> None:
 
 def test_ordered_set_is_a_set_in_insertion_order() -> None:
     """The set SGLang's leaf sets are replaced with: a set's answers, insertion order, any process."""
-    from kvcert.conformance.adapters._sglang_env import OrderedSet
+    from kvcert.conformance.adapters.sglang.env import OrderedSet
 
     s = OrderedSet([3, 1])
     s.add(2)

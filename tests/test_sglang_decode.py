@@ -1,4 +1,4 @@
-"""SGLang 0.5.23's decode server of PD disaggregation (conformance/adapters/sglang_decode.py): its own decode event
+"""SGLang 0.5.23's decode server of PD disaggregation (conformance/adapters/sglang/decode.py): its own decode event
 loop, prealloc and transfer queues and decode-side HiCache, certified through its request path; and the bugs PR
 #26560's review found (seed 003), planted into SGLang's own code (tests/sglang_decode_plants.py), each failing the
 certification under the rule it breaks. Skipped as a whole without the `sglang` extra (required with
@@ -20,7 +20,7 @@ require_sglang()
 
 import sglang_decode_plants as plants  # noqa: E402
 
-from kvcert.conformance.adapters import sglang_decode  # noqa: E402
+from kvcert.conformance.adapters.sglang import decode as sglang_decode  # noqa: E402
 from kvcert.conformance.certification import fixes, known  # noqa: E402
 from kvcert.conformance.certification.certify import certify, load_factory  # noqa: E402
 from kvcert.conformance.certification.replay import replay  # noqa: E402
@@ -31,10 +31,10 @@ from kvcert.spec.types import CacheConfig  # noqa: E402
 
 pytestmark = pytest.mark.sglang
 
-TARGET = "kvcert.conformance.adapters.sglang_decode:factory_fitting"
+TARGET = "kvcert.conformance.adapters.sglang.decode:factory_fitting"
 """The client sends no request that can never fit: `factory`'s fail on finding SG-DECODE-NEVER-FIT (test_known_findings
 replays it)."""
-STORAGE_TARGET = "kvcert.conformance.adapters.sglang_decode:factory_storage"
+STORAGE_TARGET = "kvcert.conformance.adapters.sglang.decode:factory_storage"
 L3_WAIT = "SG-DECODE-L3-WAIT"
 """The storage cells run with this finding's fix applied (else every cell stops at its leak)."""
 STORAGE_EXAMPLES = 12
@@ -248,7 +248,7 @@ def test_a_request_sglang_clips_on_arrival_is_judged_by_its_clipped_output() -> 
     assert h.never_fits(clipped.op) and not h.never_fits(clipped.op, clipped.output)
     assert failure is not None and {v.inv for v in failure.violations} == {"INV-RP-5"}, failure
     assert "r000011 was aborted" in str(failure)
-    with fixes.applied([RETRACT], "kvcert.conformance.adapters.sglang_decode:factory"):
+    with fixes.applied([RETRACT], "kvcert.conformance.adapters.sglang.decode:factory"):
         h, failure = _play(trace)
     assert failure is None, failure
     assert {r: v.state for r, v in h.finished.items()} == dict.fromkeys(("r000002", "r000009", "r000011"), "finished")

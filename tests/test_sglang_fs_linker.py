@@ -1,4 +1,4 @@
-"""`sglang-fs-linker` 0.1.0 behind SGLang 0.5.23's linker wrapper (conformance/adapters/sglang_fs_linker.py).
+"""`sglang-fs-linker` 0.1.0 behind SGLang 0.5.23's linker wrapper (conformance/adapters/sglang/fs_linker.py).
 
 SGLang's own factory refuses the package as shipped (it targets an older linker contract). Bridged, a directed
 conversation drives its whole cycle through SGLang's scheduler (pages offloaded to files, evicted from the device,
@@ -34,7 +34,7 @@ from _linker import CONFIG, conversation  # noqa: E402
 from sglang.srt.mem_cache.unified_cache.linker_factory import create_unified_cache_linker  # noqa: E402
 from sglang_fs_linker.linker import FileSystemLinker  # noqa: E402
 
-from kvcert.conformance.adapters import sglang_fs_linker  # noqa: E402
+from kvcert.conformance.adapters.sglang import fs_linker as sglang_fs_linker  # noqa: E402
 from kvcert.conformance.certification.certify import certify  # noqa: E402
 from kvcert.conformance.harness.driver import ConformanceFailure  # noqa: E402
 from kvcert.conformance.harness.requests import RequestHarness  # noqa: E402
@@ -150,7 +150,7 @@ def test_each_planted_linker_bug_is_caught(plant: str, fault: Optional[str], rul
 def test_a_short_certification_of_the_faults_it_survives_passes() -> None:
     with tempfile.TemporaryDirectory() as out:
         cert = certify(
-            "kvcert.conformance.adapters.sglang_fs_linker:factory_survivable",
+            "kvcert.conformance.adapters.sglang.fs_linker:factory_survivable",
             examples=8,
             page_sizes=(4,),
             out_dir=Path(out),

@@ -1,4 +1,4 @@
-"""The HostTierBackend adapter over SGLang's UnifiedRadixCache + HiCache (conformance/adapters/sglang_hicache_backend.py).
+"""The HostTierBackend adapter over SGLang's UnifiedRadixCache + HiCache (conformance/adapters/sglang/hicache_backend.py).
 
 Protocol conformance, exact host-pool sizing, and SGLang snapshots that pass kvcert's state
 invariants after basic host-tier operations, for both tree cores (Python, Rust) and both host
@@ -22,8 +22,8 @@ require_sglang()
 
 import torch  # noqa: E402
 
-from kvcert.conformance.adapters import sglang_hicache_backend as adapter  # noqa: E402
-from kvcert.conformance.adapters.sglang_hicache_backend import SGLangHiCacheBackend  # noqa: E402
+from kvcert.conformance.adapters.sglang import hicache_backend as adapter  # noqa: E402
+from kvcert.conformance.adapters.sglang.hicache_backend import SGLangHiCacheBackend  # noqa: E402
 from kvcert.conformance.backend import Backend, HostTierBackend  # noqa: E402
 from kvcert.conformance.harness.driver import run_trace  # noqa: E402
 from kvcert.spec.invariants import check_snapshot  # noqa: E402
@@ -106,7 +106,7 @@ def test_factories_are_module_level_targets() -> None:
     from kvcert.conformance.certification.certify import load_factory
 
     for name in ("factory", "factory_rust", "factory_page_first", "factory_rust_page_first"):
-        loaded = load_factory(f"kvcert.conformance.adapters.sglang_hicache_backend:{name}")
+        loaded = load_factory(f"kvcert.conformance.adapters.sglang.hicache_backend:{name}")
         assert loaded is getattr(adapter, name) and loaded.__name__ == name
     with pytest.raises(ValueError):
         adapter.make_factory("cython")
@@ -118,7 +118,7 @@ def test_a_host_pool_builds_whatever_memory_the_machine_has_free(monkeypatch: An
     with next to nothing free still builds it, and SGLang's check itself still refuses outside that scope."""
     from sglang.srt.mem_cache.pool_host import base as host_base
 
-    from kvcert.conformance.adapters.sglang_hicache import HOST_BUDGET_DEVIATION
+    from kvcert.conformance.adapters.sglang.hicache import HOST_BUDGET_DEVIATION
 
     monkeypatch.setattr(host_base, "available_host_memory_bytes", lambda **kw: 1 << 20)  # 1 MiB free
     assert host_base.host_memory_budget_bytes(1024) < 0  # what the check would read without the budget

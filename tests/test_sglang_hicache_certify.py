@@ -22,7 +22,7 @@ TARGETS = ["factory", "factory_rust", "factory_page_first", "factory_rust_page_f
 
 @pytest.mark.parametrize("name", TARGETS)
 def test_hicache_is_certified(name: str, tmp_path: Path) -> None:
-    target = f"kvcert.conformance.adapters.sglang_hicache_backend:{name}"
+    target = f"kvcert.conformance.adapters.sglang.hicache_backend:{name}"
     cert = certify(target, examples=40, steps=30, seed=0, page_sizes=[1, 4], policies=["lru"], out_dir=tmp_path)
     failures = [f"P={c.page_size} {c.write_policy or 'device'}: {c.failure}" for c in cert.cells if not c.passed]
     assert not failures, "\n".join(failures)
@@ -35,7 +35,7 @@ def test_hicache_is_certified(name: str, tmp_path: Path) -> None:
 def test_hicache_ranks_slru_and_tlru(name: str, tmp_path: Path) -> None:
     """SLRU and T-LRU (SPEC.md §4.5) on both tree cores, device only and under write-through; under write-back
     neither core counts a hit, so SLRU is LRU there: the logged finding SG-SLRU-WB reproduces before any cell."""
-    target = f"kvcert.conformance.adapters.sglang_hicache_backend:{name}"
+    target = f"kvcert.conformance.adapters.sglang.hicache_backend:{name}"
     cert = certify(
         target,
         examples=20,

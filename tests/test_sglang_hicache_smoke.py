@@ -1,4 +1,4 @@
-"""Smoke tests of the CPU driver of SGLang's UnifiedRadixCache + HiCache (conformance/adapters/sglang_hicache.py).
+"""Smoke tests of the CPU driver of SGLang's UnifiedRadixCache + HiCache (conformance/adapters/sglang/hicache.py).
 
 One round trip per (core, page size, write policy): insert, a held write ack released by
 the harness, eviction that demotes to host, a host hit, a load-back whose KV is byte-equal
@@ -20,7 +20,7 @@ require_sglang()
 
 import torch  # noqa: E402
 
-from kvcert.conformance.adapters.sglang_hicache import HiCacheConfig, SGLangHiCache  # noqa: E402
+from kvcert.conformance.adapters.sglang.hicache import HiCacheConfig, SGLangHiCache  # noqa: E402
 
 pytestmark = pytest.mark.sglang
 

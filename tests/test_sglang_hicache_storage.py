@@ -18,13 +18,13 @@ from _sglang import drop_mid_prefetch, require_sglang
 
 require_sglang()
 
-from kvcert.conformance.adapters.sglang_hicache import HiCacheConfig, SGLangHiCache  # noqa: E402
-from kvcert.conformance.adapters.sglang_hicache_backend import (  # noqa: E402
+from kvcert.conformance.adapters.sglang.hicache import HiCacheConfig, SGLangHiCache  # noqa: E402
+from kvcert.conformance.adapters.sglang.hicache_backend import (  # noqa: E402
     SGLangHiCacheBackend,
     factory_rust_storage,
     factory_storage,
 )
-from kvcert.conformance.adapters.sglang_hicache_storage import (  # noqa: E402
+from kvcert.conformance.adapters.sglang.storage.stepped import (  # noqa: E402
     BridgeStorage,
     canonical_kv,
     sglang_page_keys,
@@ -346,7 +346,7 @@ def test_storage_cells_are_certified(name: str, tmp_path: Path) -> None:
     the longer one's figures are in docs/sglang.md.
     """
     cert = certify(
-        f"kvcert.conformance.adapters.sglang_hicache_backend:{name}",
+        f"kvcert.conformance.adapters.sglang.hicache_backend:{name}",
         examples=25,
         steps=30,
         seed=0,
@@ -504,7 +504,7 @@ def test_sglangs_own_file_backend_is_a_storage_target() -> None:
     """`factory_storage_file` runs HiCacheFile unpatched: a peer's pages, the engine's own stores, a dropped page
     file and a fetch across the batch all match the model; the harness's call faults are not declared (HiCacheFile
     does its own I/O), and a corrupt page file is F-L3-1 (its traces are replayed in test_known_findings)."""
-    from kvcert.conformance.adapters.sglang_hicache_backend import factory_storage_file
+    from kvcert.conformance.adapters.sglang.hicache_backend import factory_storage_file
     from kvcert.conformance.certification.scope import scope_gaps
 
     caps = factory_storage_file.capabilities  # type: ignore[attr-defined]

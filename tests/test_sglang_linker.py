@@ -1,4 +1,4 @@
-"""SGLang 0.5.23's direct external linker path (conformance/adapters/sglang_linker.py), judged through its scheduler.
+"""SGLang 0.5.23's direct external linker path (conformance/adapters/sglang/linker.py), judged through its scheduler.
 
 A directed conversation drives the store's whole cycle through SGLang's own wrapper (offload, device eviction, a
 lookup hit, a load, a failed load batch) and must pass; the same conversation fails when SGLang's wrapper is made
@@ -25,15 +25,15 @@ require_sglang()
 from _linker import conversation, flush_mid_offload  # noqa: E402
 from sglang_linker_plants import PLANTS, planted  # noqa: E402
 
-from kvcert.conformance.adapters import sglang_linker  # noqa: E402
+from kvcert.conformance.adapters.sglang import linker as sglang_linker  # noqa: E402
 from kvcert.conformance.certification.certify import certify  # noqa: E402
 from kvcert.conformance.harness.driver import ConformanceFailure  # noqa: E402
 from kvcert.conformance.harness.requests import RequestHarness  # noqa: E402
-from kvcert.conformance.linker import LinkerStore  # noqa: E402
+from kvcert.conformance.reference.linker import LinkerStore  # noqa: E402
 
 pytestmark = pytest.mark.sglang
 
-TARGET = "kvcert.conformance.adapters.sglang_linker:factory"
+TARGET = "kvcert.conformance.adapters.sglang.linker:factory"
 
 
 def _conversation(fail_load: bool) -> tuple[Any, RequestHarness]:
@@ -125,6 +125,6 @@ def test_each_planted_wrapper_bug_fails_certification_under_its_rule(plant: str)
 
 def test_the_target_imports_in_a_fresh_process() -> None:
     """`kvcert certify ...sglang_linker:factory` imports the module first: SGLang's CPU shims must come before it."""
-    done = subprocess.run([sys.executable, "-c", "import kvcert.conformance.adapters.sglang_linker"],
+    done = subprocess.run([sys.executable, "-c", "import kvcert.conformance.adapters.sglang.linker"],
                           capture_output=True, text=True, timeout=300)  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]

@@ -19,7 +19,7 @@ from _sglang import require_sglang
 
 require_sglang()
 
-from kvcert.conformance.adapters import sglang_requests  # noqa: E402
+from kvcert.conformance.adapters.sglang import requests as sglang_requests  # noqa: E402
 from kvcert.conformance.harness.requests import ModelPlayer  # noqa: E402
 from kvcert.conformance.harness.side import KVModel  # noqa: E402
 from kvcert.spec.types import CacheConfig  # noqa: E402

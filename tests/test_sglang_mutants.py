@@ -16,7 +16,7 @@ from _sglang import require_sglang
 
 require_sglang()
 
-from kvcert.conformance.adapters._sglang_env import import_sglang  # noqa: E402
+from kvcert.conformance.adapters.sglang.env import import_sglang  # noqa: E402
 
 SG = import_sglang()
 
@@ -139,7 +139,7 @@ def test_patched_sglang_is_not_certified(name: str, monkeypatch: pytest.MonkeyPa
     for method in methods:
         monkeypatch.setattr(RC, method, mutate(getattr(RC, method)))
     cert = certify(
-        "kvcert.conformance.adapters.sglang_radix:factory",
+        "kvcert.conformance.adapters.sglang.radix:factory",
         examples=200,
         steps=30,
         page_sizes=[page_size],
@@ -183,9 +183,9 @@ def test_split_metadata_is_compared_under_the_profile(
     backend: the same run certifies."""
     monkeypatch.setattr(RC, "_split_node", mutate(RC._split_node))
     kw: dict[str, Any] = dict(examples=60, steps=30, page_sizes=[1], policies=[policy], out_dir=tmp_path)
-    cert = certify("kvcert.conformance.adapters.sglang_radix:factory", **kw)
+    cert = certify("kvcert.conformance.adapters.sglang.radix:factory", **kw)
     _assert_caught(cert, "split metadata", "INV-META-1")
-    assert certify("kvcert.conformance.adapters.sglang_radix:factory", profile="core", **kw).passed
+    assert certify("kvcert.conformance.adapters.sglang.radix:factory", profile="core", **kw).passed
 
 
 # --------------------------------------------------------------------------- HiCache: KV bytes (SPEC.md §9.12)
@@ -227,7 +227,7 @@ def test_patched_hicache_copies_are_caught_by_the_bytes(
     method, mutate, page_size, expected = HICACHE_CASES[name]
     monkeypatch.setattr(MHATokenToKVPoolHost, method, mutate(getattr(MHATokenToKVPoolHost, method)))
     cert = certify(
-        "kvcert.conformance.adapters.sglang_hicache_backend:factory",
+        "kvcert.conformance.adapters.sglang.hicache_backend:factory",
         examples=100,
         steps=30,
         page_sizes=[page_size],
@@ -258,7 +258,7 @@ def test_hicache_python_core_metadata_is_compared_in_order(monkeypatch: pytest.M
 
     monkeypatch.setattr(UnifiedTreeCore, "_touch_node", touch_keeps_old_stamp(UnifiedTreeCore._touch_node))
     kw: dict[str, Any] = dict(examples=40, steps=30, page_sizes=[1], device_cells=True, out_dir=tmp_path)
-    target = "kvcert.conformance.adapters.sglang_hicache_backend:factory"
+    target = "kvcert.conformance.adapters.sglang.hicache_backend:factory"
     cert = certify(target, write_policies=[], **kw)
     _assert_caught(cert, "touch keeps old stamp", "INV-META-1")
     assert certify(target, write_policies=[], profile="core", **kw).passed
@@ -298,7 +298,7 @@ def test_the_checkpoint_runs_sglangs_prompt_split_and_hit_gate(
     SGLang's `cache_inserted_len` gate and its prompt re-insert run, and a checkpoint that loses either fails."""
     monkeypatch.setattr(RC, "_insert_cache", mutate(RC._insert_cache))
     cert = certify(
-        "kvcert.conformance.adapters.sglang_radix:factory",
+        "kvcert.conformance.adapters.sglang.radix:factory",
         examples=60,
         steps=30,
         page_sizes=[1],

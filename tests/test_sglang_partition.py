@@ -1,4 +1,4 @@
-"""Key partitioning through SGLang 0.5.23's own scheduler (`conformance.adapters.sglang_partition`): with the salt as
+"""Key partitioning through SGLang 0.5.23's own scheduler (`conformance.adapters.sglang.partition`): with the salt as
 the request's `cache_salt` every case passes; with it as the request's `extra_key`, exactly the cases whose salt spells
 an adapter's id in SGLang's keys fail, across keys (SG-LORA, docs/findings.md)."""
 
@@ -8,8 +8,8 @@ from _sglang import require_sglang
 
 require_sglang()
 
-from kvcert.conformance import partition  # noqa: E402
-from kvcert.conformance.adapters import sglang_partition  # noqa: E402
+from kvcert.conformance.adapters.sglang import partition as sglang_partition  # noqa: E402
+from kvcert.conformance.harness import partition  # noqa: E402
 
 CASES = 40
 

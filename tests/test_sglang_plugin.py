@@ -3,7 +3,7 @@
 SGLang's plugin loader registers it from kvcert's entry point; SGLang's own `create_tree_cache` builds it; an
 option it does not implement stops the server at startup naming the option; SGLang's scheduler runs its
 requests through it (tests/test_sglang_requests.py's scenario runs on it too); and defects planted in it are
-caught by certifying it through SGLang's request path (`sglang_kvcert`), so the certificate can fail.
+caught by certifying it through SGLang's request path (`sglang.plugin`), so the certificate can fail.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ require_sglang()
 
 from test_sglang_requests import Model  # noqa: E402
 
-from kvcert.conformance.adapters import sglang_kvcert  # noqa: E402
+from kvcert.conformance.adapters.sglang import plugin as sglang_kvcert  # noqa: E402
 from kvcert.integrations import sglang as plugin  # noqa: E402
 from kvcert.integrations.sglang import cache as backend  # noqa: E402
 from kvcert.integrations.sglang.options import (  # noqa: E402
@@ -41,7 +41,7 @@ pytestmark = pytest.mark.sglang
 ROOT = Path(__file__).resolve().parents[1]
 
 REGISTERS = """
-from kvcert.conformance.adapters import _sglang_env as env
+from kvcert.conformance.adapters.sglang import env as env
 env.install_shims()
 with env.quiet_imports():
     from sglang.srt.mem_cache import registry
@@ -205,7 +205,7 @@ def test_kv_events_name_blocks_as_sglangs_own_radix_cache_does(dynamo: bool) -> 
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
     from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
 
-    from kvcert.conformance.adapters.sglang_radix import cpu_pools
+    from kvcert.conformance.adapters.sglang.radix import cpu_pools
 
     ours = plugin.factory(_context(events=True, page_size=2, dynamo=dynamo))
     _, allocator = cpu_pools(CacheConfig(page_size=2, capacity=64))
@@ -239,14 +239,14 @@ def test_kv_events_name_blocks_as_sglangs_own_radix_cache_does(dynamo: bool) -> 
 
 
 def test_kv_events_replay_to_what_the_backend_holds_through_the_request_path(monkeypatch: Any, tmp_path: Path) -> None:
-    """`sglang_kvcert` replays the backend's KV events after every op (INV-EVENT-1): a removal left unannounced
+    """`sglang.plugin` replays the backend's KV events after every op (INV-EVENT-1): a removal left unannounced
     leaves a router routing to blocks the worker no longer has, and fails certification."""
     from kvcert.conformance.certification.certify import certify
     from kvcert.integrations.sglang.events import EventWatch
 
     monkeypatch.setattr(EventWatch, "removed", lambda watch, node, tier: None)
     cert = certify(
-        "kvcert.conformance.adapters.sglang_kvcert:factory", examples=20, steps=30, page_sizes=[1],
+        "kvcert.conformance.adapters.sglang.plugin:factory", examples=20, steps=30, page_sizes=[1],
         policies=["lru"], write_policies=[], out_dir=tmp_path,
     )  # fmt: skip
     assert not cert.passed and "INV-EVENT-1" in str(cert.cells[0].failure)
@@ -302,7 +302,7 @@ def test_a_planted_defect_fails_certification(plant: str, monkeypatch: Any, tmp_
     from kvcert.conformance.certification.certify import certify
     method, replacement, name, page_size = PLANTS[plant]
     monkeypatch.setattr(backend.KvcertRadixCache, method, replacement)
-    target = f"kvcert.conformance.adapters.sglang_kvcert:{name}"
+    target = f"kvcert.conformance.adapters.sglang.plugin:{name}"
     cert = certify(
         target, examples=30, steps=30, page_sizes=[page_size], policies=["lru"], write_policies=[], out_dir=tmp_path
     )
@@ -352,7 +352,7 @@ def test_a_retention_the_hint_did_not_ask_for_fails_under_inv_rp_6(plant: Any, m
     from kvcert.conformance.certification.certify import certify
 
     monkeypatch.setattr(backend, "retain_hint", plant)
-    target = "kvcert.conformance.adapters.sglang_kvcert:factory_retention"
+    target = "kvcert.conformance.adapters.sglang.plugin:factory_retention"
     cert = certify(target, examples=30, steps=30, page_sizes=[1], policies=["lru"], write_policies=[], out_dir=tmp_path)
     assert not cert.passed
     assert "INV-RP-6" in (cert.cells[0].failure or ""), cert.cells[0].failure
@@ -362,7 +362,7 @@ def test_retention_hints_reach_the_tree_and_certify(tmp_path: Path) -> None:
     """The unplanted backend passes with hints on, and the run both sent hints and saw sessions retained."""
     from kvcert.conformance.certification.certify import certify
 
-    target = "kvcert.conformance.adapters.sglang_kvcert:factory_retention"
+    target = "kvcert.conformance.adapters.sglang.plugin:factory_retention"
     cert = certify(target, examples=30, steps=30, page_sizes=[1], policies=["lru"], write_policies=[], out_dir=tmp_path)
     assert cert.passed, cert.cells[0].failure
     ops = cert.cells[0].ops
@@ -441,7 +441,7 @@ def test_a_load_back_that_moves_no_bytes_is_caught(monkeypatch: Any) -> None:
 
     monkeypatch.setattr(EnginePool, "scatter", lambda pool, idx, data: None)
     with pytest.raises(AssertionError, match="KV"):
-        scenarios.test_scenario("sglang_kvcert:factory", 4, scenarios.HOST, "write_back")
+        scenarios.test_scenario("sglang.plugin:factory", 4, scenarios.HOST, "write_back")
 
 
 @pytest.mark.parametrize("write_policy", ["write_through", "write_back"])
@@ -465,7 +465,7 @@ def test_the_cuda_engines_pooled_path_moves_sglangs_bytes(write_policy: str, mon
         pooled(engine, ticket, job)
 
     monkeypatch.setattr(PlannedCopyEngine, "_pooled", seen)
-    scenarios.test_scenario("sglang_kvcert:factory", 4, scenarios.HOST, write_policy)
+    scenarios.test_scenario("sglang.plugin:factory", 4, scenarios.HOST, write_policy)
     assert {"d2h", "h2d"} <= set(directions), directions
 
 

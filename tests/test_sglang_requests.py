@@ -1,4 +1,4 @@
-"""SGLang 0.5.23's own scheduler request path (conformance/adapters/sglang_requests.py), factory by factory.
+"""SGLang 0.5.23's own scheduler request path (conformance/adapters/sglang/requests.py), factory by factory.
 
 Each cell drives one scenario through the RequestPathBackend protocol: a two-turn conversation beside a one-shot
 request, a prompt long enough to be chunked, an abort mid-prompt, eviction under pressure and (with a host tier)
@@ -19,7 +19,7 @@ from _sglang import require_sglang
 
 require_sglang()
 
-from kvcert.conformance.adapters import sglang_requests  # noqa: E402
+from kvcert.conformance.adapters.sglang import requests as sglang_requests  # noqa: E402
 from kvcert.conformance.backend import RequestPathBackend  # noqa: E402
 from kvcert.spec import storage  # noqa: E402
 from kvcert.spec.invariants import check_snapshot  # noqa: E402
@@ -43,9 +43,9 @@ CELLS = [
     ("factory_radix", 4, 0, ""),
     ("factory_sessions", 1, 0, ""),
     ("factory_sessions", 4, HOST, "write_through"),
-    ("sglang_kvcert:factory", 1, 0, ""),  # kvcert's own cache as SGLang's --radix-cache-backend kvcert
-    ("sglang_kvcert:factory_sessions", 4, 0, ""),
-    ("sglang_kvcert:factory", 4, HOST, "write_back"),
+    ("sglang.plugin:factory", 1, 0, ""),  # kvcert's own cache as SGLang's --radix-cache-backend kvcert
+    ("sglang.plugin:factory_sessions", 4, 0, ""),
+    ("sglang.plugin:factory", 4, HOST, "write_back"),
 ]
 PER_REQUEST = (
     "scheduler.waiting_queue",
@@ -68,7 +68,7 @@ PER_REQUEST = (
 
 
 def adapter_factory(name: str) -> Any:
-    """A factory of this module's adapter, or "module:factory" of another adapter module (sglang_kvcert)."""
+    """A factory of this module's adapter, or "module:factory" of another adapter module (`sglang.plugin`)."""
     module, _, attr = name.rpartition(":")
     adapters = importlib.import_module(f"kvcert.conformance.adapters.{module}") if module else sglang_requests
     return getattr(adapters, attr)
@@ -326,7 +326,7 @@ def test_clients_that_leave_ids_to_sglang_walk_past_sg_abort(tmp_path: Any) -> N
     from kvcert.conformance.certification import known
     from kvcert.conformance.certification.certify import certify
 
-    target = "kvcert.conformance.adapters.sglang_requests:factory_engine_ids"
+    target = "kvcert.conformance.adapters.sglang.requests:factory_engine_ids"
     caps = sglang_requests.factory_engine_ids.capabilities  # type: ignore[attr-defined]
     assert caps.client == ("distinct-ids",) and caps.kind == "request-path"
     judged = known.replay_findings(target, sglang_requests.factory_engine_ids, caps)
@@ -337,7 +337,7 @@ def test_clients_that_leave_ids_to_sglang_walk_past_sg_abort(tmp_path: Any) -> N
     assert cert.passed and cert.total_steps > 0, cert
 
 
-@pytest.mark.parametrize("target", ["factory_engine_ids", "sglang_kvcert:factory"])
+@pytest.mark.parametrize("target", ["factory_engine_ids", "sglang.plugin:factory"])
 def test_a_burst_of_long_answers_makes_sglang_retract_and_resume(target: str, monkeypatch: Any) -> None:
     """Clients leave ignore_eos off, so SGLang admits on an estimate of each running request's remaining output:
     three one-token questions with 24-token answers outgrow the 64-token pool while decoding. SGLang's own
@@ -389,13 +389,13 @@ def test_a_kv_event_sglang_leaves_out_fails_certification(core: str, monkeypatch
     monkeypatch.setattr(recorder, "take", drops)
     target = "factory_engine_ids" if core == "python" else "factory_rust_engine_ids"
     cert = certify(
-        f"kvcert.conformance.adapters.sglang_requests:{target}", examples=20, steps=30, page_sizes=[1],
+        f"kvcert.conformance.adapters.sglang.requests:{target}", examples=20, steps=30, page_sizes=[1],
         policies=["lru"], write_policies=[], out_dir=tmp_path,
     )  # fmt: skip
     assert not cert.passed and "INV-EVENT-1" in str(cert.cells[0].failure)
 
 
-@pytest.mark.parametrize("target", ["factory", "sglang_kvcert:factory"])
+@pytest.mark.parametrize("target", ["factory", "sglang.plugin:factory"])
 def test_host_eviction_is_announced_to_a_router(target: str, monkeypatch: Any) -> None:
     """Generated request-path walks seldom fill the host tier (twice the device's); a dozen prompts in their own
     namespaces do. The host copies evicted for room are published as CPU_PINNED removals, and every step's replay

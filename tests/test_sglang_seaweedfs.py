@@ -21,13 +21,13 @@ if importlib.util.find_spec("moto") is None or importlib.util.find_spec("boto3")
         pytest.fail("KVCERT_SGLANG=1 but moto/boto3 are missing: scripts/install_sglang.sh (requirements/s3.txt)")
     pytest.skip("moto/boto3 not installed: scripts/install_sglang.sh (requirements/s3.txt)", allow_module_level=True)
 
-from kvcert.conformance.adapters.sglang_hicache_backend import (  # noqa: E402
+from kvcert.conformance.adapters.sglang.hicache_backend import (  # noqa: E402
     SGLangHiCacheBackend,
     factory_page_first_storage_seaweedfs,
     factory_storage_seaweedfs,
     make_factory,
 )
-from kvcert.conformance.adapters.sglang_s3_store import LoopbackS3, SGLangS3Store, object_order  # noqa: E402
+from kvcert.conformance.adapters.sglang.storage.s3_store import LoopbackS3, SGLangS3Store, object_order  # noqa: E402
 from kvcert.conformance.certification.scope import scope_gaps  # noqa: E402
 from kvcert.conformance.harness.driver import ConformanceFailure, run_trace  # noqa: E402
 from kvcert.conformance.harness.storage import FaultyStorage, MemoryStorage  # noqa: E402
@@ -249,7 +249,7 @@ def test_the_server_refusing_requests(server: LoopbackS3, refused: str) -> None:
 
 
 def _sglang_keys(b: Any) -> list[str]:
-    from kvcert.conformance.adapters.sglang_hicache_storage import sglang_page_keys
+    from kvcert.conformance.adapters.sglang.storage.stepped import sglang_page_keys
 
     return sglang_page_keys(NS, TOKENS, P)
 

@@ -3,7 +3,7 @@
 Every calibration trace in conformance/findings/session/ still shows what docs/calibration/session.md records and is
 fine on the model; what SGLang and §11 agree on still passes; SGLang's generation fencing (S7, which no
 kvcert op reaches) still drops a request that outlives its session's close; and each factory of
-`conformance/adapters/sglang_session.py` runs a small certificate whose failures are all calibrated.
+`conformance/adapters/sglang/session.py` runs a small certificate whose failures are all calibrated.
 Skipped as a whole without the `sglang` extra (required with KVCERT_SGLANG=1).
 """
 
@@ -18,7 +18,7 @@ from _sglang import require_sglang
 
 require_sglang()
 
-from kvcert.conformance.adapters import sglang_session  # noqa: E402
+from kvcert.conformance.adapters.sglang import session as sglang_session  # noqa: E402
 from kvcert.conformance.certification.certify import certify, load_factory  # noqa: E402
 from kvcert.conformance.certification.replay import judged_as, replay_failure  # noqa: E402
 from kvcert.conformance.harness.driver import run_trace  # noqa: E402
@@ -163,7 +163,7 @@ FACTORIES = ["factory", "factory_rust", "factory_planned", "factory_rust_planned
 
 @pytest.mark.parametrize("name", FACTORIES)
 def test_a_small_certificate_breaks_only_calibrated_rules(name: str, tmp_path: Path) -> None:
-    target = f"kvcert.conformance.adapters.sglang_session:{name}"
+    target = f"kvcert.conformance.adapters.sglang.session:{name}"
     cert = certify(
         target, examples=8, steps=30, seed=0, page_sizes=[1, 4], policies=["lru"], host_cells=False, out_dir=tmp_path
     )
@@ -180,7 +180,7 @@ def test_the_rust_selection_certifies_the_same_cache(tmp_path: Path) -> None:
     """S1 again, as a run: same ops, same digests (the factories differ only in the core they ask for)."""
     runs = [
         certify(
-            f"kvcert.conformance.adapters.sglang_session:{name}",
+            f"kvcert.conformance.adapters.sglang.session:{name}",
             examples=5,
             steps=20,
             seed=1,

@@ -71,7 +71,7 @@ def test_the_refaware_fork_serves_the_stress_test_in_its_own_environment(row: st
 
 def test_the_prefill_graph_buckets_are_sglangs_own() -> None:
     """The one SGLang function the pool sizing copies (`kvcert.sim.sizing`), against the installed wheel's."""
-    from kvcert.conformance.adapters._sglang_env import install_shims
+    from kvcert.conformance.adapters.sglang.env import install_shims
     from kvcert.sim import sizing
 
     install_shims()

@@ -69,13 +69,8 @@ PACKAGES = ("spec", "refimpl", "gpu", "sim", "integrations", "conformance")
 MAP_HEADER = "| module | owns |"
 
 
-def _packages(*, adapters: bool = False) -> list[Path]:
-    return sorted(
-        p.parent
-        for top in PACKAGES
-        for p in (ROOT / top).rglob("__init__.py")
-        if "__pycache__" not in p.parts and (adapters or p.parent != ROOT / "conformance" / "adapters")
-    )
+def _packages() -> list[Path]:
+    return sorted(p.parent for top in PACKAGES for p in (ROOT / top).rglob("__init__.py") if "__pycache__" not in p.parts)
 
 
 def _map_problems(package: Path) -> list[str]:
@@ -117,8 +112,7 @@ def _map_param(package: Path) -> object:
 @pytest.mark.parametrize("package", [_map_param(p) for p in _packages()])
 def test_every_package_maps_exactly_its_modules(package: Path) -> None:
     """Each package's docstring maps its modules in one table (`_map_problems`), kept true: a module added,
-    renamed or removed without its row fails here. conformance/adapters/ is left out: its map is handled
-    elsewhere."""
+    renamed or removed without its row fails here."""
     problems = _map_problems(package)
     assert not problems, f"{package.relative_to(ROOT)}/__init__.py's map: " + "; ".join(problems)
 
@@ -173,7 +167,7 @@ def test_no_two_modules_of_a_package_import_each_other() -> None:
     belongs in a module of its own, or in the lower of the two."""
     found = [
         f"{p.relative_to(ROOT)}: {a} <-> {b}"
-        for p in _packages(adapters=True)
+        for p in _packages()
         for a, b in _circles(p, "kvcert." + ".".join(p.relative_to(ROOT).parts))
     ]
     assert not found, f"modules importing each other: {found}"

@@ -1,4 +1,4 @@
-"""vLLM 0.32's `BlockPool` at its API (`conformance.adapters.vllm_block_pool`): the unmodified pool is CERTIFIED on a
+"""vLLM 0.32's `BlockPool` at its API (`conformance.adapters.vllm.block_pool`): the unmodified pool is CERTIFIED on a
 run that reaches hits, evictions, a connector's evict_blocks and a reset, and each bug planted into the pool fails it
 under the rule it breaks — the page-level core, the event stream, or the `vllm-0.32` profile's pool."""
 
@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from _vllm import plant_runs, run_vllm
 
-TARGET = "kvcert.conformance.adapters.vllm_block_pool:factory"
+TARGET = "kvcert.conformance.adapters.vllm.block_pool:factory"
 PLANTS = {
     "leak-on-free": {"INV-PAGE-2", "INV-POOL-1"},
     "lora-unhashed": {"INV-KV-1", "INV-REQ-2"},

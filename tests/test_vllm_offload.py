@@ -1,4 +1,4 @@
-"""vLLM 0.32's CPU offloading manager at its API (`conformance.adapters.vllm_offload`), judged by the offload contract
+"""vLLM 0.32's CPU offloading manager at its API (`conformance.adapters.vllm.offload`), judged by the offload contract
 (`kvcert.spec.offload`): the model itself on hand-made histories (no vLLM), then the unmodified manager CERTIFIED
 under lru and arc on a run that reaches evictions beside loads, failed stores, pending lookups and resets with copies
 in flight, and each bug planted into vLLM's own manager or policy code (tests/vllm_offload_plants.py) failing under

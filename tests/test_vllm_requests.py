@@ -1,4 +1,4 @@
-"""vLLM 0.32 through its own v1 scheduler (`conformance.adapters.vllm_requests`), judged by the page-level core: the
+"""vLLM 0.32 through its own v1 scheduler (`conformance.adapters.vllm.requests`), judged by the page-level core: the
 unmodified engine is CERTIFIED on a run that reaches evictions, preemptions and prefix hits, and each bug planted into
 vLLM's own code (tests/vllm_plants.py) fails it under the rule it breaks — on both the synchronous and the async
 scheduler, on a hybrid model's KV cache (full attention beside a sliding window), where bugs in the
@@ -63,7 +63,7 @@ connector's own."""
 @functools.cache
 def _runs(factory: str) -> dict[str, dict[str, Any]]:
     """Each plant of `factory`'s set (and the unmodified engine, "none"), certified once per test process."""
-    target = f"kvcert.conformance.adapters.vllm_requests:{factory}"
+    target = f"kvcert.conformance.adapters.vllm.requests:{factory}"
     # a priority cell preempts rarely in its first 30; the connector cell reaches every branch of its own in 15
     examples = {"factory_priority": "80", "factory_connector": "15"}.get(factory, "30")
     return plant_runs(["tests/vllm_plants.py", target, examples, "none", *FACTORIES[factory]])
@@ -109,7 +109,7 @@ def test_held_to_the_core_alone_a_reordered_free_queue_passes() -> None:
         "from kvcert.conformance.certification.certify import certify\n"
         "for name in ('free-head-first', 'cached-freed-to-head'):\n"
         "    with tempfile.TemporaryDirectory() as out, p.planted(name):\n"
-        "        c = certify('kvcert.conformance.adapters.vllm_requests:factory', examples=30, out_dir=Path(out), profile='core')\n"
+        "        c = certify('kvcert.conformance.adapters.vllm.requests:factory', examples=30, out_dir=Path(out), profile='core')\n"
         "    print(name, c.passed)"
     )
     rc, out, stdout = run_vllm(["python", "-c", code])
@@ -126,7 +126,7 @@ def test_the_same_seed_gives_the_same_run_in_any_process(factory: str, examples:
         "import json, tempfile; from pathlib import Path; "
         "from kvcert.conformance.certification.certify import certify\n"
         "with tempfile.TemporaryDirectory() as out:\n"
-        f"    c = certify('kvcert.conformance.adapters.vllm_requests:{factory}', examples={examples}, out_dir=Path(out))\n"
+        f"    c = certify('kvcert.conformance.adapters.vllm.requests:{factory}', examples={examples}, out_dir=Path(out))\n"
         "print(json.dumps([c.passed, [(x.digest, x.steps, sorted(x.ops.items())) for x in c.cells]]))"
     )
     runs = []

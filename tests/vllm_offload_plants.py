@@ -23,10 +23,10 @@ from pathlib import Path
 from typing import Any
 from unittest import mock
 
-from kvcert.conformance.adapters import _vllm_env  # noqa: F401  (VLLM_TARGET_DEVICE before vLLM imports)
+from kvcert.conformance.adapters.vllm import env as _vllm_env  # noqa: F401  (VLLM_TARGET_DEVICE before vLLM imports)
 from kvcert.conformance.certification.certify import certify
 
-TARGET = "kvcert.conformance.adapters.vllm_offload:factory"
+TARGET = "kvcert.conformance.adapters.vllm.offload:factory"
 
 
 def _chunks(policy: Any) -> Iterator[Any]:

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 from unittest import mock
 
-from kvcert.conformance.adapters import _vllm_env  # noqa: F401  (VLLM_TARGET_DEVICE before vLLM imports)
+from kvcert.conformance.adapters.vllm import env as _vllm_env  # noqa: F401  (VLLM_TARGET_DEVICE before vLLM imports)
 from kvcert.conformance.certification.certify import certify
 
 

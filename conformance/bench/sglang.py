@@ -80,7 +80,7 @@ class SGLangRadixDriver(_SGLangDriver):
     def __init__(self, page_size: int, capacity: int) -> None:
         import torch
 
-        from kvcert.conformance.adapters._sglang_env import OrderedSet, import_sglang
+        from kvcert.conformance.adapters.sglang.env import OrderedSet, import_sglang
 
         sg = import_sglang()
         self.sg = sg
@@ -151,8 +151,8 @@ class SGLangUnifiedDriver(_SGLangDriver):
     """
 
     def __init__(self, page_size: int, capacity: int, core: str, host_tier: bool = False) -> None:
-        from kvcert.conformance.adapters import sglang_hicache as hc
-        from kvcert.conformance.adapters.sglang_hicache_backend import host_ratio_for
+        from kvcert.conformance.adapters.sglang import hicache as hc
+        from kvcert.conformance.adapters.sglang.hicache_backend import host_ratio_for
 
         self.name = f"sglang {'HiCache' if host_tier else 'UnifiedRadixCache'} ({core} core)"
         self.drv = hc.SGLangHiCache(
@@ -223,7 +223,7 @@ class SGLangUnifiedDriver(_SGLangDriver):
 
 def sglang_available() -> bool:
     try:
-        from kvcert.conformance.adapters._sglang_env import import_sglang
+        from kvcert.conformance.adapters.sglang.env import import_sglang
 
         import_sglang()
         return True

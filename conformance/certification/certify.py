@@ -20,6 +20,7 @@ from typing import Any, Optional, cast
 from hypothesis import HealthCheck, Phase, Verbosity, settings
 from hypothesis.errors import Flaky
 
+from kvcert.conformance.aliases import canonical
 from kvcert.conformance.backend import Factory, capabilities_of
 from kvcert.conformance.certification import fixes
 from kvcert.conformance.certification.certificate import CellResult, Certificate, FindingReplay, config_name
@@ -67,8 +68,9 @@ def _tier(config: CacheConfig) -> str:
 
 
 def load_factory(target: str) -> Factory:
-    """Import `module:attribute` and check it declares capabilities."""
-    module, _, attr = target.partition(":")
+    """Import `module:attribute` (an old module name through `conformance.aliases`) and check it declares
+    capabilities."""
+    module, _, attr = canonical(target).partition(":")
     if not attr:
         raise ValueError(f"target must look like module:factory, got {target!r}")
     obj = getattr(importlib.import_module(module), attr)

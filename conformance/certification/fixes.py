@@ -30,6 +30,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, Optional
 
+from kvcert.conformance.aliases import canonical_module
 from kvcert.conformance.certification import known
 from kvcert.spec.types import CLIENT_RULES
 
@@ -89,7 +90,7 @@ def apply(ids: Sequence[str], target: Optional[str] = None) -> list[AppliedFix]:
     out = []
     for fid in ids:
         f = _finding(fid)
-        module = "" if target is None else target.partition(":")[0]
+        module = "" if target is None else canonical_module(target.partition(":")[0])
         if target is not None and module not in f.adapters:
             raise FixError(f"finding {fid} is {f.engine}'s; {target} drives another engine")
         if f.fix_api and not f.fix_client:

@@ -22,6 +22,7 @@ from importlib.resources import files
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kvcert.conformance.aliases import canonical_module
 from kvcert.conformance.certification.replay import Replay, replay
 from kvcert.spec.ops import (
     REQUEST_OPS,
@@ -167,7 +168,7 @@ def trace_text(path: str) -> str:
 
 def findings_for(target: str) -> list[Finding]:
     """The defects logged for the engine `target` (`module:factory`) drives."""
-    module = target.partition(":")[0]
+    module = canonical_module(target.partition(":")[0])
     return [f for f in findings() if f.defect and module in f.adapters]
 
 

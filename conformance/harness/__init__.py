@@ -14,4 +14,5 @@
 | `windows` | the in-flight race windows a step entered |
 | `storage` | L3 stores with fault injection, storage-side trace events |
 | `requests` | `RequestHarness`: a request-path target sent what clients send and judged after every op (SPEC.md §12) |
+| `partition` | key partitioning (`kvcert partition`): requests that differ in a cache key never reuse each other's KV, and requests that agree do |
 """

@@ -116,13 +116,13 @@ def _no_host_register(module: types.ModuleType) -> None:
 def _host_copies(module: types.ModuleType) -> None:
     """The direct-io transfer ops SGLang binds only on CUDA/HIP/XPU (`pool_host/mha.py`), as torch index copies,
     and host pools unpinned: kvcert's in-process HiCache shims (`sglang_hicache.install_cpu_shims`)."""
-    from kvcert.conformance.adapters.sglang_hicache import install_cpu_shims
+    from kvcert.conformance.adapters.sglang.hicache import install_cpu_shims
 
     install_cpu_shims()
 
 
 def _unpinned_host(module: types.ModuleType) -> None:
-    from kvcert.conformance.adapters import _refaware_env
+    from kvcert.conformance.adapters.refaware import env as _refaware_env
 
     _refaware_env.install_host_cpu_shims()
 
@@ -141,7 +141,7 @@ def install(names: Iterable[str]) -> None:
     if unknown:
         raise ValueError(f"unknown served stand-ins {sorted(unknown)}; known: {sorted(STANDINS)}")
     if "sglang" in names:
-        from kvcert.conformance.adapters._sglang_env import install_shims
+        from kvcert.conformance.adapters.sglang.env import install_shims
 
         install_shims()
         if not any(isinstance(f, _KernelFinder) for f in sys.meta_path):
@@ -150,10 +150,10 @@ def install(names: Iterable[str]) -> None:
         sys.meta_path.insert(0, AfterImport("sglang.srt.mem_cache.pool_host.common", _no_host_register))
         sys.meta_path.insert(0, AfterImport("sglang.srt.mem_cache.pool_host.mha", _host_copies))
     if "refaware" in names:
-        from kvcert.conformance.adapters import _refaware_env
+        from kvcert.conformance.adapters.refaware import env as _refaware_env
 
-        _refaware_env._stub_triton()
-        _refaware_env._stub_torchvision()
+        _refaware_env.stub_triton()
+        _refaware_env.stub_torchvision()
         if not any(isinstance(f, _KernelFinder) for f in sys.meta_path):
             sys.meta_path.insert(0, _KernelFinder({"sgl_kernel.kvcacheio": {"transfer_kv_direct": _refaware_env.transfer_kv_direct}}))
         sys.meta_path.insert(0, AfterImport("sglang.srt.mem_cache.memory_pool_host", _unpinned_host))

@@ -59,8 +59,8 @@ __all__ = [
 ]
 
 MODULES: dict[str, str] = {
-    "engine_linker": "kvcert.conformance.engine_linker",
-    "engine_decode": "kvcert.conformance.engine_decode",
+    "engine_linker": "kvcert.conformance.reference.engine_linker",
+    "engine_decode": "kvcert.conformance.reference.engine_decode",
 }
 """Engine modules a mutant may edit -> their import name. Each defines `factory` (and `factory_gpu`)."""
 

@@ -16,9 +16,9 @@ if importlib.util.find_spec("triton") is None:
     )
     try:
         if ships_stubs:
-            from kvcert.conformance.adapters._sglang_env import install_shims
+            from kvcert.conformance.adapters.sglang.env import install_shims
         else:
-            from kvcert.conformance.adapters._refaware_env import install_shims
+            from kvcert.conformance.adapters.refaware.env import install_shims
     except ImportError:  # kvcert not installed here: install triton instead
         pass
     else:

@@ -6,11 +6,11 @@ The adapter only translates; the suite judges `examples/tinycache/cache.py`:
 
 - the logical clock: `set_clock(now)` stores `now` and the cache's clock returns it, so every stamp
   of one operation is the harness's time (SPEC.md §3);
-- handles are `TreeNode.id`; the adapter remembers each node it hands out (and, on a miss, every
-  node in the tree) so a handle read off a snapshot resolves too;
+- handles are `TreeNode.id`, kept by the adapter kit's `NodeHandles`: each node handed out is
+  remembered (and, on a miss, every node in the tree) so a handle read off a snapshot resolves too;
 - namespaces are the cache's `extra_key`, passed through unchanged (`None`, `""` and `"None"` stay
   three namespaces);
-- `alloc` maps the allocator's None to `PoolExhausted`;
+- `alloc` maps the allocator's None to `PoolExhausted` (the kit's `take_slots`);
 - `snapshot` reports the cache's own counters and free list and every node's own lock count: it
   recomputes nothing, so INV-ACCT-* judge the cache's bookkeeping, not the adapter's.
 
@@ -24,16 +24,8 @@ from collections.abc import Sequence
 from typing import Optional
 
 from examples.tinycache.cache import RadixCache, SlotAllocator, TreeNode
-from kvcert.spec.types import (
-    CacheConfig,
-    Capabilities,
-    InsertOut,
-    MatchOut,
-    NodeView,
-    PoolExhausted,
-    Snapshot,
-    StaleHandle,
-)
+from kvcert.conformance.adapters.kit import NodeHandles, take_slots
+from kvcert.spec.types import CacheConfig, Capabilities, InsertOut, MatchOut, NodeView, Snapshot
 
 __all__ = ["TinyCacheBackend", "factory"]
 
@@ -47,25 +39,11 @@ class TinyCacheBackend:
         self._now = 0
         self.allocator = SlotAllocator(config.capacity, config.page_size)
         self.cache = RadixCache(self.allocator, clock=lambda: self._now)
-        self._nodes: dict[int, TreeNode] = {}
+        self.handles: NodeHandles[TreeNode] = NodeHandles(self.cache.walk)
         """Every node handed out or seen in a walk, by id (a node id is never reused)."""
+        self._remember = self.handles.remember
+        self._node = self.handles.resolve
         self._remember(self.cache.root)
-
-    # ------------------------------------------------------------------ handles
-
-    def _remember(self, node: TreeNode) -> int:
-        self._nodes[node.id] = node
-        return node.id
-
-    def _node(self, node_id: int) -> TreeNode:
-        node = self._nodes.get(node_id)
-        if node is None:  # a handle read off a snapshot: a node made by a split is first seen in a walk
-            for seen in self.cache.walk():
-                self._remember(seen)
-            node = self._nodes.get(node_id)
-        if node is None:
-            raise StaleHandle(f"tinycache has no node {node_id!r}")
-        return node
 
     # ------------------------------------------------------------------ Backend
 
@@ -73,10 +51,7 @@ class TinyCacheBackend:
         self._now = now
 
     def alloc(self, n: int) -> tuple[int, ...]:
-        slots = self.allocator.alloc(n)
-        if slots is None:
-            raise PoolExhausted(f"tinycache has {self.allocator.available()} free slots, asked for {n}")
-        return tuple(slots)
+        return take_slots(self.allocator.alloc(n), n, f"tinycache's allocator ({self.allocator.available()} free)")
 
     def free(self, slots: Sequence[int]) -> None:
         self.allocator.free(slots)

@@ -1,0 +1,26 @@
+"""Marks the long runs (`tests/long_runs.py`) `long`, so that CI (`scripts/test.sh`) can leave them out and
+`scripts/long.sh` run them."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from long_runs import LONG  # noqa: E402
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    used = set()
+    for item in items:
+        for prefix in LONG:
+            if item.nodeid.startswith(prefix):
+                item.add_marker(pytest.mark.long)
+                used.add(prefix)
+    # Only a whole-suite collection can say an entry matches nothing (a run of one file collects one file's tests).
+    if not config.args or config.args == [str(Path(__file__).parent)] or config.args == ["tests"]:
+        stale = sorted(set(LONG) - used)
+        if stale and len(items) > 1000:
+            raise pytest.UsageError(f"tests/long_runs.py names tests that do not exist: {stale}")
