@@ -17,7 +17,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from kvcert.conformance.aliases import canonical_module
+from kvcert.conformance.aliases import canonical, canonical_module
 from kvcert.conformance.backend import Factory
 from kvcert.conformance.certification import explain, fixes, known, reports
 from kvcert.conformance.certification.certificate import CellResult, Certificate
@@ -786,12 +786,15 @@ def same_cmd(
     """Whether two certificates are the same run: cell by cell, the digest of every op executed (exit 1 if not).
 
     Two machines, installs or processes that certified the same target at the same seed and budget
-    must print "same run" for every cell (SPEC.md §3)."""
+    must print "same run" for every cell (SPEC.md §3). A target under its old module name (`conformance.aliases`) is
+    the same target as under its new one."""
     cells, runs = [], []
     for path in (first, second):
         body = json.loads(path.read_text())
         cells.append({(c["page_size"], c["policy"], c["write_policy"]): c for c in body["cells"]})
         runs.append({k: body.get(k) for k in ("target", "seed", "examples", "steps")})
+        if isinstance(runs[-1]["target"], str):  # an old module name and its new one are one target
+            runs[-1]["target"] = canonical(runs[-1]["target"])
     differ = 0
     for k in runs[0]:
         if runs[0][k] != runs[1][k]:  # another target, seed or budget is another run, whatever the digests

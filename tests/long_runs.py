@@ -60,12 +60,22 @@ LONG: dict[str, tuple[str, str]] = {
         "as above",
     ),
     "tests/test_vllm_requests.py::test_the_unmodified_engine_is_certified_on_a_run_that_reaches_the_races[factory_": (
-        "vLLM's scheduler certified on its async, hybrid, priority and connector cells (30-75 s each)",
-        "the plain factory certified, and every planted bug on every cell",
+        "vLLM's scheduler certified on its async, hybrid, priority and connector cells, once per cell and with each "
+        "planted bug (30-75 s a cell: the plants' tests share the cell's runs, so they are long with it)",
+        "the plain cell certified, and every plant on it fails under its rule",
+    ),
+    "tests/test_vllm_requests.py::test_a_planted_bug_fails_under_the_rule_it_breaks[factory_": ("as above", "as above"),
+    "tests/test_vllm_requests.py::test_the_connector_branches_run_through_vllms_scheduler": (
+        "the connector cell's run, as above",
+        "the connector cell's determinism across processes",
     ),
     "tests/test_vllm_requests.py::test_the_same_seed_gives_the_same_run_in_any_process[factory_async-10]": (
         "a second process of vLLM's scheduler (~20 s)",
         "the same check on the connector cell",
+    ),
+    "tests/test_refaware_requests.py::test_a_trace_found_with_fixes_replays_with_them": (
+        "a certification with the fork's fixes applied, then its replay (~15 s)",
+        "every fork fix makes its findings' traces pass (test_known_findings.py)",
     ),
     "tests/test_refaware.py::test_the_device_adapter_certifies_the_same_under_two_hash_seeds": (
         "two certifications of the fork's device cache in fresh processes (~45 s)",
