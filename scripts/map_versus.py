@@ -5,6 +5,11 @@
 For each ROW, against BASE at every point of the map: how many points its HP turn>=1 hit is at least BASE's, its HP
 TTFT p90 at most BASE's, its LP TTFT p90 at most BASE's; and the points where it is behind on any, tagged H (HP hit),
 T (HP TTFT p90), L (LP TTFT p90) with both figures. One run per point: the spread of repeated runs is not in it.
+
+Where the map's runs carry it (`around_p90`, sim/report.py), each point behind on a TTFT p90 is followed by what that
+p90 is made of in both rows: the turns ranked within two percent either side of the class's 90th percentile TTFT, as
+medians: their time queued before the scheduler first admitted them, their time from admission to the first token,
+their prefix hit; and their share of first turns and of retracted turns.
 """
 
 from __future__ import annotations
@@ -37,11 +42,23 @@ def main(argv: list[str]) -> None:
                     lost.append(f"{tag} {get(a):.4g} vs {get(b):.4g}")
             if lost:
                 behind.append(f"  {x_name} {p[0]:g}, {y_name} {p[1]:g}: " + "; ".join(lost))
+                for tag, cls in (("T", "high"), ("L", "low")):
+                    if any(x.startswith(tag) for x in lost) and a[cls].get("around_p90"):
+                        behind += [f"      {cls} around p90, {who}: {_around(r[cls]['around_p90'])}"
+                                   for who, r in ((row, a), (base, b))]  # fmt: skip
         print(
             f"{row} against {base}, {len(points)} points: HP hit at least at {at_least['H']}, HP TTFT p90 at most at "
             f"{at_least['T']}, LP TTFT p90 at most at {at_least['L']}"
         )
         print("\n".join(behind))
+
+
+def _around(t: dict[str, float]) -> str:
+    return (
+        f"median TTFT {t['ttft_s']:.1f} s: queued {t['queued_s']:.1f}, admitted to first token "
+        f"{t['admitted_to_first_s']:.1f}; first turns {t['first_turns']:.2f}, hit {t['hit']:.2f}, "
+        f"retracted {t['retracted']:.2f}"
+    )
 
 
 if __name__ == "__main__":

@@ -92,6 +92,8 @@ class Record:
     output_tokens: int
     cached_tokens: int = 0
     loaded_tokens: int = 0
+    admitted: float = math.nan
+    """When the scheduler first admitted it (its prefill could start): before that it waited in the queue."""
     first_token: float = math.nan
     end: float = math.nan
     outcome: str = "pending"
@@ -404,6 +406,8 @@ def simulate(
                 break
             waiting.remove(r)
             admitted += 1
+            if math.isnan(r.rec.admitted):
+                r.rec.admitted = now
             rnd.offset += r.out_left + 1  # the adder's reservation: output plus a page of slack (extend is allocated)
             r.hold = hold
             fill = r.rec.prompt_tokens + (r.decoded if r.rec.retracted else 0)
