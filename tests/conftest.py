@@ -12,6 +12,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from long_runs import LONG  # noqa: E402
 
 
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects: the marks must be on the items when it looks
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     used = set()
     for item in items:
