@@ -9,7 +9,8 @@ T (HP TTFT p90), L (LP TTFT p90) with both figures. One run per point: the sprea
 Where the map's runs carry it (`around_p90`, sim/report.py), each point behind on a TTFT p90 is followed by what that
 p90 is made of in both rows: the turns ranked within two percent either side of the class's 90th percentile TTFT, as
 medians: their time queued before the scheduler first admitted them, their time from admission to the first token,
-their prefix hit; and their share of first turns and of retracted turns.
+their prefix hit; and their share of first turns and of retracted turns. Summed over those points, per class: how much
+the row's p90 exceeds BASE's, and how much of that the medians' longer wait in the queue accounts for.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ def main(argv: list[str]) -> None:
     for row in rows:
         at_least = dict.fromkeys("HTL", 0)
         behind = []
+        excess = {"high": [0, 0.0, 0.0], "low": [0, 0.0, 0.0]}  # points behind, p90 excess, queued excess
         for p in points:
             a, b = by[(*p, row)], by[(*p, base)]
             lost = []
@@ -46,11 +48,21 @@ def main(argv: list[str]) -> None:
                     if any(x.startswith(tag) for x in lost) and a[cls].get("around_p90"):
                         behind += [f"      {cls} around p90, {who}: {_around(r[cls]['around_p90'])}"
                                    for who, r in ((row, a), (base, b))]  # fmt: skip
+                        e = excess[cls]
+                        e[0] += 1
+                        e[1] += a[cls]["ttft"]["p90"] - b[cls]["ttft"]["p90"]
+                        e[2] += a[cls]["around_p90"]["queued_s"] - b[cls]["around_p90"]["queued_s"]
         print(
             f"{row} against {base}, {len(points)} points: HP hit at least at {at_least['H']}, HP TTFT p90 at most at "
             f"{at_least['T']}, LP TTFT p90 at most at {at_least['L']}"
         )
         print("\n".join(behind))
+        for cls, (n, p90, queued) in excess.items():
+            if n:
+                print(
+                    f"  {cls}: over the {n} point{'s' if n != 1 else ''} behind on its TTFT p90, the p90s exceed {base}'s by {p90:.1f} s "
+                    f"in all; the medians around them wait {queued:.1f} s longer in the queue ({queued / p90:.2f})"
+                )
 
 
 def _around(t: dict[str, float]) -> str:

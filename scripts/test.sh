@@ -13,10 +13,9 @@ export KVCERT_REFAWARE="${KVCERT_REFAWARE:-1}"  # likewise the RefAware fork's (
 export KVCERT_RAY="${KVCERT_RAY:-1}"  # and the Ray path's (a local cluster)
 export KVCERT_VLLM="${KVCERT_VLLM:-1}"  # and vLLM's (.venv-vllm)
 export KVCERT_KVCR="${KVCERT_KVCR:-1}"  # and the seed's KVCR linker's (.venv-kvcr)
-scripts/bootstrap.sh
-V="$ROOT/.venv/bin"
+# The fork's and vLLM's environments (their own pins, from the base python) build while .venv, lint, types and
+# CrossHair do; pytest waits for them. KVCR's builds on .venv, so it starts once .venv is there.
 if [[ "$KVCERT_REFAWARE" == "1" ]]; then
-    # The fork's own environment builds while lint, types and CrossHair run; pytest waits for it.
     refaware_log="$(mktemp)"
     scripts/install_refaware.sh > "$refaware_log" 2>&1 &
     refaware_pid=$!
@@ -26,7 +25,8 @@ if [[ "$KVCERT_VLLM" == "1" ]]; then
     scripts/install_vllm.sh > "$vllm_log" 2>&1 &
     vllm_pid=$!
 fi
-
+scripts/bootstrap.sh
+V="$ROOT/.venv/bin"
 if [[ "$KVCERT_KVCR" == "1" ]]; then
     kvcr_log="$(mktemp)"
     scripts/install_kvcr.sh > "$kvcr_log" 2>&1 &

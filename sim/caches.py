@@ -169,6 +169,8 @@ class ProtocolDriver:
         self._demoted: set[str] = set()
         self._registered: set[str] = set()
         self._now = 0
+        self._until: dict[str, float] = {}
+        """A paused session's retention deadline in simulated seconds, until its next turn is admitted."""
 
     def _tick(self) -> None:
         """Advance the cache's clock before each of the engine's calls: a kvcert backend stamps nodes from the
@@ -189,6 +191,18 @@ class ProtocolDriver:
             ttl = self.retain_ttl if self.retain_ttl is not None else seconds + (self.retain_slack or 0.0)
             self.c.retain(session, max(1, round(ttl * 1e6)))
             self.stats["retained"] = self.stats.get("retained", 0) + 1
+            self._until[session] = self._time + ttl
+
+    def _count_retention(self, session: str, high: bool, cached: int, prompt: int) -> None:
+        """At a turn's admission, whether its session's retention still held or had expired while the turn waited
+        (counters `retention_{high|low}_{live|expired}_{admits|hit_pages|prompt_pages}`): a retention that ends
+        before the turn is admitted leaves its path unretained, first to go, while the turn is the next one due."""
+        until = self._until.pop(session, None)
+        if until is None:
+            return
+        key = f"retention_{'high' if high else 'low'}_{'live' if self._time < until else 'expired'}"
+        for what, n in (("admits", 1), ("hit_pages", cached), ("prompt_pages", prompt)):
+            self.stats[f"{key}_{what}"] = self.stats.get(f"{key}_{what}", 0) + n
 
     # -- plumbing
     def _free(self) -> int:
@@ -280,6 +294,8 @@ class ProtocolDriver:
         except PoolExhausted:
             return self._refuse(lock)
         self._watch_demotions()
+        if self._retains:
+            self._count_retention(session, high, m.length, len(key))
         return Hold(lock, list(m.slots), m.length, loaded, own)
 
     def _refuse(self, lock: Any) -> Optional[Hold]:

@@ -18,7 +18,7 @@ import numpy as np
 from kvcert.sim.engine import Record, Run
 from kvcert.sim.workload import Workload
 
-__all__ = ["block", "per_turn", "summary", "text_block"]
+__all__ = ["block", "per_turn", "retention_at_admission", "summary", "text_block"]
 
 
 def _stats(values: Sequence[float]) -> dict[str, float]:
@@ -123,6 +123,19 @@ def summary(run: Run, workload: Workload, accounting: list[str], extra: dict[str
     }
 
 
+def retention_at_admission(s: dict[str, Any], high: bool = True) -> str:
+    """How many of a class's turns were admitted while their session's retention held, how many after it had
+    expired in the queue, and the hit of each (the retaining caches' counters; "" for a run without them)."""
+    c, cls = s["counters"], "high" if high else "low"
+    parts = []
+    for state, label in (("live", "while retained"), ("expired", "after it expired")):
+        n = c.get(f"retention_{cls}_{state}_admits", 0)
+        prompt = c.get(f"retention_{cls}_{state}_prompt_pages", 0)
+        hit = c.get(f"retention_{cls}_{state}_hit_pages", 0) / prompt if prompt else 0.0
+        parts.append(f"{n} {label} (hit {hit:.4f})")
+    return ", ".join(parts) if any(f"retention_{cls}_" in k for k in c) else ""
+
+
 def text_block(s: dict[str, Any], high: bool = True) -> str:
     """The fork's report for one class, line for line where the simulator has the figure."""
     b = s["high" if high else "low"]
@@ -144,6 +157,8 @@ def text_block(s: dict[str, Any], high: bool = True) -> str:
     ]
     if "demotions" in s["counters"]:
         lines.append(f"  Adaptive demotions:              {s['counters']['demotions']}")
+    if retention := retention_at_admission(s, high):
+        lines.append(f"  Retention at admission:          {retention}")
     lines.append(f"\n  {who}-priority per-turn breakdown:")
     for p in b["per_turn"]:
         lines.append(

@@ -146,6 +146,17 @@ CONTENDERS: dict[str, Contender] = {
     "proactive-queued-retain-30": Contender(
         "gpu-refs-queued-retain-30", "kvcert.gpu:factory_queued with retention as proactive-retain-30"
     ),
+    "proactive-queued-retain-120": Contender(
+        "gpu-refs-queued-retain-120",
+        "kvcert.gpu:factory_queued with each retention 120 s longer than the think time: long enough to outlast the "
+        "next turn's wait in the queue where sessions outgrow the pools",
+    ),
+    "proactive-queued-retain-600": Contender(
+        "gpu-refs-queued-retain-600",
+        "kvcert.gpu:factory_queued with each retention 600 s longer than the think time: a retention that lasts "
+        "until the next turn is admitted (no turn of the maps waits that long; each run counts the turns admitted "
+        "after their retention expired)",
+    ),
     "proactive-ttl-10": Contender(
         "gpu-refs-ttl-10",
         "kvcert.gpu as proactive, each paused session retained for a fixed 10 s: a TTL that does not know the pause "
@@ -210,6 +221,8 @@ def build(name: str, costs: Costs, workload: Workload, future: dict[str, float])
         "gpu-refs-retain-30": lambda: _retaining(costs, 30.0),
         "gpu-refs-retain-120": lambda: _retaining(costs, 120.0),
         "gpu-refs-queued-retain-30": lambda: _retaining(costs, 30.0, "kvcert.gpu:factory_queued"),
+        "gpu-refs-queued-retain-120": lambda: _retaining(costs, 120.0, "kvcert.gpu:factory_queued"),
+        "gpu-refs-queued-retain-600": lambda: _retaining(costs, 600.0, "kvcert.gpu:factory_queued"),
         "gpu-refs-ttl-10": lambda: _fixed_ttl(costs, 10.0),
         "gpu-refs-ttl-30": lambda: _fixed_ttl(costs, 30.0),
         "refaware": lambda: _refaware(costs, workload),

@@ -107,3 +107,10 @@ LONG: dict[str, tuple[str, str]] = {
     ),
 }
 """Node-id prefix -> (why it is long, what CI keeps of it)."""
+
+FIRST: tuple[str, ...] = (
+    "tests/test_served_sglang.py",
+)
+"""Files CI hands to a worker first, slowest first: each takes long for its few tests, so xdist's own order (most
+tests first) would start it last, to run alone while the other worker idles. Their times are in the run's "slowest
+files" list (tests/conftest.py)."""

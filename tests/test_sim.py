@@ -484,6 +484,38 @@ def test_retention_runs_clean_and_agrees_with_the_model() -> None:
     assert model.records == gpu.records and model.duration == gpu.duration
 
 
+def test_each_admitted_later_turn_is_counted_retained_or_expired_once() -> None:
+    """The retaining driver counts, at each later turn's first admission, whether its session's retention still held
+    (`retention_*_live_*`) or had run out while the turn waited (`*_expired_*`). A retention of exactly the think time
+    has run out at every admission (the turn arrives at its deadline and is admitted no earlier); 1,000 s more
+    outlasts every wait of this small run. Either way each admitted later turn is counted once, in its class, with
+    its hit at admission."""
+    from kvcert.sim import report
+    from kvcert.sim.caches import ProtocolDriver
+    from kvcert.sim.targets import built
+
+    w = stress(replace(SPEC, hp_clients=8))
+    tight = replace(TINY, device_tokens=64 * 160, host_tokens=64 * 200)
+    for slack, state in ((0.0, "expired"), (1000.0, "live")):
+        cache = ProtocolDriver("r", built("kvcert.gpu:factory", tight), True, tight.load_back_threshold, retain_slack=slack)
+        try:
+            run = engine.simulate(w, cache, tight, future={})
+        finally:
+            cache.close()
+        assert not run.checks and not run.accounting(w, tight)
+        c = run.counters
+        for high in (True, False):
+            cls = "high" if high else "low"
+            later = [r for r in run.records if r.high == high and r.turn > 0 and not math.isnan(r.admitted)]
+            assert c.get(f"retention_{cls}_{state}_admits", 0) == len(later) > 0, (slack, cls)
+            other = "live" if state == "expired" else "expired"
+            assert not any(k.startswith(f"retention_{cls}_{other}") for k in c), (slack, c)
+            assert 0 <= c[f"retention_{cls}_{state}_hit_pages"] <= c[f"retention_{cls}_{state}_prompt_pages"]
+        line = report.retention_at_admission({"counters": c}, True)
+        assert (f"{len([r for r in run.records if r.high and r.turn > 0 and not math.isnan(r.admitted)])} "
+                f"{'after it expired' if state == 'expired' else 'while retained'}") in line, line
+
+
 def test_a_fixed_ttl_retains_for_the_ttl_whatever_the_pause(monkeypatch: pytest.MonkeyPatch) -> None:
     """`proactive-ttl-10`: after every paused turn the session's retention deadline, in the cache's own session view,
     is 10 s (in the cache's microseconds) past the call, for pauses shorter and longer than 10 s alike; the run accounts
