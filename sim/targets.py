@@ -78,6 +78,8 @@ ABLATIONS: dict[str, tuple[Decisions, str]] = {
 
 def _retaining(costs: Costs, slack: float, target: str = "kvcert.gpu:factory") -> CacheDriver:
     name = f"kvcert.gpu, proactive, retaining each paused session for its think time + {slack:g} s (SPEC.md §11.7)"
+    if target != "kvcert.gpu:factory":
+        name += f" ({target})"
     return ProtocolDriver(name, built(target, costs), True, costs.load_back_threshold, retain_slack=slack)
 
 
@@ -157,6 +159,10 @@ CONTENDERS: dict[str, Contender] = {
         "until the next turn is admitted (no turn of the maps waits that long; each run counts the turns admitted "
         "after their retention expired)",
     ),
+    "proactive-retain-600": Contender(
+        "gpu-refs-retain-600",
+        "as proactive-retain, each retention 600 s longer than the think time: it lasts until the next turn is admitted",
+    ),
     "proactive-ttl-10": Contender(
         "gpu-refs-ttl-10",
         "kvcert.gpu as proactive, each paused session retained for a fixed 10 s: a TTL that does not know the pause "
@@ -165,6 +171,11 @@ CONTENDERS: dict[str, Contender] = {
     "proactive-ttl-30": Contender(
         "gpu-refs-ttl-30",
         "kvcert.gpu as proactive, each paused session retained for a fixed 30 s: a TTL that does not know the pause",
+    ),
+    "proactive-ttl-600": Contender(
+        "gpu-refs-ttl-600",
+        "kvcert.gpu as proactive, each paused session retained for a fixed 600 s: a client that does not know its pause "
+        "gives a TTL long enough to outlast it and the next turn's wait in the queue",
     ),
     "refaware": Contender(
         "refaware",
@@ -225,6 +236,8 @@ def build(name: str, costs: Costs, workload: Workload, future: dict[str, float])
         "gpu-refs-queued-retain-600": lambda: _retaining(costs, 600.0, "kvcert.gpu:factory_queued"),
         "gpu-refs-ttl-10": lambda: _fixed_ttl(costs, 10.0),
         "gpu-refs-ttl-30": lambda: _fixed_ttl(costs, 30.0),
+        "gpu-refs-ttl-600": lambda: _fixed_ttl(costs, 600.0),
+        "gpu-refs-retain-600": lambda: _retaining(costs, 600.0),
         "refaware": lambda: _refaware(costs, workload),
         "infinite": lambda: InfiniteBound(costs.device_pages),
         "offline": lambda: _offline(costs, workload, future),

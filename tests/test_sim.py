@@ -516,6 +516,33 @@ def test_each_admitted_later_turn_is_counted_retained_or_expired_once() -> None:
                 f"{'after it expired' if state == 'expired' else 'while retained'}") in line, line
 
 
+@pytest.mark.parametrize("name", ["proactive-queued-retain-120", "proactive-queued-retain-600", "proactive-retain-600"])
+def test_a_retention_slack_row_retains_for_the_think_time_and_its_slack(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The `-retain-N` rows retain a paused session for its think time and N s more (in the cache's microseconds),
+    on the order their name says (`-queued-`: kvcert.gpu:factory_queued)."""
+    from kvcert.sim.caches import ProtocolDriver
+    from kvcert.sim.targets import build
+
+    cache = build(name, TINY, stress(replace(SPEC, hp_clients=2)), {})
+    assert isinstance(cache, ProtocolDriver) and cache.retain_slack == float(name.rsplit("-", 1)[1])
+    assert ("factory_queued" in cache.name) == ("-queued-" in name)
+    seen: list[tuple[float, int]] = []
+    pause = cache.pause
+
+    def spy(session: str, seconds: float) -> None:
+        pause(session, seconds)
+        seen.append((seconds, {s.id: s.retained_until for s in cache.c.snapshot().sessions}[session] - cache._now))
+
+    monkeypatch.setattr(cache, "pause", spy)
+    w = stress(replace(SPEC, hp_clients=4))
+    try:
+        run = engine.simulate(w, cache, TINY, future={})
+    finally:
+        cache.close()
+    assert not run.checks and not run.accounting(w, TINY) and seen
+    assert all(until == round((think + cache.retain_slack) * 1e6) for think, until in seen)
+
+
 def test_a_fixed_ttl_retains_for_the_ttl_whatever_the_pause(monkeypatch: pytest.MonkeyPatch) -> None:
     """`proactive-ttl-10`: after every paused turn the session's retention deadline, in the cache's own session view,
     is 10 s (in the cache's microseconds) past the call, for pauses shorter and longer than 10 s alike; the run accounts
