@@ -238,6 +238,30 @@ def test_a_block_announced_after_the_answer_counts_and_one_removed_before_the_se
     assert [v.rule for v in found] == ["INV-E2E-4"]
 
 
+def test_the_harness_can_ask_whether_a_hit_is_unannounced_without_judging() -> None:
+    """`unannounced` is the harness's reason to wait for late batches: it answers on a copy, so the judge applies
+    nothing, and the same stream judged after the late batch arrived has nothing to report."""
+    judge = rules.Judge(block=2)
+    r = reply([7], [-0.1], cached=2, t_send=2.0, t_end=3.0)
+    assert judge.unannounced([], [r]) and judge.applied == 0 and judge.hits_seen == 0
+    late = [Batch(0, 30.0, (stored([1], None, [3, 4]),))]
+    assert not judge.unannounced(late, [r]) and judge.applied == 0
+    assert judge.take(late, [r]) == [] and judge.applied == 1
+
+
+def test_a_quiet_wait_counts_from_the_call_not_from_the_last_batch() -> None:
+    """An empty stream, or one whose last batch is old, is not taken as drained at once: a publisher that has not
+    sent yet gets `quiet` seconds from the call."""
+    addr = f"tcp://127.0.0.1:{free_port()}"
+    stream = EventStream(addr)
+    try:
+        t0 = time.monotonic()
+        stream.wait_quiet(quiet=0.3, timeout=5)
+        assert 0.3 <= time.monotonic() - t0 < 2
+    finally:
+        stream.close()
+
+
 # ------------------------------------------------------------------ traffic, targets, findings
 
 

@@ -150,12 +150,15 @@ class EventStream:
             return [self._got[s] for s in sorted(self._got)]
 
     def wait_quiet(self, quiet: float = 0.5, timeout: float = 10.0) -> None:
-        """Until no batch has arrived for `quiet` seconds (the publisher drained), at most `timeout`."""
-        deadline = time.monotonic() + timeout
+        """Until no batch has arrived for `quiet` seconds since the call or the last batch, whichever is later (the
+        publisher drained), at most `timeout`. Counting from the call too: a publisher that has not sent yet (busy,
+        or on a loaded machine) is not taken as drained at once."""
+        start = time.monotonic()
+        deadline = start + timeout
         while time.monotonic() < deadline:
             with self._lock:
-                last = max((b.arrival for b in self._got.values()), default=0.0)
-            if time.monotonic() - last >= quiet:
+                last = max((b.arrival for b in self._got.values()), default=start)
+            if time.monotonic() - max(last, start) >= quiet:
                 return
             time.sleep(0.05)
 

@@ -411,6 +411,9 @@ class Served:
             v.violations.append(rules.Violation("INV-E2E-5", f"the engine's idle check: {line[:300]}"))
         if self.stream is not None:
             self.stream.wait_quiet(quiet=rules.EVENT_QUIET, timeout=rules.EVENT_QUIET * 10)
+            late = time.monotonic() + rules.EVENT_LATE
+            while self.judge.unannounced(self.stream.batches(), played.replies) and time.monotonic() < late:
+                self.stream.wait_quiet(quiet=rules.EVENT_QUIET, timeout=max(0.0, late - time.monotonic()))
             batches = self.stream.batches()
             for err in self.stream.errors:
                 v.violations.append(rules.Violation("INV-E2E-3", err))

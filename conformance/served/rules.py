@@ -6,6 +6,7 @@ log, and these functions say which rule each breaks.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Optional
@@ -39,6 +40,10 @@ EVENT_QUIET = 1.0
 """Seconds without a batch after which an idle server's stream is taken as drained. An engine may announce a block
 long after a request used it (SGLang 0.5.23 publishes at a prefill, every 40th decode step, and when idle), so the
 window of INV-E2E-4 ends where the idle server's stream does, not at a time after the answer."""
+EVENT_LATE = 15.0
+"""Seconds more the harness waits for batches, after the stream went quiet, while an answer reports cached tokens
+the stream has not announced: on a loaded machine an idle server's publisher can be slower than `EVENT_QUIET`. An
+engine that never announces them fails all the same, this much later."""
 
 
 @dataclass(frozen=True)
@@ -148,6 +153,11 @@ class Judge:
     contradictions: list[str] = field(default_factory=list)
     hits_seen: int = 0
     """Answers that reported a cached prefix (the rule had something to judge)."""
+
+    def unannounced(self, batches: Sequence[Batch], replies: Iterable[Reply]) -> bool:
+        """Whether `take` would find an answer reporting more cached tokens than the stream announced: judged on a
+        copy, so nothing is applied."""
+        return any(v.rule == "INV-E2E-4" for v in copy.deepcopy(self).take(batches, replies))
 
     def take(self, batches: Sequence[Batch], replies: Iterable[Reply]) -> list[Violation]:
         """Apply the batches not yet applied (the stream of an idle server, drained); judge INV-E2E-3 on them and
