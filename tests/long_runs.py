@@ -107,24 +107,3 @@ LONG: dict[str, tuple[str, str]] = {
     ),
 }
 """Node-id prefix -> (why it is long, what CI keeps of it)."""
-
-FIRST: tuple[str, ...] = (
-    "tests/test_served_sglang.py",  # ~110 s on the CI machine (one run of a served SGLang)
-    "tests/test_vllm_requests.py",  # ~60 s
-    "tests/test_refaware_hicache.py",  # ~45 s each, down to ~25 s
-    "tests/test_sglang_linker.py",
-    "tests/test_sglang_decode.py",
-    "tests/test_sglang_plugin.py",
-    "tests/test_determinism.py",
-    "tests/test_same_verdict.py",
-    "tests/test_known_findings.py",
-    "tests/test_engine_zoo.py",
-    "tests/test_vllm_offload.py",
-    "tests/test_gpu_check.py",
-    "tests/test_kvcr_linker.py",
-    "tests/test_vllm_block_pool.py",
-)
-"""Files CI hands to its workers first, slowest first (the longest-first rule for two machines): the 14 slowest of
-a CI run's "slowest files" list (tests/conftest.py prints it). Left to xdist's own order (most tests first), a slow
-file with few tests starts last and runs alone while the other worker idles; started first, the many quick files
-fill the end of the run instead."""
