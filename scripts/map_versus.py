@@ -60,8 +60,9 @@ def main(argv: list[str]) -> None:
         for cls, (n, p90, queued) in excess.items():
             if n:
                 print(
-                    f"  {cls}: over the {n} point{'s' if n != 1 else ''} behind on its TTFT p90, the p90s exceed {base}'s by {p90:.1f} s "
-                    f"in all; the medians around them wait {queued:.1f} s longer in the queue ({queued / p90:.2f})"
+                    f"  {cls}: over the {n} point{'s' if n != 1 else ''} behind on its TTFT p90, the p90s exceed "
+                    f"{base}'s by {p90:.1f} s in all; the medians around them wait {queued:.1f} s longer in the queue "
+                    f"({queued / p90:.2f})"
                 )
 
 

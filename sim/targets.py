@@ -161,7 +161,8 @@ CONTENDERS: dict[str, Contender] = {
     ),
     "proactive-retain-600": Contender(
         "gpu-refs-retain-600",
-        "as proactive-retain, each retention 600 s longer than the think time: it lasts until the next turn is admitted",
+        "as proactive-retain, each retention 600 s longer than the think time: it lasts until the next turn is "
+        "admitted",
     ),
     "proactive-ttl-10": Contender(
         "gpu-refs-ttl-10",
@@ -174,8 +175,8 @@ CONTENDERS: dict[str, Contender] = {
     ),
     "proactive-ttl-600": Contender(
         "gpu-refs-ttl-600",
-        "kvcert.gpu as proactive, each paused session retained for a fixed 600 s: a client that does not know its pause "
-        "gives a TTL long enough to outlast it and the next turn's wait in the queue",
+        "kvcert.gpu as proactive, each paused session retained for a fixed 600 s: a client that does not know its "
+        "pause gives a TTL long enough to outlast it and the next turn's wait in the queue",
     ),
     "refaware": Contender(
         "refaware",

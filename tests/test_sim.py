@@ -497,7 +497,8 @@ def test_each_admitted_later_turn_is_counted_retained_or_expired_once() -> None:
     w = stress(replace(SPEC, hp_clients=8))
     tight = replace(TINY, device_tokens=64 * 160, host_tokens=64 * 200)
     for slack, state in ((0.0, "expired"), (1000.0, "live")):
-        cache = ProtocolDriver("r", built("kvcert.gpu:factory", tight), True, tight.load_back_threshold, retain_slack=slack)
+        backend = built("kvcert.gpu:factory", tight)
+        cache = ProtocolDriver("r", backend, True, tight.load_back_threshold, retain_slack=slack)
         try:
             run = engine.simulate(w, cache, tight, future={})
         finally:
@@ -517,7 +518,9 @@ def test_each_admitted_later_turn_is_counted_retained_or_expired_once() -> None:
 
 
 @pytest.mark.parametrize("name", ["proactive-queued-retain-120", "proactive-queued-retain-600", "proactive-retain-600"])
-def test_a_retention_slack_row_retains_for_the_think_time_and_its_slack(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_retention_slack_row_retains_for_the_think_time_and_its_slack(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The `-retain-N` rows retain a paused session for its think time and N s more (in the cache's microseconds),
     on the order their name says (`-queued-`: kvcert.gpu:factory_queued)."""
     from kvcert.sim.caches import ProtocolDriver
