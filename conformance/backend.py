@@ -197,6 +197,9 @@ class RetainingBackend(PriorityBackend, Protocol):
     def retain(self, session: str, ttl: int) -> None:
         """Session `session` will come back: its path is retained for `ttl` time units."""
 
+    def retain_waiting(self, session: str) -> None:
+        """Session `session`'s next turn waits: a live retention lasts until that turn registers."""
+
     def plan_admission(
         self, tokens: int, priority: int, running: Sequence[Running], profile: Optional[AdmissionProfile]
     ) -> AdmissionPlan:

@@ -33,7 +33,18 @@ from kvcert.conformance.harness.driver import ConformanceFailure, Harness, Outco
 from kvcert.conformance.harness.running import lent
 from kvcert.conformance.harness.windows import SHORT, WINDOWS
 from kvcert.sim.cli import policy_cmd
-from kvcert.spec.ops import Evict, Match, Op, RegisterRef, ReleaseRef, Trace, UpdateRef, op_to_json
+from kvcert.spec.ops import (
+    Evict,
+    Match,
+    Op,
+    RegisterRef,
+    ReleaseRef,
+    Retain,
+    RetainWaiting,
+    Trace,
+    UpdateRef,
+    op_to_json,
+)
 from kvcert.spec.types import CacheConfig, InvalidPolicyConfig, MatchOut
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
@@ -623,7 +634,7 @@ def plain_ops(ops: Sequence[Op]) -> list[Op]:
     stay put) and every eviction takes the full scope, as a scheduler without tiers would."""
     out: list[Op] = []
     for op in ops:
-        if isinstance(op, (RegisterRef, UpdateRef, ReleaseRef)):
+        if isinstance(op, (RegisterRef, UpdateRef, ReleaseRef, Retain, RetainWaiting)):
             out.append(Match(None, ()))
         elif isinstance(op, Evict):
             out.append(Evict(op.n))

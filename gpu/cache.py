@@ -462,6 +462,12 @@ class GpuCache(RadixTree):
         self.refs.retain(session, ttl, self.now)
         self.compact()
 
+    def retain_waiting(self, session: str) -> None:
+        """The session's next turn has arrived and waits: a live retention lasts until that turn registers, ranked as
+        back now (SPEC.md §11.7, the engine's half); one already run out stays out."""
+        self.refs.retain_waiting(session, self.now)
+        self.compact()
+
     def release_ref(self, session: str) -> None:
         """The session holds nothing any more; a high one restores the latest demotion still in force."""
         self.refs.release(session)
@@ -561,7 +567,8 @@ class GpuCache(RadixTree):
             ),
             retractions=tuple(RetractionView(r.id, r.tokens, r.host_slots) for r in self.retractions.values()),
             sessions=tuple(
-                SessionView(x.id, x.node.id, x.priority, x.high, x.demoted, x.until) for x in self.sessions.values()
+                SessionView(x.id, x.node.id, x.priority, x.high, x.demoted, x.until, x.waiting)
+                for x in self.sessions.values()
             ),
             tier_evictable=self.tier_evictable,
             high_priority_threshold=self.refs.high_threshold,

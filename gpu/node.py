@@ -155,7 +155,9 @@ class Session:
     """Counts as high now: priority at or above the threshold and not demoted."""
     demoted: bool = False
     until: Optional[int] = None
-    """Its live retention's deadline (SPEC.md §11.7); cleared when the clock reaches it."""
+    """Its live retention's deadline (SPEC.md §11.7); cleared when the clock reaches it, unless `waiting`."""
+    waiting: bool = False
+    """Its next turn waits (`retain_waiting`): the retention lasts until that turn registers; `until` its arrival."""
 
 
 @dataclass(eq=False)

@@ -126,18 +126,27 @@ class Sessions:
         self._retain_path(s.node, s.until, +1)
         heapq.heappush(self._deadlines, (s.until, s.seq, s.id))
 
+    def retain_waiting(self, session: object, now: int) -> None:
+        """The session's next turn waits: a live retention stops running out and ranks as back at `now` (its deadline
+        entry goes stale), until the turn registers, a release or a new `retain`; a retention run out stays out."""
+        s = self.get(session)
+        if s.until is not None and not s.waiting:
+            self._retain_path(s.node, s.until, -1)
+            s.until, s.waiting = now, True
+            self._retain_path(s.node, now, +1)
+
     def expire(self, now: int) -> None:
         """Retentions whose deadline `now` has reached end (the clock moved). O(log n) per retention."""
         while self._deadlines and self._deadlines[0][0] <= now:
             until, seq, sid = heapq.heappop(self._deadlines)
             s = self.sessions.get(sid)
-            if s is not None and s.seq == seq and s.until == until:
+            if s is not None and s.seq == seq and s.until == until and not s.waiting:
                 self._unretain(s)
 
     def _unretain(self, s: Session) -> None:
         if s.until is not None:
             self._retain_path(s.node, s.until, -1)
-            s.until = None
+            s.until, s.waiting = None, False
 
     def _hold(self, session: Session, sign: int) -> None:
         """Add (+1) or remove (-1) the session's refs along its path."""

@@ -152,7 +152,13 @@ class RefCache(DeviceTier, HostTier, SessionTier, StorageTier):
             retractions=tuple(RetractionView(r.id, r.tokens, r.host_slots) for r in self.retractions),
             sessions=tuple(
                 SessionView(
-                    s.id, s.node.id, s.priority, self._is_high(s), s.demoted, s.until if self.retained(s) else None
+                    s.id,
+                    s.node.id,
+                    s.priority,
+                    self._is_high(s),
+                    s.demoted,
+                    s.until if self.retained(s) else None,
+                    s.waiting and self.retained(s),
                 )
                 for s in self.sessions.values()
             ),

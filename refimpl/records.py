@@ -153,7 +153,10 @@ class Session:
     """When it was (re-)registered: ties between idle sessions go to the earliest (§11.4)."""
     demoted: bool = False
     until: Optional[int] = None
-    """Its retention's deadline (SPEC.md §11.7): retained while `now` is below it."""
+    """Its retention's deadline (SPEC.md §11.7): retained while `now` is below it, or while `waiting`."""
+    waiting: bool = False
+    """Its next turn arrived within the retention and waits (`retain_waiting`): retained until that turn registers,
+    the session is released or retained again; `until` is then the arrival time."""
 
 
 @dataclass(eq=False)

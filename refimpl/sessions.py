@@ -47,8 +47,8 @@ class SessionTier(Tree):
                 self._account(node, +1)
 
     def retained(self, session: Session) -> bool:
-        """Its retention is live (SPEC.md §11.7): a deadline still ahead of the clock."""
-        return session.until is not None and self.now < session.until
+        """Its retention is live (SPEC.md §11.7): a deadline still ahead of the clock, or a waiting turn holding it."""
+        return session.until is not None and (session.waiting or self.now < session.until)
 
     def retained_deadline(self, node: Node) -> Optional[int]:
         """The earliest deadline of the live retentions whose path holds `node`; None if none holds it."""
@@ -58,7 +58,15 @@ class SessionTier(Tree):
     def retain(self, session_id: str, ttl: int) -> None:
         """The session will come back: its path is retained for `ttl` time units (SPEC.md §11.7)."""
         check_ttl(ttl)
-        self._session(session_id).until = self.now + ttl
+        session = self._session(session_id)
+        session.until, session.waiting = self.now + ttl, False
+
+    def retain_waiting(self, session_id: str) -> None:
+        """The session's next turn has arrived and waits: a live retention stops running out and ranks as back now,
+        until the turn registers (SPEC.md §11.7, the engine's half); a retention already run out stays out."""
+        session = self._session(session_id)
+        if self.retained(session) and not session.waiting:
+            session.until, session.waiting = self.now, True
 
     def _session(self, session_id: object) -> Session:
         found = self.sessions.get(session_id) if isinstance(session_id, str) else None

@@ -1,6 +1,6 @@
 """Where one row of a `kvcert bench policy --map X,Y --json` run is at least another's, point by point.
 
-    python scripts/map_versus.py MAP.json BASE ROW [ROW ...]
+    python scripts/map_versus.py [--means] MAP.json BASE ROW [ROW ...]
 
 For each ROW, against BASE at every point of the map: how many points its HP turn>=1 hit is at least BASE's, its HP
 TTFT p90 at most BASE's, its LP TTFT p90 at most BASE's; and the points where it is behind on any, tagged H (HP hit),
@@ -11,6 +11,9 @@ p90 is made of in both rows: the turns ranked within two percent either side of 
 medians: their time queued before the scheduler first admitted them, their time from admission to the first token,
 their prefix hit; and their share of first turns and of retracted turns. Summed over those points, per class: how much
 the row's p90 exceeds BASE's, and how much of that the medians' longer wait in the queue accounts for.
+
+`--means`: one more line per ROW, at how many points each class's mean and median TTFT are at most BASE's (a p90
+behind while the mean is ahead moved the tail, not the class's service as a whole).
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ import sys
 
 
 def main(argv: list[str]) -> None:
+    means = "--means" in argv
+    argv = [a for a in argv if a != "--means"]
     path, base, rows = argv[0], argv[1], argv[2:]
     runs = json.load(open(path))["runs"]
     by = {(r["x"], r["y"], r["contender"]): r for r in runs}
@@ -56,6 +61,16 @@ def main(argv: list[str]) -> None:
             f"{row} against {base}, {len(points)} points: HP hit at least at {at_least['H']}, HP TTFT p90 at most at "
             f"{at_least['T']}, LP TTFT p90 at most at {at_least['L']}"
         )
+        if means:
+            counts = [
+                sum(by[(*p, row)][cls]["ttft"][stat] <= by[(*p, base)][cls]["ttft"][stat] + 1e-9 for p in points)
+                for cls in ("high", "low")
+                for stat in ("mean", "p50")
+            ]
+            print(
+                f"  TTFT at most {base}'s: HP mean at {counts[0]}, HP median at {counts[1]}, LP mean at {counts[2]}, "
+                f"LP median at {counts[3]}"
+            )
         print("\n".join(behind))
         for cls, (n, p90, queued) in excess.items():
             if n:

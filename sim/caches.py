@@ -19,6 +19,7 @@ their time through `Costs.load_token_s` instead.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional, Protocol
@@ -143,6 +144,7 @@ class ProtocolDriver:
         retain_slack: Optional[float] = None,
         retain_ttl: Optional[float] = None,
         scoped: bool = True,
+        hold_waiting: bool = False,
     ) -> None:
         """`retain_slack`: with it, a session whose client pauses for `think` seconds is retained for `think +
         retain_slack` seconds (SPEC.md §11.7). `retain_ttl`: instead, a paused session is retained for exactly
@@ -150,14 +152,17 @@ class ProtocolDriver:
         for how long). With either, the cache's clock follows the simulated time in microseconds (each call still
         a tick later than the last, so stamps keep their order). ValueError for both, or a TTL that is not > 0.
         `scoped=False`: evictions run unscoped (every tier, in §11's order) as under an engine whose scheduler never
-        tells the cache which request it makes room for (SGLang 0.5.23's `evict_for_alloc`)."""
+        tells the cache which request it makes room for (SGLang 0.5.23's `evict_for_alloc`). `hold_waiting`: the
+        engine's half of retention (SPEC.md §11.7): when a paused session's next turn reaches the queue within its
+        retention, `retain_waiting` keeps the retention until that turn registers, so the TTL need only cover the
+        pause."""
         if retain_slack is not None and retain_ttl is not None:
             raise ValueError("retain_slack and retain_ttl are exclusive: a retention follows the think time or not")
         if retain_ttl is not None and not retain_ttl > 0:
             raise ValueError(f"retain_ttl must be > 0 seconds, got {retain_ttl!r}")
         self.name, self.c, self.priority, self.threshold = name, backend, priority, threshold
         self.retain_slack, self.retain_ttl = retain_slack, retain_ttl
-        self.scoped = scoped
+        self.scoped, self.hold_waiting = scoped, hold_waiting
         self._retains = retain_slack is not None or retain_ttl is not None
         self._time = 0.0
         self.stats = {"evict_calls": 0, "evicted": 0, "loads": 0}
@@ -170,7 +175,8 @@ class ProtocolDriver:
         self._registered: set[str] = set()
         self._now = 0
         self._until: dict[str, float] = {}
-        """A paused session's retention deadline in simulated seconds, until its next turn is admitted."""
+        """A paused session's retention deadline in simulated seconds, until its next turn is admitted (inf once
+        `retain_waiting` holds it for that turn)."""
 
     def _tick(self) -> None:
         """Advance the cache's clock before each of the engine's calls: a kvcert backend stamps nodes from the
@@ -192,6 +198,19 @@ class ProtocolDriver:
             self.c.retain(session, max(1, round(ttl * 1e6)))
             self.stats["retained"] = self.stats.get("retained", 0) + 1
             self._until[session] = self._time + ttl
+
+    def waits(self, session: str) -> None:
+        """The engine received the session's next turn; with `hold_waiting`, a live retention holds until the turn
+        registers (`retain_waiting`; a retention already run out stays out, as the cache rules)."""
+        if not self.hold_waiting or session not in self._until:
+            return
+        if self._time >= self._until[session]:  # ran out before the engine had the turn (a client's own queue)
+            self.stats["retention_ran_out_unreceived"] = self.stats.get("retention_ran_out_unreceived", 0) + 1
+            return
+        self._tick()
+        self.c.retain_waiting(session)
+        self.stats["held_waiting"] = self.stats.get("held_waiting", 0) + 1
+        self._until[session] = math.inf
 
     def _count_retention(self, session: str, high: bool, cached: int, prompt: int) -> None:
         """At a turn's admission, whether its session's retention still held or had expired while the turn waited

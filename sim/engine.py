@@ -257,6 +257,15 @@ def simulate(
         r.entry = now
         bisect.insort(waiting, r, key=order)
 
+    waits = getattr(cache, "waits", None)
+
+    def receive(r: _Req) -> None:
+        """The engine receives a turn: it joins the queue, and a cache that keeps a waiting turn's retention (SPEC.md
+        §11.7, `retain_waiting`) is told."""
+        enqueue(r)
+        if waits is not None:
+            waits(sessions[r.sess].id)
+
     def arrive(i: int, t: float) -> None:
         nonlocal rid, in_flight
         s, k = sessions[i], turn_of[i]
@@ -270,7 +279,7 @@ def simulate(
             blocked.append(req)
             return
         in_flight += 1
-        enqueue(req)
+        receive(req)
 
     pause = getattr(cache, "pause", None)
 
@@ -281,7 +290,7 @@ def simulate(
         in_flight -= 1
         if blocked:
             in_flight += 1
-            enqueue(blocked.popleft())
+            receive(blocked.popleft())
         prompt_tokens[i] += s.turns[r.turn].output_tokens
         if outcome == "finished":
             history[i] += keys[i][2 * r.turn + 1]

@@ -125,7 +125,9 @@ def summary(run: Run, workload: Workload, accounting: list[str], extra: dict[str
 
 def retention_at_admission(s: dict[str, Any], high: bool = True) -> str:
     """How many of a class's turns were admitted while their session's retention held, how many after it had
-    expired in the queue, and the hit of each (the retaining caches' counters; "" for a run without them)."""
+    expired in the queue, and the hit of each (the retaining caches' counters; "" for a run without them). With the
+    engine's half (`-wait` rows), the HP line adds how many retentions it held for a waiting turn and how many had run
+    out before it received the turn (in a client's own queue)."""
     c, cls = s["counters"], "high" if high else "low"
     parts = []
     for state, label in (("live", "while retained"), ("expired", "after it expired")):
@@ -133,6 +135,11 @@ def retention_at_admission(s: dict[str, Any], high: bool = True) -> str:
         prompt = c.get(f"retention_{cls}_{state}_prompt_pages", 0)
         hit = c.get(f"retention_{cls}_{state}_hit_pages", 0) / prompt if prompt else 0.0
         parts.append(f"{n} {label} (hit {hit:.4f})")
+    if high and ("held_waiting" in c or "retention_ran_out_unreceived" in c):  # the engine's half, both classes
+        parts.append(
+            f"both classes: {c.get('held_waiting', 0)} held for a waiting turn, "
+            f"{c.get('retention_ran_out_unreceived', 0)} ran out before the engine received the turn"
+        )
     return ", ".join(parts) if any(f"retention_{cls}_" in k for k in c) else ""
 
 

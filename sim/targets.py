@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -76,16 +77,41 @@ ABLATIONS: dict[str, tuple[Decisions, str]] = {
 """kvcert's model under one choice of the fork's at a time (SPEC.md §6), for the ablation in docs/bench_policy.md."""
 
 
-def _retaining(costs: Costs, slack: float, target: str = "kvcert.gpu:factory") -> CacheDriver:
-    name = f"kvcert.gpu, proactive, retaining each paused session for its think time + {slack:g} s (SPEC.md §11.7)"
-    if target != "kvcert.gpu:factory":
+RETENTION = re.compile(
+    r"gpu-refs(?P<queued>-queued)?(?P<unscoped>-unscoped)?-(?P<kind>retain|ttl)(?:-(?P<s>\d+))?(?P<wait>-wait)?"
+)
+"""A retaining contender's cache name: the demotion order, unscoped evictions (as SGLang 0.5.23 calls them), a hint
+that follows the think time (`retain`, `s` seconds of slack) or a fixed TTL (`ttl`, `s` seconds), and whether the
+engine keeps a waiting turn's retention (`-wait`)."""
+
+
+def _retention(costs: Costs, cache: str) -> CacheDriver:
+    """The retaining kvcert.gpu `cache` names (`RETENTION`): the client's hint at each pause, the engine's half with
+    `-wait` (SPEC.md §11.7)."""
+    m = RETENTION.fullmatch(cache)
+    assert m is not None and (m["kind"] == "retain" or m["s"]), cache
+    target = "kvcert.gpu:factory_queued" if m["queued"] else "kvcert.gpu:factory"
+    seconds = float(m["s"] or 0)
+    slack, ttl = (seconds, None) if m["kind"] == "retain" else (None, seconds)
+    how = f"for its think time + {seconds:g} s" if ttl is None else f"for a fixed {seconds:g} s"
+    name = f"kvcert.gpu, proactive, retaining each paused session {how} (SPEC.md §11.7)"
+    if m["wait"]:
+        name += ", the engine keeping it while the next turn waits"
+    if m["unscoped"]:
+        name += ", evictions unscoped"
+    if m["queued"]:
         name += f" ({target})"
-    return ProtocolDriver(name, built(target, costs), True, costs.load_back_threshold, retain_slack=slack)
-
-
-def _fixed_ttl(costs: Costs, ttl: float, target: str = "kvcert.gpu:factory") -> CacheDriver:
-    name = f"kvcert.gpu, proactive, retaining each paused session for a fixed {ttl:g} s (SPEC.md §11.7)"
-    return ProtocolDriver(name, built(target, costs), True, costs.load_back_threshold, retain_ttl=ttl)
+    backend = built(target, costs)
+    return ProtocolDriver(
+        name,
+        backend,
+        True,
+        costs.load_back_threshold,
+        retain_slack=slack,
+        retain_ttl=ttl,
+        scoped=not m["unscoped"],
+        hold_waiting=bool(m["wait"]),
+    )
 
 
 def _model(costs: Costs, name: str) -> CacheDriver:
@@ -178,6 +204,21 @@ CONTENDERS: dict[str, Contender] = {
         "kvcert.gpu as proactive, each paused session retained for a fixed 600 s: a client that does not know its "
         "pause gives a TTL long enough to outlast it and the next turn's wait in the queue",
     ),
+    **{
+        f"proactive{q}-{hint}-wait": Contender(
+            f"gpu-refs{q}-{hint}-wait",
+            ("kvcert.gpu:factory_queued" if q else "kvcert.gpu") + f" as proactive-{hint}, the engine keeping a "
+            "retention while the session's next turn waits in its queue (retain_waiting, SPEC.md §11.7: the TTL "
+            "covers the pause, the engine the wait)",
+        )
+        for q in ("", "-queued")
+        for hint in ("retain-1", "retain-5", "ttl-10", "ttl-30")
+    },
+    "proactive-unscoped-retain-1-wait": Contender(
+        "gpu-refs-unscoped-retain-1-wait",
+        "as proactive-unscoped (the cache as SGLang 0.5.23 runs it), each client retaining for its think time + 1 s "
+        "and the engine keeping a retention while the next turn waits: the plugin with KVCERT_RETENTION=1",
+    ),
     "refaware": Contender(
         "refaware",
         "the RefAware fork's RefAwareHiRadixCache (SGLang 0.5.10) with its refs and scoped eviction, behind the "
@@ -229,20 +270,11 @@ def build(name: str, costs: Costs, workload: Workload, future: dict[str, float])
         "gpu-refs-queued": lambda: _gpu(costs, workload, True, "kvcert.gpu:factory_queued"),
         "gpu-refs-unscoped": lambda: _gpu(costs, workload, True, scoped=False),
         "gpu": lambda: _gpu(costs, workload, False),
-        "gpu-refs-retain": lambda: _retaining(costs, 0.0),
-        "gpu-refs-retain-30": lambda: _retaining(costs, 30.0),
-        "gpu-refs-retain-120": lambda: _retaining(costs, 120.0),
-        "gpu-refs-queued-retain-30": lambda: _retaining(costs, 30.0, "kvcert.gpu:factory_queued"),
-        "gpu-refs-queued-retain-120": lambda: _retaining(costs, 120.0, "kvcert.gpu:factory_queued"),
-        "gpu-refs-queued-retain-600": lambda: _retaining(costs, 600.0, "kvcert.gpu:factory_queued"),
-        "gpu-refs-ttl-10": lambda: _fixed_ttl(costs, 10.0),
-        "gpu-refs-ttl-30": lambda: _fixed_ttl(costs, 30.0),
-        "gpu-refs-ttl-600": lambda: _fixed_ttl(costs, 600.0),
-        "gpu-refs-retain-600": lambda: _retaining(costs, 600.0),
         "refaware": lambda: _refaware(costs, workload),
         "infinite": lambda: InfiniteBound(costs.device_pages),
         "offline": lambda: _offline(costs, workload, future),
         **{m: (lambda m=m: _model(costs, m)) for m in ABLATIONS},  # type: ignore[misc]
     }
-    driver: CacheDriver = makers[CONTENDERS[name].cache]()
+    cache = CONTENDERS[name].cache
+    driver: CacheDriver = _retention(costs, cache) if RETENTION.fullmatch(cache) else makers[cache]()
     return driver

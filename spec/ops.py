@@ -196,6 +196,14 @@ class Retain:
 
 
 @dataclass(frozen=True)
+class RetainWaiting:
+    """Session `session`'s next turn has arrived and waits in the engine's queue: a live retention lasts until that
+    turn registers (SPEC.md §11.7, the engine's half)."""
+
+    session: Any
+
+
+@dataclass(frozen=True)
 class ReleaseRef:
     """Session `session` ends: it holds nothing any more."""
 
@@ -348,6 +356,7 @@ Op = Union[
     RegisterRef,
     UpdateRef,
     Retain,
+    RetainWaiting,
     ReleaseRef,
     Admit,
     Start,

@@ -48,7 +48,8 @@ PRIORITY_PARTS: dict[str, str] = {
     "move": "register_ref of a registered session anywhere moves it (SPEC.md §11.1); without it a session is "
     "registered again only at or below the node it holds (the conversation's next turn), else released first",
     "retain": "retain(session, ttl): a session's path retained across a declared pause, ranked after its tier's "
-    "unretained nodes and spared by demotion until its deadline (SPEC.md §11.7, INV-RET-*)",
+    "unretained nodes and spared by demotion until its deadline; retain_waiting(session): held past it while the "
+    "session's next turn, arrived within it, waits (SPEC.md §11.7, INV-RET-*)",
 }
 """The parts of §11 a priority-aware backend may offer (`Capabilities.priority_parts`)."""
 ONE_CLASS_THRESHOLD = 3
@@ -432,7 +433,10 @@ class SessionView:
     demoted: bool = False
     """Adaptive demotion (SPEC.md §11.4) made it count as low."""
     retained_until: Optional[int] = None
-    """The live deadline of its retention (SPEC.md §11.7): its path is retained while `now` is below it."""
+    """The live deadline of its retention (SPEC.md §11.7): its path is retained while `now` is below it, or while
+    `waiting` (then it is the time its next turn arrived)."""
+    waiting: bool = False
+    """Its next turn arrived within its retention and waits in the engine's queue (`retain_waiting`, §11.7)."""
 
 
 UNUSED, LOW_REF, HIGH_REF = 0, 1, 2

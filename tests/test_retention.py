@@ -107,6 +107,60 @@ def test_a_retention_again_sets_a_new_deadline() -> None:
     assert retained(t.gpu)["old"] is None and retained(t.ref)["old"] is None
 
 
+def waiting(cache: Any) -> dict[str, bool]:
+    return {s.id: s.waiting for s in cache.snapshot().sessions}
+
+
+def test_a_waiting_turn_keeps_its_retention_past_the_deadline_until_it_registers() -> None:
+    """The engine's half (SPEC.md §11.7): the next turn arrives within the TTL and waits in the queue; the retention
+    no longer runs out, and ends when that turn registers, as any retention does."""
+    t = two_low_sessions(retain=False)
+    t.call("retain", "old", 3)
+    t.call("retain_waiting", "old")
+    arrived = t.clock
+    for _ in range(5):
+        t.tick()  # well past the deadline (arrived + 2): still retained, as back at its arrival
+    assert retained(t.gpu) == retained(t.ref) == {"old": arrived, "new": None}
+    assert waiting(t.gpu) == waiting(t.ref) == {"old": True, "new": False}
+    t.call("evict", 2)
+    assert on_device(t) == {(1, 1)}  # the waiting one is kept; LRU alone would have taken it
+    t.register("old", (1, 1), 0)  # the turn is admitted and holds its path: the retention is over
+    assert retained(t.gpu) == retained(t.ref) == {"old": None, "new": None}
+    assert waiting(t.gpu) == waiting(t.ref) == {"old": False, "new": False}
+
+
+def test_a_waiting_turn_ranks_as_back_now_and_never_revives_a_retention_that_ran_out() -> None:
+    """Among retained paths a waiting turn's is needed first (its deadline is its arrival), so another retained path
+    goes before it; a turn that arrives after its retention ran out changes nothing (the engine keeps only what the
+    client declared); a new `retain` (the waiting turn ended unadmitted) and a release end the hold."""
+    t = two_low_sessions(retain=False)
+    t.call("retain", "old", 20)
+    t.call("retain", "new", 5)
+    t.call("retain_waiting", "old")
+    t.call("evict", 2)
+    assert on_device(t) == {(1, 1)}  # `new` is back sooner by its hint, but `old` is back now
+    t = two_low_sessions(retain=False)
+    t.call("retain", "old", 1)
+    t.call("retain_waiting", "old")  # ran out a step ago: nothing held
+    assert retained(t.gpu) == retained(t.ref) == {"old": None, "new": None}
+    t.call("retain", "new", 2)
+    t.call("retain_waiting", "new")
+    t.call("retain", "new", 4)
+    assert retained(t.gpu) == retained(t.ref) == {"old": None, "new": t.clock + 4}
+    assert waiting(t.gpu)["new"] is waiting(t.ref)["new"] is False
+    t.call("retain_waiting", "new")
+    t.call("release_ref", "new")
+    assert retained(t.gpu) == retained(t.ref) == {"old": None}
+
+
+def test_a_waiting_turn_of_no_registered_session_is_refused_and_changes_nothing() -> None:
+    t = two_low_sessions(retain=True)
+    before = (t.gpu.snapshot(), t.ref.snapshot())
+    assert t.call("retain_waiting", "nobody") is UnknownSession
+    after = (t.gpu.snapshot(), t.ref.snapshot())
+    assert [replace(s, choices=()) for s in after] == [replace(s, choices=()) for s in before]
+
+
 @pytest.mark.parametrize(
     "session,ttl,error",
     [("nobody", 3, UnknownSession), ("old", 0, InvalidCount), ("old", True, InvalidCount), ("old", 2.5, InvalidCount),
@@ -227,6 +281,11 @@ class _NeverExpires(Sessions):
         pass
 
 
+class _WaitingExpires(Sessions):
+    def retain_waiting(self, session: object, now: int) -> None:  # a waiting turn changes nothing: the TTL runs out
+        self.get(session)
+
+
 class _DemotesRetained(Sessions):
     def demote_idle(self) -> bool:  # the demotion scan sees no retention
         kept = {s.id: s.until for s in self.sessions.values()}
@@ -252,12 +311,12 @@ def _planted(refs: type[Sessions]) -> Any:
 
 @pytest.mark.parametrize(
     "refs,rule",
-    [(_RankIgnoresRetention, "INV-RET-1"), (_NeverExpires, "INV-RET-3")],
-    ids=["rank-ignores-retention", "never-expires"],
+    [(_RankIgnoresRetention, "INV-RET-1"), (_NeverExpires, "INV-RET-3"), (_WaitingExpires, "INV-RET-3")],
+    ids=["rank-ignores-retention", "never-expires", "waiting-expires"],
 )
 def test_a_planted_retention_bug_fails_under_the_rule_it_breaks(refs: type[Sessions], rule: str, tmp_path: Path) -> None:
-    """The generator's tool calls (a turn retained, another turn meanwhile, pressure on the paused session's tier)
-    reach these within the default budget of one cell."""
+    """The generator's tool calls (a turn retained, its next turn waiting past the deadline, another turn meanwhile,
+    pressure on the paused session's tier) reach these within the default budget of one cell."""
     from kvcert.conformance.certification.certify import certify
 
     cert = certify(

@@ -83,6 +83,23 @@ def test_without_session_ids_no_turn_names_its_session_and_none_is_closed() -> N
     assert engine.asks and all(a.session_id is None for a in engine.asks) and not engine.closed
 
 
+def test_with_hints_every_turn_but_the_last_carries_its_next_pause_and_the_slack() -> None:
+    """The retention hint a served client sends (`sglang-kvcert-retain`): the think time before its session's next
+    turn, plus `RETAIN_SLACK_S`, which the simulator's prediction (`-retain-1-wait`) gives its clients too."""
+    engine = EchoingEngine()
+    w = bench.BenchSpec(hp_clients=2, min_turns=2, max_turns=3, think_min=0.01, think_max=0.03).workload(2)
+    bench.play(engine, w, 2, session_ids=True, hints=True)
+    by = {(a.session, a.turn): a for a in engine.asks}
+    for s in w.sessions:
+        for k in range(len(s.turns)):
+            want = s.turns[k + 1].think + bench.RETAIN_SLACK_S if k + 1 < len(s.turns) else None
+            assert by[(s.id, k)].retain == want
+    assert bench.PREDICTED_BY["sglang-kvcert-retain"].endswith("-retain-1-wait") and bench.RETAIN_SLACK_S == 1.0
+    plain = EchoingEngine()
+    bench.play(plain, w, 2, session_ids=True)
+    assert all(a.retain is None for a in plain.asks)
+
+
 def test_the_same_seed_sends_the_same_prompts() -> None:
     a, b = EchoingEngine(), EchoingEngine()
     bench.play(a, SMALL.workload(3), 3, session_ids=False)
@@ -124,7 +141,8 @@ def test_figures_count_turn_one_on_finished_turns_only() -> None:
 
 def test_the_prediction_is_sized_to_each_targets_pools_and_limits() -> None:
     rates = {"prefill_token_s": 1e-5, "decode_step_s": 4e-3}
-    plain, hicache, kvcert = (bench.costs_for(TARGETS[n], SMALL, rates) for n in bench.BENCH_TARGETS)
+    plain, hicache, kvcert, retain = (bench.costs_for(TARGETS[n], SMALL, rates) for n in bench.BENCH_TARGETS)
+    assert retain == kvcert  # the same server, with retention on
     assert plain.device_tokens == hicache.device_tokens == kvcert.device_tokens == TARGETS["sglang"].pool_tokens
     assert plain.host_tokens == 0 and hicache.host_tokens == kvcert.host_tokens == 2 * TARGETS["sglang"].pool_tokens
     assert {c.page_tokens for c in (plain, hicache, kvcert)} == {TARGETS["sglang"].block}

@@ -358,15 +358,38 @@ def test_a_retention_the_hint_did_not_ask_for_fails_under_inv_rp_6(plant: Any, m
     assert "INV-RP-6" in (cert.cells[0].failure or ""), cert.cells[0].failure
 
 
+def test_a_retention_held_for_a_waiting_turn_as_a_new_pause_fails_under_inv_rp_6(
+    monkeypatch: Any, tmp_path: Path
+) -> None:
+    """A backend that, as a turn arrives, retains its session for a fresh pause instead of holding the live retention
+    for the waiting turn (`retain_waiting`) keeps KV no hint asked for: INV-RP-6 sees it."""
+    from kvcert.conformance.certification.certify import certify
+
+    real = backend.KvcertRadixCache.ensure_session_generation
+
+    def renews(self: Any, session_id: Any) -> int:
+        epoch = real(self, session_id)
+        if session_id in self.cache.sessions:
+            self.cache.retain(session_id, 10_000_000)  # ten seconds from the arrival, whatever the hint said
+        return epoch
+
+    monkeypatch.setattr(backend.KvcertRadixCache, "ensure_session_generation", renews)
+    target = "kvcert.conformance.adapters.sglang.plugin:factory_retention"
+    cert = certify(target, examples=30, steps=30, page_sizes=[1], policies=["lru"], write_policies=[], out_dir=tmp_path)
+    assert not cert.passed
+    assert "INV-RP-6" in (cert.cells[0].failure or ""), cert.cells[0].failure
+
+
 def test_retention_hints_reach_the_tree_and_certify(tmp_path: Path) -> None:
-    """The unplanted backend passes with hints on, and the run both sent hints and saw sessions retained."""
+    """The unplanted backend passes with hints on, and the run sent hints, saw sessions retained and saw one held for
+    a turn that arrived within its retention and waited (`retain_waiting`, from `ensure_session_generation`)."""
     from kvcert.conformance.certification.certify import certify
 
     target = "kvcert.conformance.adapters.sglang.plugin:factory_retention"
     cert = certify(target, examples=30, steps=30, page_sizes=[1], policies=["lru"], write_policies=[], out_dir=tmp_path)
     assert cert.passed, cert.cells[0].failure
     ops = cert.cells[0].ops
-    assert ops.get("retain:sent", 0) > 0 and ops.get("retain:held", 0) > 0, ops
+    assert ops.get("retain:sent", 0) > 0 and ops.get("retain:held", 0) > 0 and ops.get("retain:waiting", 0) > 0, ops
 
 
 def test_slots_evicted_go_back_to_sglangs_allocator() -> None:

@@ -580,6 +580,38 @@ def test_a_fixed_ttl_retains_for_the_ttl_whatever_the_pause(monkeypatch: pytest.
         ProtocolDriver("none", None, True, 1, retain_ttl=0.0)
 
 
+def test_the_engine_keeps_a_waiting_turns_retention_and_the_model_agrees() -> None:
+    """`proactive-retain-1-wait`: each client retains for its think time and 1 s; when the engine receives the next
+    turn within that, it calls `retain_waiting` (SPEC.md §11.7), so no later turn is admitted after its retention ran
+    out, where the same hint without the engine's half lets most of them run out in the queue. kvcert's model, driven
+    alike, serves the run as kvcert.gpu does."""
+    from kvcert.refimpl import RefCache
+    from kvcert.sim.caches import ProtocolDriver, _config
+    from kvcert.sim.targets import build, built
+
+    w = stress(replace(SPEC, hp_clients=8))
+    tight = replace(TINY, device_tokens=64 * 160, host_tokens=64 * 200)
+    cache = build("proactive-retain-1-wait", tight, w, {})
+    assert isinstance(cache, ProtocolDriver) and cache.hold_waiting and cache.retain_slack == 1.0
+    plain = ProtocolDriver("no engine half", built("kvcert.gpu:factory", tight), True, 1, retain_slack=1.0)
+    model = ProtocolDriver("model", RefCache(_config(tight)), True, 1, retain_slack=1.0, hold_waiting=True)
+    runs = []
+    for driver in (cache, plain, model):
+        try:
+            runs.append(engine.simulate(w, driver, tight, future={}))
+        finally:
+            driver.close()
+    held, alone, by_model = runs
+    for run in runs:
+        assert not run.checks and not run.accounting(w, tight)
+    later = len([r for r in held.records if r.turn > 0 and not math.isnan(r.admitted)])
+    c = held.counters
+    assert c["held_waiting"] > 0 and not any(k.endswith("expired_admits") for k in c), c
+    assert sum(c[f"retention_{cls}_live_admits"] for cls in ("high", "low")) == later
+    assert sum(alone.counters.get(f"retention_{cls}_expired_admits", 0) for cls in ("high", "low")) > 0
+    assert by_model.records == held.records and by_model.duration == held.duration
+
+
 def test_the_command_runs_the_agentic_workload(tmp_path: Path) -> None:
     """`--workload agentic-syfi` serves agentic(), once per --hp and, with --repeat, once per workload seed; the maps
     and sweeps, which vary the stress test's think time, refuse it rather than run the stress test."""

@@ -39,6 +39,8 @@ from kvcert.spec.ops import (
     RegisterRef,
     ReleaseRef,
     Restore,
+    Retain,
+    RetainWaiting,
     Retract,
     StorageFault,
     Submit,
@@ -244,6 +246,8 @@ def _needs(op: Op, caps: Capabilities) -> str:
         return "priority refs not declared"
     if isinstance(op, UpdateRef) and "update" not in parts:
         return "update_ref not declared"
+    if isinstance(op, (Retain, RetainWaiting)) and "retain" not in parts:
+        return "retention not declared"
     if isinstance(op, Admit) and "admission" not in parts:
         return "admission plans not declared"
     if isinstance(op, Evict) and (op.allow_low, op.allow_high) != (True, True) and "scope" not in parts:

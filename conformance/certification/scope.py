@@ -30,8 +30,9 @@ def _part_exercised(part: str, ops: dict[str, int], host_cells: bool) -> bool:
         return ops.get("UpdateRef", 0) > 0
     if part == "move":
         return ops.get("event:move", 0) > 0
-    if part == "retain":  # a retained node evicted last, and a retention that ended while its session lived on
-        return ops.get("event:retained-evict", 0) > 0 and ops.get("event:retention-ends", 0) > 0
+    if part == "retain":  # a retained node evicted last, a retention that ended while its session lived on, one held
+        ends = ops.get("event:retained-evict", 0) > 0 and ops.get("event:retention-ends", 0) > 0
+        return ends and ops.get("event:retention-waits", 0) > 0  # for a waiting turn
     return ops.get("Admit", 0) > 0
 
 

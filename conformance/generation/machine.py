@@ -48,6 +48,7 @@ from kvcert.spec.ops import (
     ReleaseRef,
     Restore,
     Retain,
+    RetainWaiting,
     Retract,
     StorageFault,
     Unlock,
@@ -333,7 +334,13 @@ class CacheMachine(RunningRules, RaceRules):
             paused = data.choice(SESSIONS, "paused")
             if not self.turn(data, paused, priority):
                 return
-        self.do(Retain(paused, data.integer(2, 24, "ttl")))
+        ttl = data.integer(2, 24, "ttl")
+        self.do(Retain(paused, ttl))
+        waits = data.boolean("its next turn waits")  # the engine's half: held until the turn registers
+        if waits:
+            self.do(RetainWaiting(paused))
+            for _ in range(data.integer(0, ttl, "steps it waits")):  # past its deadline: a waiting turn keeps it
+                self.do(Poll())
         if data.boolean("another turn meanwhile"):
             self.turn(data, data.choice([s for s in SESSIONS if s != paused], "other"), priority)
         if data.boolean("pressure meanwhile"):
@@ -347,6 +354,10 @@ class CacheMachine(RunningRules, RaceRules):
                 self.do(Poll())
                 self.do(Evict(sum(self.h.tier_tokens())))
             self.do(EvictHost(data.integer(1, self.config.host_capacity, "host tokens")))
+        if waits and paused in self.h.sessions() and data.boolean("its turn admitted"):  # its retention ends
+            same = self.h.session_handles(paused)
+            if same:
+                self.register(paused, same[0], priority)
 
     def turn(self, data: Draws, session: str, priority: int) -> bool:
         """A session's turn caches a fresh path and the session holds it; False if the insert left no node."""
@@ -658,6 +669,9 @@ class CacheMachine(RunningRules, RaceRules):
             # a retention of no registered session, or a TTL that is no int >= 1 (SPEC.md §11.7)
             bad = data.choice(["unknown", "zero", "bool", "float"], "retain defect")
             ttl = {"unknown": 3, "zero": 0, "bool": True, "float": 2.5}[bad]
+            if bad == "unknown" and data.boolean("a waiting turn"):
+                self.do(RetainWaiting("nobody"))
+                return
             self.do(Retain("nobody" if bad == "unknown" else data.choice(SESSIONS, "session"), ttl))
             return
         if kind == "session" and self.priority():

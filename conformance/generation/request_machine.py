@@ -88,7 +88,7 @@ class RequestMachine:
         stats.steps += 1
         stats.digest.step(op)
         stats.ops[type(op).__name__] += 1
-        read, held = self.h.checks.kv_entries_read, self.h.retained_seen
+        read, held, waiting = self.h.checks.kv_entries_read, self.h.retained_seen, self.h.waiting_seen
         try:
             self.h.step(op)
         except BaseException:
@@ -96,6 +96,8 @@ class RequestMachine:
             raise
         if self.h.retained_seen > held:
             stats.ops["retain:held"] += self.h.retained_seen - held
+        if self.h.waiting_seen > waiting:
+            stats.ops["retain:waiting"] += self.h.waiting_seen - waiting
         if self.h.checks.kv_entries_read > read:
             stats.ops["kv:entries"] += self.h.checks.kv_entries_read - read
         if getattr(op, "namespace", None) is not None:

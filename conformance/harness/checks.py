@@ -558,9 +558,9 @@ def retention_violations(snap: Snapshot, spec: Snapshot) -> list[Violation]:
     wrong = [x.id for x in snap.sessions if x.demoted and x.id not in theirs and x.retained_until is not None]
     if wrong:
         out.append(Violation("INV-RET-2", f"retained sessions {wrong} demoted; the spec demotes {sorted(theirs)}"))
-    mine_ru = [(x.id, x.retained_until) for x in snap.sessions]
-    spec_ru = [(x.id, x.retained_until) for x in spec.sessions]
+    mine_ru = [(x.id, x.retained_until, x.waiting) for x in snap.sessions]
+    spec_ru = [(x.id, x.retained_until, x.waiting) for x in spec.sessions]
     if mine_ru != spec_ru:
         differ = next((a, b) for a, b in itertools.zip_longest(mine_ru, spec_ru) if a != b)
-        out.append(Violation("INV-RET-3", f"session (id, retained until) {differ[0]}, spec says {differ[1]}"))
+        out.append(Violation("INV-RET-3", f"session (id, retained until, waiting) {differ[0]}, spec says {differ[1]}"))
     return out

@@ -113,6 +113,9 @@ class _Session:
     retained_before: Optional[int] = None
     """What it was retained until when its turn in flight was sent: the engine may keep that until the turn's first
     checkpoint registers it again, or until it takes a close sent before the turn."""
+    sent_at: int = 0
+    """The harness's time when its latest turn was sent: an engine that keeps a waiting turn's retention
+    (`retain_waiting`, SPEC.md §11.7) shows the retention as from the turn's arrival, no earlier."""
 
 
 @dataclass
@@ -138,6 +141,8 @@ class RequestHarness:
     aborted: set[str] = field(default_factory=set)
     """The requests the client aborted."""
     retained_seen: int = 0
+    waiting_seen: int = 0
+    """Of those, the ones held for a waiting turn (`SessionView.waiting`, §11.7's engine half)."""
     """Retained sessions seen across the snapshots judged (INV-RP-6): how much the run exercised retention."""
     conversation: dict[str, tuple[Any, tuple[int, ...]]] = field(default_factory=dict)
     """Per open session: its (namespace, LoRA adapter) and its conversation so far (its last finished turn, prompt and
@@ -289,6 +294,7 @@ class RequestHarness:
                     aborted_turns=kept[1],
                     retained_until=before if old is not None and old.closed_at is None else None,
                     retained_before=before,
+                    sent_at=self.clock,
                 )
         elif isinstance(op, AbortRequest):
             self.aborted.add(op.request)
@@ -452,8 +458,9 @@ class RequestHarness:
     def _retained(self, registered: dict[str, Any], flying: set[str]) -> list[Violation]:
         """INV-RP-6: each registered session is retained as its latest finished turn's hint says. While a turn of it
         is in flight, or after one was aborted, the old retention may stand or have ended (a turn's checkpoint
-        registers the session again); past its deadline it may still show until the engine's clock next moves
-        (expiry is lazy, and §11.7 judges it at the cache's own API)."""
+        registers the session again), or be held for that turn from its arrival, if it arrived within the retention
+        (`retain_waiting`); past its deadline it may still show until the engine's clock next moves (expiry is lazy,
+        and §11.7 judges it at the cache's own API)."""
         out = []
         for name, view in registered.items():
             st = self.sessions.get(name)
@@ -461,11 +468,15 @@ class RequestHarness:
                 continue
             got, want = view.retained_until, st.retained_until
             self.retained_seen += got is not None
+            self.waiting_seen += got is not None and view.waiting
             allowed = {want}
             if name in flying:
                 allowed |= {None, st.retained_before}
             if st.aborted_turns:  # an aborted turn may have registered what it cached, which ends a retention
                 allowed.add(None)
+            if (name in flying or st.aborted_turns) and view.waiting and got is not None and st.retained_before:
+                if st.sent_at <= got < st.retained_before:  # held from the turn's arrival, within the retention
+                    allowed.add(got)  # (§11.7: until the turn registers; an aborted one's until the next turn's)
             if want is not None and self.clock >= want:
                 allowed.add(None)
             if got not in allowed:

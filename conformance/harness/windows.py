@@ -94,6 +94,8 @@ EVENTS = {
     "retained-evict": "an eviction took a retained node's device KV, its tier's unretained ones gone (SPEC.md §11.7)",
     "retention-ends": "a retention ended with its session still registered: its deadline came, or its next turn "
     "(SPEC.md §11.7)",
+    "retention-waits": "a live retention held for its session's next turn, which waits (`retain_waiting`, SPEC.md "
+    "§11.7)",
 }
 """§11 events the machine counts per cell ("event:<name>"), so a certificate shows they happened, not only that
 their ops were sent."""
@@ -121,6 +123,9 @@ def events(op: Op, before: Snapshot, after: Snapshot) -> list[str]:
         still = {x.id for x in after.sessions if x.retained_until is not None}
         if any(x.retained_until is not None and x.id in registered - still for x in before.sessions):
             out.append("retention-ends")
+    waited = {x.id for x in before.sessions if x.waiting}
+    if any(x.waiting and x.id not in waited for x in after.sessions):
+        out.append("retention-waits")
     if isinstance(op, RegisterRef):
         old = next((x.node for x in before.sessions if x.id == op.session), None)
         new = next((x.node for x in after.sessions if x.id == op.session), None)

@@ -52,16 +52,19 @@ __all__ = [
     "spread",
 ]
 
-BENCH_TARGETS = ("sglang", "sglang-hicache", "sglang-kvcert")
+BENCH_TARGETS = ("sglang", "sglang-hicache", "sglang-kvcert", "sglang-kvcert-retain")
 PREDICTED_BY = {
     "sglang": "blind",
     "sglang-hicache": "baseline",
     "sglang-kvcert": "proactive-unscoped",
+    "sglang-kvcert-retain": "proactive-unscoped-retain-1-wait",
 }
 """The simulator's row for each served target: SGLang's device-only radix cache by kvcert.gpu's priority-blind LRU
 with no host pool (certified to evict as SGLang's does), HiCache by SGLang 0.5.23's own UnifiedRadixCache + HiCache
 code, and the plugin by kvcert.gpu with session refs (SPEC.md §11), the cache the plugin runs, its evictions
-unscoped as SGLang 0.5.23's scheduler calls them (docs/sglang-plugin.md, "Priorities and sessions")."""
+unscoped as SGLang 0.5.23's scheduler calls them (docs/sglang-plugin.md, "Priorities and sessions"); with retention
+on, the same with each client's hint of its think time + 1 s and the engine's hold on a waiting turn (SPEC.md §11.7),
+as the served clients send (`play`) and the plugin does."""
 
 SCHEDULER_FLAGS = ("--enable-priority-scheduling",)
 VOCAB = 512
@@ -132,9 +135,15 @@ def _tokens(seed: int, session: str, turn: int, n: int) -> tuple[int, ...]:
     return tuple(rng.randrange(3, VOCAB) for _ in range(n))  # 0, 1, 2: the tokenizer's specials
 
 
-def play(client: Client, workload: Workload, seed: int, session_ids: bool) -> list[Turned]:
+RETAIN_SLACK_S = 1.0
+"""A hinting client's retention: the pause before its next turn and this much more (the engine first looks at a turn
+a moment after it arrives)."""
+
+
+def play(client: Client, workload: Workload, seed: int, session_ids: bool, hints: bool = False) -> list[Turned]:
     """Serve `workload` as its clients would: a thread per session, each turn after its think time, streamed; with
-    `session_ids`, every turn names its session and the session is closed after its last turn."""
+    `session_ids`, every turn names its session and the session is closed after its last turn; with `hints`, every
+    turn but the last carries its client's retention hint (the next pause + `RETAIN_SLACK_S`)."""
     out: list[Turned] = []
     lock = threading.Lock()
 
@@ -154,6 +163,7 @@ def play(client: Client, workload: Workload, seed: int, session_ids: bool) -> li
                 priority=s.priority,
                 session_id=s.id if session_ids else None,
                 stream=True,
+                retain=s.turns[k + 1].think + RETAIN_SLACK_S if hints and k + 1 < len(s.turns) else None,
             )
             r = client.generate(ask)
             got = Turned(
@@ -317,7 +327,7 @@ def bench(
                 _flush(client)
                 w = spec.workload(seed)
                 t0 = time.monotonic()
-                turned = play(client, w, seed, bool(t.traffic.get("session_ids")))
+                turned = play(client, w, seed, bool(t.traffic.get("session_ids")), bool(t.traffic.get("retain_hints")))
                 wall = time.monotonic() - t0
                 high, low, predicted = figures(turned, True), figures(turned, False), _predict(t, w, costs)
                 row: dict[str, Any] = {
@@ -378,7 +388,8 @@ FIGURES = (
 
 def tables(result: dict[str, Any]) -> list[Any]:
     """The figures table (each target's served figures, and below them the simulator's prediction, median [min-max]
-    over the seeds) and the ratio table (per seed, the plugin's figure over each SGLang cache's, median [min-max])."""
+    over the seeds) and a ratio table per plugin target (per seed, its figure over each SGLang cache's, and with
+    retention over the plugin's without it; median [min-max])."""
     from rich.markup import escape
     from rich.table import Table
 
@@ -400,13 +411,13 @@ def tables(result: dict[str, Any]) -> list[Any]:
         predicted = [escape(_cell([r["predicted"].get(p, float("nan")) for r in mine])) for *_, p in FIGURES]
         fig.add_row("", f"sim {PREDICTED_BY[n]}", *predicted, "", "", end_section=True)
     out = [fig]
-    it = "sglang-kvcert"
-    if it in names:
+    for it in (n for n in names if n.startswith("sglang-kvcert")):
         rat = Table(title=escape(f"ratios: {it} over each SGLang cache, per seed, median [min-max]"))
         rat.add_column("over")
         for col, *_ in FIGURES:
             rat.add_column(col, justify="right")
-        for base in (n for n in names if n != it):
+        # SGLang's own caches; the plugin with retention also over the plugin without it
+        for base in (n for n in names if n != it and (n == "sglang-kvcert" or not n.startswith("sglang-kvcert"))):
             rat.add_row(base, *(escape(_cell(ratios(runs, it, base, cls, key), 2)) for _, cls, key, _ in FIGURES))
         out.append(rat)
     return out

@@ -1198,6 +1198,18 @@ MUTANTS: tuple[Mutant, ...] = (
         files=("sessions.py",),
         page_sizes=(1,),
     ),
+    Mutant(
+        "waiting_retention_runs_out",
+        "a retention runs out at its TTL although the session's next turn arrived within it and still waits",
+        (
+            (
+                "        return session.until is not None and (session.waiting or self.now < session.until)\n",
+                "        return session.until is not None and self.now < session.until\n",
+            ),
+        ),
+        files=("sessions.py",),
+        page_sizes=(1,),
+    ),
 )
 
 

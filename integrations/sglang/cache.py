@@ -14,7 +14,9 @@ What SGLang's scheduler calls, and what it becomes here:
   the request's priority (`register_ref`), until SGLang closes the session (`release_radix_session`).
 - with `KVCERT_RETENTION=1` (`options.RETENTION_ENV`): a session's finished turn whose `custom_params` carry
   `kvcert_retain_seconds` retains the session's path that long (`retain`, SPEC.md §11.7); the tree's clock then
-  follows wall time in microseconds (`clock`), still a tick later each call.
+  follows wall time in microseconds (`clock`), still a tick later each call. When the session's next turn arrives
+  (SGLang stamps its epoch, `ensure_session_generation`) a live retention holds until that turn registers
+  (`retain_waiting`), so the hint need cover only the pause, not the wait in SGLang's queue.
 - with `--enable-hierarchical-cache`: the host tier is kvcert.gpu's own (pinned host pool on a GPU), its
   device side SGLang's buffers (`kv.EnginePool`). A match reports the host part (`host_hit_length`, the
   deepest host copy as `best_match_node`); `init_load_back` loads it (`GpuCache.load_back`); backups follow
@@ -408,6 +410,10 @@ class KvcertRadixCache(BasePrefixCache):
         if epoch is None:
             self._next_epoch += 1
             epoch = self._epochs[session_id] = self._next_epoch
+        if self.options.retention and session_id in self.cache.sessions:
+            # SGLang calls this as each turn arrives, before it queues: a live retention holds while the turn waits
+            self._stamp()
+            self.cache.retain_waiting(session_id)  # (SPEC.md §11.7, the engine's half)
         return epoch
 
     def release_radix_session(self, session_id: str) -> int:
