@@ -55,6 +55,10 @@ class SessionTier(Tree):
         held = [s.until for s in self.sessions.values() if self.retained(s) and node in self._path_to_root(s.node)]
         return min(held) if held else None  # type: ignore[type-var]
 
+    def _deadline(self, session: Session) -> int:
+        """Its live retention's deadline, 0 when it has none: a retention that ran out orders nothing (§11.7)."""
+        return session.until if session.until is not None and self.retained(session) else 0
+
     def retain(self, session_id: str, ttl: int) -> None:
         """The session will come back: its path is retained for `ttl` time units (SPEC.md §11.7)."""
         check_ttl(ttl)
@@ -152,7 +156,7 @@ class SessionTier(Tree):
         """Of the queue's sessions still high (all retained), the one back last: the latest deadline, ties in queue
         order."""
         queued = [self.sessions[sid] for _, sid in sorted(self.idle_queue) if sid in self.sessions]
-        return max((s for s in queued if self._is_high(s)), key=lambda s: s.until or 0)
+        return max((s for s in queued if self._is_high(s)), key=self._deadline)
 
     def _queued_high(self, spare_retained: bool = False) -> Optional[Session]:
         """The queue's first session that is still high; the stale entries before it leave the queue. With
@@ -192,7 +196,7 @@ class SessionTier(Tree):
         elif not candidates:
             return False
         elif spare or demote.order != "queued":  # among retained ones, the latest back first (§11.7)
-            victim = min(spare or candidates, key=lambda s: (-(s.until or 0), len(self._full_path(s.node)), s.seq))
+            victim = min(spare or candidates, key=lambda s: (-self._deadline(s), len(self._full_path(s.node)), s.seq))
         else:
             victim = self._latest_retained()
         self._hold(victim, -1)

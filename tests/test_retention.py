@@ -334,6 +334,21 @@ def test_a_planted_retention_bug_fails_under_the_rule_it_breaks(refs: type[Sessi
     assert any(rule in str(c.failure) for c in failed), [str(c.failure)[:300] for c in failed]
 
 
+def test_a_retention_that_ran_out_no_longer_orders_demotion() -> None:
+    """The longer idle session was retained for one step, long over when host pressure comes: both are unretained,
+    so §11.4's order alone picks, the fewest tokens first. The reference model once kept ordering by the stale
+    deadline and demoted the longer; a 1,500-example fuzz of kvcert.gpu found it (INV-TIER-5, gpu right)."""
+    from kvcert.conformance.harness.driver import run_trace
+    from kvcert.conformance.zoo.selftest import DIRECTED_TRACES
+    from kvcert.spec.ops import EvictHost, Poll, Retain
+
+    scene = DIRECTED_TRACES["demotes_longest_session"]  # both sessions idle on the host
+    config, ops = scene.config, [*scene.ops[:-1], Retain("long", 1), Poll(), Poll(), EvictHost(1)]
+    cache = factory(config)
+    run_trace(cache, config, CAPABILITIES, ops)  # against the model, step by step: the stale order failed INV-TREE-4
+    assert next(iter(cache.demotions)) == "short"  # the first demoted: the fewest tokens
+
+
 def test_a_cache_that_demotes_a_retained_session_fails_inv_ret_2() -> None:
     """Two idle high sessions on the host only, the retained one the shorter: host pressure must demote the other
     (the zoo's directed scene for the demotion order, with a retention). A fixed trace, since the generator reaches this state (tool_call's host branch) but seldom where the two orders

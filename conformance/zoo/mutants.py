@@ -1255,7 +1255,7 @@ DIRECTED: tuple[Mutant, ...] = (
         "host pressure demotes the idle high-priority session with the most cached tokens, not the fewest",
         (
             (
-                "            victim = min(spare or candidates, key=lambda s: (-(s.until or 0), len(self._full_path(s.node)), "
+                "            victim = min(spare or candidates, key=lambda s: (-self._deadline(s), len(self._full_path(s.node)), "
                 "s.seq))\n",
                 "            victim = max(spare or candidates, key=lambda s: (len(self._full_path(s.node)), -s.seq))\n",
             ),
