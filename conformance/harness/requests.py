@@ -141,9 +141,9 @@ class RequestHarness:
     aborted: set[str] = field(default_factory=set)
     """The requests the client aborted."""
     retained_seen: int = 0
+    """Retained sessions seen across the snapshots judged (INV-RP-6): how much the run exercised retention."""
     waiting_seen: int = 0
     """Of those, the ones held for a waiting turn (`SessionView.waiting`, §11.7's engine half)."""
-    """Retained sessions seen across the snapshots judged (INV-RP-6): how much the run exercised retention."""
     conversation: dict[str, tuple[Any, tuple[int, ...]]] = field(default_factory=dict)
     """Per open session: its (namespace, LoRA adapter) and its conversation so far (its last finished turn, prompt and
     output)."""
